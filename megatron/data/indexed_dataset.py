@@ -1,0 +1,376 @@
+"""Megatron's indexed dataset (`PREFIX.bin` + `PREFIX.idx`): reader and writer.
+
+The format is Megatron's MMIDIDX v1, byte for byte, so data made by Megatron-LM, megatron-core or
+Megatron-DeepSpeed reads here and data made here reads there:
+
+    .idx  magic b"MMIDIDX\\x00\\x00" | u64 version=1 | u8 dtype code | u64 N | u64 D |
+          int32 sequence_lengths[N] | int64 sequence_pointers[N] (bytes) | int64 document_indices[D]
+    .bin  the tokens of all sequences back to back
+
+A sequence is one document (`_document` data) or one sentence (`_sentence` data); the document
+indices say where each document's sequences start and end with N. The legacy TNTIDX format of
+CPM-2-era Megatron (`--data-impl lazy|cached`) is read too. Reading goes through the C++ helper,
+which validates the whole index before anything is handed out and returns zero-copy, read-only
+numpy views of the memory-mapped files: a reader holds O(index) memory, never O(data).
+
+This module does not import torch: the offline tools use it and must start fast.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import shutil
+import struct
+from typing import Iterable, List, Optional, Sequence, Union
+
+import numpy as np
+
+from megatron.data import _helpers
+
+CorruptIndexError = _helpers.CorruptIndexError
+
+_MMAP_MAGIC = b"MMIDIDX\x00\x00"
+_LEGACY_MAGIC = b"TNTIDX\x00\x00"
+_VERSION = 1
+IMPLS = ("mmap", "lazy", "cached", "infer")
+
+DTYPE_CODES = {
+    np.dtype(np.uint8): 1,
+    np.dtype(np.int8): 2,
+    np.dtype(np.int16): 3,
+    np.dtype(np.int32): 4,
+    np.dtype(np.int64): 5,
+    np.dtype(np.float64): 6,
+    np.dtype(np.float32): 7,
+    np.dtype(np.uint16): 8,
+}
+
+
+def optimal_dtype(vocab_size: Optional[int]) -> type:
+    """Token dtype for a vocabulary: uint16 below 65500 ids (Megatron's rule), else int32."""
+    if vocab_size is not None and vocab_size < 65500:
+        return np.uint16
+    return np.int32
+
+
+def data_file_path(path_prefix: str) -> str:
+    return path_prefix + ".bin"
+
+
+def index_file_path(path_prefix: str) -> str:
+    return path_prefix + ".idx"
+
+
+def dataset_exists(path_prefix: str) -> bool:
+    """True when both PREFIX.idx and PREFIX.bin exist."""
+    return os.path.isfile(index_file_path(path_prefix)) and os.path.isfile(
+        data_file_path(path_prefix)
+    )
+
+
+def infer_dataset_impl(path_prefix: str) -> str:
+    """'mmap' or 'lazy' (legacy TNTIDX), from the magic of PREFIX.idx."""
+    with open(index_file_path(path_prefix), "rb") as f:
+        magic = f.read(9)
+    if magic == _MMAP_MAGIC:
+        return "mmap"
+    if magic[:8] == _LEGACY_MAGIC:
+        return "lazy"
+    raise CorruptIndexError(
+        f"{index_file_path(path_prefix)}: corrupt index field 'magic': not a Megatron index "
+        "(expected MMIDIDX\\x00\\x00 or legacy TNTIDX\\x00\\x00)"
+    )
+
+
+class IndexedDataset:
+    """Random access to the sequences of a `.bin/.idx` pair.
+
+    Args:
+        path_prefix: the path without `.bin`/`.idx`.
+        impl: 'mmap' (MMIDIDX), 'lazy' or 'cached' (legacy TNTIDX; both are memory-mapped here), or
+            'infer' (choose by the magic). A file in the other format than the one asked for is an
+            error that says which format it has.
+
+    Raises:
+        FileNotFoundError: a file is missing.
+        CorruptIndexError (a ValueError): the index is malformed or does not match the .bin; the
+            message names the file and the field.
+    """
+
+    def __init__(self, path_prefix: str, impl: str = "mmap") -> None:
+        if impl not in IMPLS:
+            raise ValueError(f"unknown dataset impl {impl!r}: choose one of {', '.join(IMPLS)}")
+        self.path_prefix = str(path_prefix)
+        self._requested_impl = impl
+        self._bin = _helpers.IndexedBin(
+            index_file_path(self.path_prefix), data_file_path(self.path_prefix)
+        )
+        found = "lazy" if self._bin.legacy else "mmap"
+        if impl != "infer" and (found == "mmap") != (impl == "mmap"):
+            kind = "a legacy TNTIDX ('lazy'/'cached')" if self._bin.legacy else "an MMIDIDX ('mmap')"
+            raise ValueError(
+                f"{index_file_path(self.path_prefix)} is {kind} index but --data-impl {impl} was "
+                f"given; pass --data-impl {found if found == 'mmap' else 'lazy'} or infer"
+            )
+        self.impl = found
+        # Views keep the mapping alive through their base; cache them for cheap attribute access.
+        self._sequence_lengths = self._bin.sequence_lengths
+        self._document_indices = self._bin.document_indices
+
+    # Pickling reopens the files, so DataLoader workers and spawned processes can receive a dataset.
+    def __getstate__(self):
+        return {"path_prefix": self.path_prefix, "impl": self._requested_impl}
+
+    def __setstate__(self, state):
+        self.__init__(state["path_prefix"], state["impl"])
+
+    def __len__(self) -> int:
+        return self._bin.num_sequences
+
+    def __getitem__(self, idx: Union[int, np.integer, slice]):
+        """Sequence `idx` as a read-only numpy array, or a list of them for a contiguous slice."""
+        if isinstance(idx, (int, np.integer)):
+            return self._bin.get(int(idx))
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self))
+            if step != 1:
+                raise ValueError("slices into an IndexedDataset must be contiguous (step 1)")
+            return self._bin.get_range(start, max(start, stop))
+        raise TypeError(f"unexpected index type {type(idx).__name__}: use an int or a slice")
+
+    def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        """Tokens [offset, offset + length) of sequence `idx` (to its end when length is None)."""
+        return self._bin.get(int(idx), int(offset), -1 if length is None else int(length))
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        """int32[N]: tokens per sequence."""
+        return self._sequence_lengths
+
+    @property
+    def sequence_pointers(self) -> np.ndarray:
+        """int64[N]: byte offset of each sequence in the .bin."""
+        return self._bin.sequence_pointers
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        """int64[documents + 1]: first sequence of each document, then N."""
+        return self._document_indices
+
+    # Names used by older Megatron code.
+    sizes = sequence_lengths
+    doc_idx = document_indices
+
+    @property
+    def num_documents(self) -> int:
+        return self._bin.num_documents
+
+    @property
+    def num_tokens(self) -> int:
+        return self._bin.num_tokens
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._bin.dtype
+
+    def document(self, doc: int) -> List[np.ndarray]:
+        """The sequences (sentences) of document `doc`."""
+        if not 0 <= doc < self.num_documents:
+            raise IndexError(f"document {doc} out of range for {self.num_documents} documents")
+        return self._bin.get_range(
+            int(self._document_indices[doc]), int(self._document_indices[doc + 1])
+        )
+
+    @staticmethod
+    def exists(path_prefix: str) -> bool:
+        return dataset_exists(path_prefix)
+
+
+def make_dataset(path_prefix: str, impl: str = "infer") -> IndexedDataset:
+    """Megatron-style factory: open PREFIX with --data-impl `impl`."""
+    return IndexedDataset(path_prefix, impl)
+
+
+def _temporary_path(path: str) -> str:
+    return f"{path}.tmp-{os.getpid()}"
+
+
+class IndexedDatasetBuilder:
+    """Writes a `.bin/.idx` pair in MMIDIDX v1; nothing appears under the final names until
+    `finalize`, which renames the finished files into place (the .idx last).
+
+    Args:
+        bin_path: the final `.bin` path.
+        dtype: token dtype (see `optimal_dtype`).
+
+    Use as a context manager, or call `abort()` on failure, to remove the temporary files.
+    """
+
+    def __init__(self, bin_path: str, dtype: type = np.int32) -> None:
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in DTYPE_CODES:
+            raise ValueError(f"unsupported token dtype {self.dtype}")
+        self.bin_path = str(bin_path)
+        self._tmp_bin = _temporary_path(self.bin_path)
+        self._file = open(self._tmp_bin, "wb")
+        self._lengths = array.array("i")
+        self._document_indices = array.array("q", [0])
+        if np.issubdtype(self.dtype, np.integer):
+            info = np.iinfo(self.dtype)
+            self._limits = (int(info.min), int(info.max))
+        else:
+            self._limits = None
+
+    def __enter__(self) -> "IndexedDatasetBuilder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+    def _as_tokens(self, tokens) -> np.ndarray:
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise ValueError(f"a sequence must be 1-D, got shape {arr.shape}")
+        if arr.dtype != self.dtype:
+            if self._limits is not None and arr.size:
+                lo, hi = int(arr.min()), int(arr.max())
+                if lo < self._limits[0] or hi > self._limits[1]:
+                    raise ValueError(
+                        f"token ids in [{lo}, {hi}] do not fit the dataset dtype {self.dtype}"
+                    )
+            arr = arr.astype(self.dtype)
+        return arr
+
+    def add_item(self, tokens) -> None:
+        """Append one sequence (a 1-D array, list or tensor of token ids)."""
+        arr = self._as_tokens(tokens)
+        self._file.write(arr.tobytes(order="C"))
+        self._lengths.append(arr.size)
+
+    def add_document(self, tokens, lengths: Sequence[int]) -> None:
+        """Append one document: `tokens` holds its sequences back to back, `lengths` their sizes."""
+        self.add_documents(tokens, lengths, [len(lengths)])
+
+    def add_documents(self, tokens, lengths, sequences_per_document) -> None:
+        """Append many documents at once: all their sequences' tokens back to back, the length of
+        each sequence, and how many sequences each document has."""
+        arr = self._as_tokens(tokens)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        per_doc = np.asarray(sequences_per_document, dtype=np.int64)
+        if int(lengths.sum()) != arr.size or int(per_doc.sum()) != lengths.size:
+            raise ValueError("tokens, lengths and sequences_per_document do not add up")
+        self._file.write(arr.tobytes(order="C"))
+        self._lengths.extend(lengths.astype(np.int32).tolist())
+        ends = len(self._lengths) - lengths.size + np.cumsum(per_doc)
+        self._document_indices.extend(ends.tolist())
+
+    def end_document(self) -> None:
+        """Close the current document (its sequences are those added since the previous one)."""
+        self._document_indices.append(len(self._lengths))
+
+    def add_index(self, path_prefix: str) -> None:
+        """Append every document of the dataset at `path_prefix` (its dtype must match)."""
+        other = IndexedDataset(path_prefix, impl="infer")
+        if other.dtype != self.dtype:
+            raise ValueError(
+                f"cannot append {path_prefix}: its dtype is {other.dtype}, this dataset's is "
+                f"{self.dtype}"
+            )
+        if len(self._document_indices) > 1 and self._document_indices[-1] != len(self._lengths):
+            raise ValueError("end the current document before appending another dataset")
+        lengths = other.sequence_lengths
+        offset = len(self._lengths)
+        expected = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=expected[1:])
+        if np.array_equal(other.sequence_pointers, expected):
+            nbytes = int(lengths.astype(np.int64).sum()) * self.dtype.itemsize
+            with open(data_file_path(path_prefix), "rb") as src:
+                _copy_bytes(src, self._file, nbytes)
+        else:  # sequences with gaps between them: copy one by one
+            for i in range(len(other)):
+                self._file.write(other[i].tobytes())
+        self._lengths.extend(lengths.tolist())
+        self._document_indices.extend((other.document_indices[1:] + offset).tolist())
+
+    def finalize(self, idx_path: str) -> None:
+        """Write the index and move both files into place; the .idx, written last, marks a
+        complete dataset."""
+        if self._document_indices[-1] != len(self._lengths):
+            self.end_document()  # the last document was not closed: close it rather than drop it
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        tmp_idx = _temporary_path(str(idx_path))
+        try:
+            lengths = np.frombuffer(self._lengths, dtype=np.int32)
+            pointers = np.zeros(len(lengths), dtype=np.int64)
+            np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+            with open(tmp_idx, "wb") as f:
+                f.write(_MMAP_MAGIC)
+                f.write(struct.pack("<Q", _VERSION))
+                f.write(struct.pack("<B", DTYPE_CODES[self.dtype]))
+                f.write(struct.pack("<Q", len(lengths)))
+                f.write(struct.pack("<Q", len(self._document_indices)))
+                f.write(lengths.tobytes())
+                f.write(pointers.tobytes())
+                f.write(np.frombuffer(self._document_indices, dtype=np.int64).tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+            # An old .idx must not pair with the new .bin for even a moment.
+            if os.path.exists(idx_path):
+                os.unlink(idx_path)
+            os.replace(self._tmp_bin, self.bin_path)
+            os.replace(tmp_idx, idx_path)
+        except BaseException:
+            _remove_quietly(tmp_idx)
+            _remove_quietly(self._tmp_bin)
+            raise
+
+    def abort(self) -> None:
+        """Drop everything written so far (the final paths are never touched)."""
+        if not self._file.closed:
+            self._file.close()
+        _remove_quietly(self._tmp_bin)
+
+
+def _copy_bytes(src, dst, nbytes: int, chunk: int = 16 << 20) -> None:
+    while nbytes > 0:
+        buf = src.read(min(chunk, nbytes))
+        if not buf:
+            raise CorruptIndexError(f"{src.name}: ended early while copying")
+        dst.write(buf)
+        nbytes -= len(buf)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def merge_datasets(prefixes: Iterable[str], output_prefix: str) -> IndexedDataset:
+    """Concatenate datasets of one dtype into `output_prefix` (atomically) and open the result."""
+    prefixes = list(prefixes)
+    if not prefixes:
+        raise ValueError("nothing to merge: no input prefixes")
+    first = IndexedDataset(prefixes[0], impl="infer")
+    with IndexedDatasetBuilder(data_file_path(output_prefix), dtype=first.dtype) as builder:
+        for prefix in prefixes:
+            builder.add_index(prefix)
+        builder.finalize(index_file_path(output_prefix))
+    return IndexedDataset(output_prefix)
+
+
+__all__ = [
+    "CorruptIndexError",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "dataset_exists",
+    "infer_dataset_impl",
+    "make_dataset",
+    "merge_datasets",
+    "optimal_dtype",
+]

@@ -1,0 +1,61 @@
+"""Build and install the project.
+
+The C++ data helpers (csrc/*.cpp) are compiled into `megatron.data._helpers` here, at install time:
+nothing is ever compiled at run time. `megatron` is a PEP 420 namespace package (no
+`megatron/__init__.py`) so that it can live beside megatron-core, which ships `megatron.core` in the
+same namespace and is used by our interop tests.
+"""
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import find_namespace_packages, setup
+
+ext_modules = [
+    Pybind11Extension(
+        "megatron.data._helpers",
+        sorted(["csrc/helpers.cpp", "csrc/builders.cpp"]),
+        depends=["csrc/builders.h"],
+        cxx_std=17,
+        extra_compile_args=["-O3"],
+    )
+]
+
+setup(
+    name="t5-pretrain",
+    version="0.1.0",
+    description="Pretraining encoder-decoder (T5, CPM-2) language models at scale",
+    python_requires=">=3.9",
+    packages=find_namespace_packages(include=["megatron", "megatron.*", "data_tools"]),
+    package_data={"megatron.data": ["assets/*.json"]},
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": build_ext},
+    install_requires=[
+        "torch>=2.1",
+        "deepspeed>=0.14",
+        "numpy>=1.23",
+        "pybind11>=2.12",
+        "sentencepiece>=0.1.99",
+        "regex",
+        "nltk>=3.8",
+        "tqdm",
+        "tensorboard",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=7",
+            "megatron-core>=0.9",
+            "transformers>=4.40",
+            "safetensors",
+            "protobuf",
+            "psutil",
+        ],
+    },
+    entry_points={
+        "console_scripts": [
+            "t5-preprocess-data=data_tools.preprocess_data:main",
+            "t5-train-tokenizer=data_tools.train_tokenizer:main",
+            "t5-merge-datasets=data_tools.merge_datasets:main",
+            "t5-inspect-dataset=data_tools.inspect_dataset:main",
+        ]
+    },
+    zip_safe=False,
+)
