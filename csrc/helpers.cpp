@@ -164,14 +164,13 @@ bool dtype_from_code(uint64_t code, bool legacy, DtypeInfo *out) {
 const char kMmapMagic[9] = {'M', 'M', 'I', 'D', 'I', 'D', 'X', '\0', '\0'};
 const char kLegacyMagic[8] = {'T', 'N', 'T', 'I', 'D', 'X', '\0', '\0'};
 
+// MMIDIDX puts the int32 lengths at byte 34, so the index arrays are not aligned in the mapping.
+// numpy copes with unaligned views; C++ reads them through memcpy (a plain load on x86 and ARM).
 template <typename T>
-const T *aligned_array(const uint8_t *p, std::vector<T> *fallback, uint64_t count) {
-  if (reinterpret_cast<uintptr_t>(p) % alignof(T) == 0) return reinterpret_cast<const T *>(p);
-  // MMIDIDX puts the int32 lengths at byte 34, so the int64 arrays are never 8-byte aligned in the
-  // mapping; numpy copes with unaligned views, but C++ must not dereference them.
-  fallback->resize(count);
-  if (count > 0) std::memcpy(fallback->data(), p, count * sizeof(T));
-  return fallback->data();
+inline T load(const uint8_t *base, uint64_t i) {
+  T v;
+  std::memcpy(&v, base + i * sizeof(T), sizeof(T));
+  return v;
 }
 
 }  // namespace
@@ -221,14 +220,14 @@ class IndexedBin {
       throw py::index_error("sequence index " + std::to_string(i) + " out of range for " +
                             std::to_string(n_) + " sequences in " + idx_->path());
     }
-    int64_t len = lengths_[i];
+    int64_t len = seq_length(i);
     if (length < 0) length = len - offset;
     if (offset < 0 || offset > len || length < 0 || length > len - offset) {
       throw py::index_error("offset " + std::to_string(offset) + " and length " +
                             std::to_string(length) + " out of range for sequence " +
                             std::to_string(i) + " of length " + std::to_string(len));
     }
-    return tokens(self, static_cast<uint64_t>(pointers_[i]) + offset * dtype_.itemsize, length);
+    return tokens(self, static_cast<uint64_t>(pointer(i)) + offset * dtype_.itemsize, length);
   }
 
   // One view per sequence of [start, stop).
@@ -239,7 +238,7 @@ class IndexedBin {
     }
     py::list out(stop - start);
     for (int64_t i = start; i < stop; ++i) {
-      out[i - start] = tokens(self, static_cast<uint64_t>(pointers_[i]), lengths_[i]);
+      out[i - start] = tokens(self, static_cast<uint64_t>(pointer(i)), seq_length(i));
     }
     return out;
   }
@@ -275,9 +274,9 @@ class IndexedBin {
       corrupt(path, "sequence_count", "N=", n_, " and D=", d_, " need a file of ", expected,
               " bytes but it has ", idx_->size(), " (truncated or not an index)");
     }
-    lengths_ = aligned_array<int32_t>(c.take(len_bytes, "sequence_lengths"), &own_lengths_, n_);
-    pointers_ = aligned_array<int64_t>(c.take(ptr_bytes, "sequence_pointers"), &own_pointers_, n_);
-    doc_idx_ = aligned_array<int64_t>(c.take(doc_bytes, "document_indices"), &own_doc_idx_, d_);
+    lengths_ = c.take(len_bytes, "sequence_lengths");
+    pointers_ = c.take(ptr_bytes, "sequence_pointers");
+    doc_idx_ = c.take(doc_bytes, "document_indices");
   }
 
   void parse_legacy(Cursor &c) {
@@ -311,7 +310,7 @@ class IndexedBin {
     if (s > 0) std::memcpy(sizes.data(), c.take(size_bytes, "sizes"), size_bytes);
     own_doc_idx_.resize(d_);
     if (d_ > 0) std::memcpy(own_doc_idx_.data(), c.take(doc_bytes, "document_indices"), doc_bytes);
-    doc_idx_ = own_doc_idx_.data();
+    doc_idx_ = reinterpret_cast<const uint8_t *>(own_doc_idx_.data());
 
     if (data_off[0] != 0) corrupt(path, "data_offsets", "[0] is ", data_off[0], ", expected 0");
     if (dim_off[0] != 0) corrupt(path, "dim_offsets", "[0] is ", dim_off[0], ", expected 0");
@@ -338,22 +337,26 @@ class IndexedBin {
       own_lengths_[i] = static_cast<int32_t>(len);
       own_pointers_[i] = data_off[i] * static_cast<int64_t>(dtype_.itemsize);
     }
-    lengths_ = own_lengths_.data();
-    pointers_ = own_pointers_.data();
+    lengths_ = reinterpret_cast<const uint8_t *>(own_lengths_.data());
+    pointers_ = reinterpret_cast<const uint8_t *>(own_pointers_.data());
   }
+
+  int32_t seq_length(uint64_t i) const { return load<int32_t>(lengths_, i); }
+  int64_t pointer(uint64_t i) const { return load<int64_t>(pointers_, i); }
+  int64_t doc_index(uint64_t j) const { return load<int64_t>(doc_idx_, j); }
 
   void check_document_indices() const {
     const std::string &path = idx_->path();
     if (d_ == 0) corrupt(path, "document_indices", "is empty, expected at least [0]");
-    if (doc_idx_[0] != 0) corrupt(path, "document_indices", "[0] is ", doc_idx_[0], ", expected 0");
+    if (doc_index(0) != 0) corrupt(path, "document_indices", "[0] is ", doc_index(0), ", expected 0");
     for (uint64_t j = 1; j < d_; ++j) {
-      if (doc_idx_[j] < doc_idx_[j - 1]) {
-        corrupt(path, "document_indices", "[", j, "]=", doc_idx_[j], " is below [", j - 1,
-                "]=", doc_idx_[j - 1], " (not monotone)");
+      if (doc_index(j) < doc_index(j - 1)) {
+        corrupt(path, "document_indices", "[", j, "]=", doc_index(j), " is below [", j - 1,
+                "]=", doc_index(j - 1), " (not monotone)");
       }
     }
-    if (static_cast<uint64_t>(doc_idx_[d_ - 1]) != n_) {
-      corrupt(path, "document_indices", "ends at ", doc_idx_[d_ - 1], ", expected N=", n_);
+    if (static_cast<uint64_t>(doc_index(d_ - 1)) != n_) {
+      corrupt(path, "document_indices", "ends at ", doc_index(d_ - 1), ", expected N=", n_);
     }
   }
 
@@ -364,8 +367,8 @@ class IndexedBin {
     uint64_t end_of_previous = 0;
     total_tokens_ = 0;
     for (uint64_t i = 0; i < n_; ++i) {
-      if (lengths_[i] < 0) corrupt(path, "sequence_lengths", "[", i, "]=", lengths_[i], " < 0");
-      int64_t p = pointers_[i];
+      if (seq_length(i) < 0) corrupt(path, "sequence_lengths", "[", i, "]=", seq_length(i), " < 0");
+      int64_t p = pointer(i);
       if (p < 0 || static_cast<uint64_t>(p) < end_of_previous) {
         corrupt(path, "sequence_pointers", "[", i, "]=", p,
                 " overlaps the previous sequence ending at ", end_of_previous, " (not monotone)");
@@ -374,13 +377,13 @@ class IndexedBin {
         corrupt(path, "sequence_pointers", "[", i, "]=", p, " is not a multiple of the ", item,
                 "-byte item size");
       }
-      uint64_t nbytes = static_cast<uint64_t>(lengths_[i]) * item;
+      uint64_t nbytes = static_cast<uint64_t>(seq_length(i)) * item;
       if (static_cast<uint64_t>(p) > bin_size || nbytes > bin_size - static_cast<uint64_t>(p)) {
-        corrupt(path, "sequence_pointers", "[", i, "]=", p, " with length ", lengths_[i],
+        corrupt(path, "sequence_pointers", "[", i, "]=", p, " with length ", seq_length(i),
                 " ends past the end of ", bin_->path(), " (", bin_size, " bytes; truncated?)");
       }
       end_of_previous = static_cast<uint64_t>(p) + nbytes;
-      total_tokens_ += static_cast<uint64_t>(lengths_[i]);
+      total_tokens_ += static_cast<uint64_t>(seq_length(i));
     }
   }
 
@@ -404,9 +407,10 @@ class IndexedBin {
   uint64_t code_ = 0;
   DtypeInfo dtype_{};
   uint64_t n_ = 0, d_ = 0, total_tokens_ = 0;
-  const int32_t *lengths_ = nullptr;
-  const int64_t *pointers_ = nullptr;
-  const int64_t *doc_idx_ = nullptr;
+  // The index arrays: views into the mapped .idx (MMIDIDX) or into the vectors below (legacy).
+  const uint8_t *lengths_ = nullptr;
+  const uint8_t *pointers_ = nullptr;
+  const uint8_t *doc_idx_ = nullptr;
   std::vector<int32_t> own_lengths_;
   std::vector<int64_t> own_pointers_, own_doc_idx_;
 };
