@@ -1,0 +1,413 @@
+"""Turn JSONL corpora into Megatron `.bin/.idx` datasets, with Megatron-LM's flags.
+
+    python data_tools/preprocess_data.py --input corpus/*.jsonl.gz --output-prefix data/mix \\
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model spm/t5.model \\
+        --append-eod --workers 8
+
+writes `data/mix_text_document.{bin,idx}` (`_sentence` with `--split-sentences`), one pair per
+`--json-keys` key. What it does beyond Megatron's tool:
+- one streaming pass: the main process reads chunks of whole lines, worker processes parse,
+  split sentences (offline Punkt, see megatron/data/sentence_splitter.py) and tokenize, the main
+  process writes in input order; memory is bounded by the chunks in flight, not the input size;
+- a progress bar (docs/s, MB/s, ETA) and a summary at the end;
+- bad lines (invalid UTF-8 or JSON, a missing key, a non-string value, an empty document) are
+  skipped and listed with file and line in `PREFIX_bad_lines.tsv`, or stop the run with `--strict`;
+- outputs appear under their names only when complete: a failed or interrupted run leaves none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+
+from megatron.data.indexed_dataset import (
+    IndexedDatasetBuilder,
+    data_file_path,
+    index_file_path,
+    optimal_dtype,
+)
+from megatron.data.jsonl import BadLine, Chunk, expand_inputs, parse_line, read_chunks
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer",)
+
+
+def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Tokenize JSONL corpora into Megatron .bin/.idx datasets.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", nargs="+", required=True,
+                   help="JSONL files (.jsonl, .json, .jsonl.gz), globs allowed, several allowed")
+    g.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="keys to extract from each line; one output dataset per key")
+    g.add_argument("--split-sentences", action="store_true",
+                   help="one sequence per sentence (output *_sentence); offline Punkt for English, "
+                        "sentence-final punctuation for Chinese and Japanese")
+    g.add_argument("--keep-newlines", action="store_true",
+                   help="with --split-sentences, keep the newlines between sentences")
+    g.add_argument("--punkt-params", default=None,
+                   help="Punkt parameters (JSON from data_tools/train_punkt.py); default: the ones "
+                        "shipped with the package")
+    g.add_argument("--lang", default="english",
+                   help="language of the Punkt parameters (only 'english' is shipped; give "
+                        "--punkt-params for others)")
+
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-model", required=True, help="SentencePiece model file")
+    g.add_argument("--vocab-extra-ids", type=int, default=100,
+                   help="T5 sentinels <extra_id_i> appended after the SentencePiece pieces")
+    g.add_argument("--append-eod", action="store_true",
+                   help="append the end-of-document id (EOS) to each document")
+
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True,
+                   help="writes PREFIX_{key}_{document|sentence}.bin/.idx")
+    g.add_argument("--dataset-impl", default="mmap", choices=["mmap"],
+                   help="only Megatron's mmap format is written (legacy formats are read-only)")
+
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)),
+                   help="tokenizer processes")
+    g.add_argument("--partitions", type=int, default=1,
+                   help="accepted for Megatron compatibility; streaming makes partitions "
+                        "unnecessary, so the output is the same for any value")
+    g.add_argument("--keep-sequential-samples", action="store_true",
+                   help="accepted for Megatron compatibility: documents always keep input order")
+    g.add_argument("--log-interval", type=int, default=1000,
+                   help="documents between progress lines when stderr is not a terminal")
+    g.add_argument("--chunk-mb", type=float, default=1.0,
+                   help="MB of input lines handed to a worker at a time")
+    g.add_argument("--strict", action="store_true",
+                   help="stop at the first bad line instead of skipping and reporting it")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+
+    problems = []
+    if args.workers < 1:
+        problems.append("--workers must be at least 1")
+    if args.partitions < 1:
+        problems.append("--partitions must be at least 1")
+    if args.log_interval < 1:
+        problems.append("--log-interval must be at least 1")
+    if args.chunk_mb <= 0:
+        problems.append("--chunk-mb must be positive")
+    if args.keep_newlines and not args.split_sentences:
+        problems.append("--keep-newlines only has an effect with --split-sentences")
+    if args.lang != "english" and args.split_sentences and not args.punkt_params:
+        problems.append(f"--lang {args.lang}: no shipped Punkt parameters; train them with "
+                        "data_tools/train_punkt.py and pass --punkt-params")
+    if len(set(args.json_keys)) != len(args.json_keys):
+        problems.append("--json-keys has a key twice")
+    if not os.path.isfile(args.tokenizer_model):
+        problems.append(f"--tokenizer-model {args.tokenizer_model}: no such file")
+    if args.punkt_params and not os.path.isfile(args.punkt_params):
+        problems.append(f"--punkt-params {args.punkt_params}: no such file")
+    if problems:
+        p.error("; ".join(problems))
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker side: parse, split and tokenize one chunk of lines.
+
+_worker: Dict[str, object] = {}
+
+
+def _init_worker(args: argparse.Namespace) -> None:
+    # A worker ignores SIGINT (the main process decides what an interrupt means) and dies on
+    # SIGTERM, which is how the pool stops it; it must not inherit the main process's handler.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    from megatron.data.tokenizer import T5Tokenizer
+
+    _worker["tokenizer"] = T5Tokenizer(args.tokenizer_model, extra_ids=args.vocab_extra_ids)
+    _worker["keys"] = list(args.json_keys)
+    _worker["append_eod"] = args.append_eod
+    splitter = None
+    if args.split_sentences:
+        from megatron.data.sentence_splitter import make_splitter
+
+        splitter = make_splitter(args.punkt_params, keep_newlines=args.keep_newlines)
+    _worker["splitter"] = splitter
+
+
+@dataclass
+class ChunkResult:
+    lines: int
+    bad: List[Tuple[int, str]]  # (line number, reason)
+    documents: int
+    # per key: tokens of all sequences back to back, the length of each sequence, and the number
+    # of sequences of each document
+    tokens: List[np.ndarray] = field(default_factory=list)
+    lengths: List[np.ndarray] = field(default_factory=list)
+    per_doc: List[np.ndarray] = field(default_factory=list)
+
+
+def _process_chunk(chunk: Chunk) -> ChunkResult:
+    tokenizer = _worker["tokenizer"]
+    keys = _worker["keys"]
+    splitter = _worker["splitter"]
+    append_eod = _worker["append_eod"]
+    bad: List[Tuple[int, str]] = []
+    docs: List[List[str]] = []
+    for k, line in enumerate(chunk.lines):
+        try:
+            docs.append(parse_line(line, keys))
+        except BadLine as e:
+            bad.append((chunk.first_line + k, str(e)))
+    result = ChunkResult(lines=len(chunk.lines), bad=bad, documents=len(docs))
+    dtype = tokenizer.token_dtype
+    eod = tokenizer.eod
+    for key_index in range(len(keys)):
+        if splitter is None:
+            pieces = [[doc[key_index]] for doc in docs]
+        else:
+            pieces = [splitter.split(doc[key_index]) for doc in docs]
+        flat = list(itertools.chain.from_iterable(pieces))
+        ids = tokenizer.encode_batch(flat, num_threads=1)
+        lengths: List[int] = []
+        per_doc: List[int] = []
+        it = iter(ids)
+        for doc_pieces in pieces:
+            kept = 0
+            for _ in doc_pieces:
+                seq = next(it)
+                if seq:  # a sentence that tokenizes to nothing is dropped, as Megatron does
+                    lengths.append(len(seq))
+                    kept += 1
+            if append_eod:
+                if kept:
+                    lengths[-1] += 1
+                else:
+                    lengths.append(1)
+                    kept = 1
+            per_doc.append(kept)
+        if append_eod:
+            ids = _with_eod(ids, pieces, eod)
+        total = sum(lengths)
+        result.tokens.append(
+            np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=total)
+        )
+        result.lengths.append(np.asarray(lengths, dtype=np.int32))
+        result.per_doc.append(np.asarray(per_doc, dtype=np.int64))
+    return result
+
+
+def _with_eod(ids: List[List[int]], pieces: List[List[str]], eod: int) -> List[List[int]]:
+    """`ids` with EOD appended after the last sequence of each document."""
+    out: List[List[int]] = []
+    it = iter(ids)
+    for doc_pieces in pieces:
+        for _ in doc_pieces:
+            out.append(next(it))
+        out.append([eod])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Main process: read, hand out, write in order.
+
+
+class Progress:
+    """A tqdm bar on a terminal, plain lines every --log-interval documents otherwise."""
+
+    def __init__(self, total_bytes: int, log_interval: int, enabled: bool) -> None:
+        self.start = time.time()
+        self.docs = 0
+        self.bytes = 0
+        self.log_interval = log_interval
+        self._next_log = log_interval
+        self._bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1 << 20,
+                             desc="preprocess", dynamic_ncols=True)
+        self._quiet = not enabled
+
+    def update(self, nbytes: int, docs: int, disk_offset: int) -> None:
+        self.docs += docs
+        self.bytes += nbytes
+        if self._bar is not None:
+            self._bar.update(disk_offset - self._bar.n)
+            rate = self.docs / max(time.time() - self.start, 1e-9)
+            self._bar.set_postfix_str(f"{self.docs} docs, {rate:.0f} docs/s", refresh=False)
+        elif not self._quiet and self.docs >= self._next_log:
+            elapsed = max(time.time() - self.start, 1e-9)
+            print(f"processed {self.docs} documents ({self.docs / elapsed:.0f} docs/s, "
+                  f"{self.bytes / elapsed / 1e6:.2f} MB/s)", file=sys.stderr, flush=True)
+            self._next_log = (self.docs // self.log_interval + 1) * self.log_interval
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _on_sigterm(signum, frame):
+    raise _Interrupted(f"signal {signum}")
+
+
+def _remove_stale_temporaries(final_paths: Sequence[str]) -> None:
+    """Remove `PATH.tmp-PID` files left by runs that were killed (their PID is gone)."""
+    for path in final_paths:
+        directory = os.path.dirname(path) or "."
+        base = os.path.basename(path) + ".tmp-"
+        for name in os.listdir(directory):
+            if not name.startswith(base) or not name[len(base):].isdigit():
+                continue
+            pid = int(name[len(base):])
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os.unlink(os.path.join(directory, name))
+            except PermissionError:
+                pass
+
+
+def run(args: argparse.Namespace) -> int:
+    """Preprocess; returns the exit code."""
+    try:
+        paths = expand_inputs(args.input)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from megatron.data.tokenizer import T5Tokenizer
+
+    try:
+        tokenizer = T5Tokenizer(args.tokenizer_model, extra_ids=args.vocab_extra_ids)
+    except ValueError as e:
+        print(f"error: --tokenizer-model: {e}", file=sys.stderr)
+        return 2
+    if args.split_sentences:
+        from megatron.data.sentence_splitter import make_splitter
+
+        try:
+            make_splitter(args.punkt_params)  # fail here, not in every worker
+        except ValueError as e:
+            print(f"error: --punkt-params: {e}", file=sys.stderr)
+            return 2
+    level = "sentence" if args.split_sentences else "document"
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
+    report_path = f"{args.output_prefix}_bad_lines.tsv"
+    finals = [data_file_path(p) for p in prefixes] + [index_file_path(p) for p in prefixes]
+    _remove_stale_temporaries(finals + [report_path])
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    if args.partitions > 1:
+        print(f"note: --partitions {args.partitions} is not needed (input is streamed); "
+              "output is identical", file=sys.stderr)
+
+    builders = [IndexedDatasetBuilder(data_file_path(p), dtype=dtype) for p in prefixes]
+    report_tmp = f"{report_path}.tmp-{os.getpid()}"
+    report = open(report_tmp, "w", encoding="utf-8")
+    report.write("file\tline\treason\n")
+    total_bytes = sum(os.path.getsize(p) for p in paths)
+    progress = Progress(total_bytes, args.log_interval, enabled=not args.no_progress)
+    stats = collections.Counter()
+    start = time.time()
+    old_term = signal.signal(signal.SIGTERM, _on_sigterm)
+    pool = None
+    try:
+        ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+        pool = ctx.Pool(args.workers, initializer=_init_worker, initargs=(args,))
+        pending: collections.deque = collections.deque()
+        max_pending = 2 * args.workers + 2  # bounded memory: never more chunks than this in flight
+        chunks = read_chunks(paths, chunk_bytes=int(args.chunk_mb * (1 << 20)))
+        exhausted = False
+        offset_base = 0
+        while True:
+            while not exhausted and len(pending) < max_pending:
+                chunk = next(chunks, None)
+                if chunk is None:
+                    exhausted = True
+                    break
+                pending.append((chunk.file_index, chunk.nbytes, chunk.end_offset,
+                                pool.apply_async(_process_chunk, (chunk,))))
+            if not pending:
+                break
+            file_index, nbytes, end_offset, async_result = pending.popleft()
+            res: ChunkResult = async_result.get()
+            for line_no, reason in res.bad:
+                if args.strict:
+                    raise BadLine(f"{paths[file_index]}:{line_no}: {reason} (--strict)")
+                report.write(f"{paths[file_index]}\t{line_no}\t{reason}\n")
+            for builder, tokens, lengths, per_doc in zip(builders, res.tokens, res.lengths,
+                                                         res.per_doc):
+                builder.add_documents(tokens, lengths, per_doc)
+            stats["lines"] += res.lines
+            stats["bad"] += len(res.bad)
+            stats["documents"] += res.documents
+            stats["sequences"] += int(res.lengths[0].size) if res.lengths else 0
+            stats["tokens"] += sum(int(t.size) for t in res.tokens)
+            stats["bytes"] += nbytes
+            offset_base = sum(os.path.getsize(p) for p in paths[:file_index])
+            progress.update(nbytes, res.documents, offset_base + end_offset)
+        pool.close()
+        pool.join()
+        pool = None
+        if stats["documents"] == 0:
+            raise BadLine("no usable document in the input")
+        for builder, prefix in zip(builders, prefixes):
+            builder.finalize(index_file_path(prefix))
+        report.close()
+        if stats["bad"]:
+            os.replace(report_tmp, report_path)
+        else:
+            os.unlink(report_tmp)
+            if os.path.exists(report_path):
+                os.unlink(report_path)  # a report of an earlier run would now mislead
+    except (BadLine, OSError, ValueError, _Interrupted, KeyboardInterrupt) as e:
+        progress.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        for builder in builders:
+            builder.abort()
+        report.close()
+        os.unlink(report_tmp)
+        interrupted = isinstance(e, (_Interrupted, KeyboardInterrupt))
+        what = "interrupted" if interrupted else f"error: {e}"
+        print(f"{what}; no output was written", file=sys.stderr)
+        return 130 if interrupted else 1
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+    progress.close()
+
+    elapsed = time.time() - start
+    mb = stats["bytes"] / 1e6
+    print(f"done in {elapsed:.1f} s: {stats['documents']} documents, {stats['sequences']} "
+          f"{level}s, {stats['tokens']} tokens from {stats['lines']} lines ({mb:.1f} MB, "
+          f"{mb / max(elapsed, 1e-9):.2f} MB/s)", file=sys.stderr)
+    if stats["bad"]:
+        print(f"skipped {stats['bad']} bad lines, listed in {report_path}", file=sys.stderr)
+    for prefix in prefixes:
+        print(f"wrote {prefix}.bin/.idx", file=sys.stderr)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run(get_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""preprocess_data.py end to end: round trips against the tokenizer, bad lines, atomic outputs."""
+
+import gzip
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_tools import preprocess_data
+from megatron.data.indexed_dataset import IndexedDataset
+from megatron.data.tokenizer import T5Tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "data_tools" / "preprocess_data.py"
+
+
+def first_docs(path, n):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["text"] for _, line in zip(range(n), f)]
+
+
+@pytest.fixture(scope="module")
+def mixed_texts(corpora_dir):
+    """English and Chinese documents from the shared corpora."""
+    return (first_docs(corpora_dir / "en_shakespeare.jsonl", 40)
+            + first_docs(corpora_dir / "zh_cmrc2018_wiki.jsonl", 60)
+            + first_docs(corpora_dir / "en_wikitext2.jsonl", 5)
+            + first_docs(corpora_dir / "zh_cmrc2019_stories.jsonl", 30))
+
+
+def write_jsonl(path, texts, key="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({key: t}, ensure_ascii=False) + "\n")
+
+
+def run_cli(*args, check=True):
+    proc = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True,
+                          text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_document_round_trip(tmp_path, spm_model, mixed_texts):
+    tok = T5Tokenizer(str(spm_model))
+    write_jsonl(tmp_path / "a.jsonl", mixed_texts[:70])
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        for t in mixed_texts[70:]:
+            f.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")
+    out = tmp_path / "out" / "mix"
+    run_cli("--input", tmp_path / "a.jsonl", tmp_path / "*.jsonl.gz", "--output-prefix", out,
+            "--tokenizer-model", spm_model, "--append-eod", "--workers", 2, "--chunk-mb", 0.05)
+    ds = IndexedDataset(f"{out}_text_document")
+    assert ds.dtype == np.uint16 and ds.num_documents == len(mixed_texts) == len(ds)
+    for i, text in enumerate(mixed_texts):
+        ids = ds[i].tolist()
+        assert ids == tok.encode(text) + [tok.eod]  # the reference: the tokenizer itself
+        # Literal special-token strings (WikiText's "<unk>") are encoded as those tokens, the
+        # space before them dropped, as Hugging Face's T5Tokenizer does.
+        expected = re.sub(r" ?(<unk>|</s>|<pad>)", r"\1", tok.normalize(text))
+        assert tok.decode(ids[:-1], skip_special_tokens=False) == expected
+    assert not (tmp_path / "out" / "mix_bad_lines.tsv").exists()
+
+
+def test_workers_and_chunking_do_not_change_the_output(tmp_path, spm_model, mixed_texts):
+    write_jsonl(tmp_path / "in.jsonl", mixed_texts)
+    outputs = []
+    for workers, chunk in [(1, 4.0), (2, 0.01), (3, 0.2)]:
+        out = tmp_path / f"w{workers}"
+        assert preprocess_data.main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+                                     str(out), "--tokenizer-model", str(spm_model),
+                                     "--workers", str(workers), "--chunk-mb", str(chunk),
+                                     "--split-sentences", "--no-progress"]) == 0
+        outputs.append([Path(f"{out}_text_sentence{e}").read_bytes() for e in (".bin", ".idx")])
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_sentences_and_several_keys(tmp_path, spm_model):
+    from megatron.data.sentence_splitter import SentenceSplitter
+
+    tok = T5Tokenizer(str(spm_model))
+    rows = [
+        {"text": "Mr. Smith went to Washington. He liked it! Did he stay?", "title": "Smith"},
+        {"text": "今天天气很好。我们去公园吧！你说呢？", "title": "天气"},
+        {"text": "One sentence only", "title": "One"},
+    ]
+    with open(tmp_path / "in.jsonl", "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    out = tmp_path / "s"
+    run_cli("--input", tmp_path / "in.jsonl", "--output-prefix", out, "--tokenizer-model",
+            spm_model, "--json-keys", "text", "title", "--split-sentences", "--append-eod")
+    splitter = SentenceSplitter()
+    for key in ("text", "title"):
+        ds = IndexedDataset(f"{out}_{key}_sentence")
+        assert ds.num_documents == 3
+        for d, row in enumerate(rows):
+            expected = [tok.encode(s) for s in splitter.split(row[key])]
+            expected[-1] = expected[-1] + [tok.eod]
+            assert [s.tolist() for s in ds.document(d)] == expected
+    assert [len(IndexedDataset(f"{out}_text_sentence").document(d)) for d in range(3)] == [3, 3, 1]
+
+
+BAD_LINES = [
+    (b'{"text": "good one"}', None),
+    (b'{"text": "broken', "invalid JSON"),
+    (b'{"text": "caf\xe9"}', "invalid UTF-8"),
+    (b'{"body": "no text key"}', "missing key 'text'"),
+    (b'{"text": 42}', "value of 'text' is int, not a string"),
+    (b'{"text": "   "}', "empty document under 'text'"),
+    (b'["not", "an object"]', "not a JSON object"),
+    (b'{"text": "good two"}', None),
+    (b"", "empty line"),
+    (b'{"text": "good three"}', None),
+]
+
+
+def write_bad(path):
+    path.write_bytes(b"\n".join(line for line, _ in BAD_LINES) + b"\n")
+
+
+def test_bad_lines_are_reported_and_good_lines_kept(tmp_path, spm_model):
+    tok = T5Tokenizer(str(spm_model))
+    write_bad(tmp_path / "bad.jsonl")
+    out = tmp_path / "b"
+    proc = run_cli("--input", tmp_path / "bad.jsonl", "--output-prefix", out,
+                   "--tokenizer-model", spm_model)
+    assert "skipped 7 bad lines" in proc.stderr
+    report = (tmp_path / "b_bad_lines.tsv").read_text().splitlines()
+    assert report[0] == "file\tline\treason"
+    got = [(int(r.split("\t")[1]), r.split("\t")[2]) for r in report[1:]]
+    expected = [(n + 1, reason) for n, (_, reason) in enumerate(BAD_LINES) if reason]
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    for (_, g), (_, e) in zip(got, expected):
+        assert g.startswith(e), (g, e)
+    ds = IndexedDataset(f"{out}_text_document")
+    assert [ds[i].tolist() for i in range(len(ds))] == [
+        tok.encode(t) for t in ("good one", "good two", "good three")]
+
+
+def test_strict_stops_at_first_bad_line_and_leaves_nothing(tmp_path, spm_model):
+    write_bad(tmp_path / "bad.jsonl")
+    proc = run_cli("--input", tmp_path / "bad.jsonl", "--output-prefix", tmp_path / "o" / "x",
+                   "--tokenizer-model", spm_model, "--strict", check=False)
+    assert proc.returncode != 0
+    assert f"{tmp_path / 'bad.jsonl'}:2: invalid JSON" in proc.stderr
+    assert os.listdir(tmp_path / "o") == []
+
+
+def test_flag_errors(tmp_path, spm_model):
+    for args, message in [
+        (["--input", tmp_path / "nothing*.jsonl"], "matches no file"),
+        (["--input", tmp_path / "x.jsonl", "--keep-newlines"], "--keep-newlines"),
+        (["--input", tmp_path / "x.jsonl", "--workers", "0"], "--workers"),
+    ]:
+        (tmp_path / "x.jsonl").write_text('{"text": "a"}\n')
+        proc = run_cli(*args, "--output-prefix", tmp_path / "o", "--tokenizer-model", spm_model,
+                       check=False)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+        assert not list(tmp_path.glob("o_*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_interrupted_run_leaves_no_output(tmp_path, spm_model, mixed_texts, sig):
+    write_jsonl(tmp_path / "big.jsonl", mixed_texts * 60)
+    out_dir = tmp_path / "out"
+    cmd = [sys.executable, str(SCRIPT), "--input", str(tmp_path / "big.jsonl"), "--output-prefix",
+           str(out_dir / "big"), "--tokenizer-model", str(spm_model), "--workers", "2",
+           "--split-sentences", "--chunk-mb", "0.1"]
+    # A shell that started us in the background may have left SIGINT ignored; a user's terminal
+    # does not, so the child gets the default disposition back.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 60
+    while not list(out_dir.glob("*.tmp-*")) and time.time() < deadline:
+        time.sleep(0.05)  # wait until it is writing
+    time.sleep(0.5)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert not list(out_dir.glob("*.bin")) and not list(out_dir.glob("*.idx"))
+    if sig == signal.SIGKILL:
+        assert list(out_dir.glob("*.tmp-*"))  # nothing could clean up; the next run does
+        (tmp_path / "small.jsonl").write_text('{"text": "a b c"}\n')
+        subprocess.run(cmd[:3] + [str(tmp_path / "small.jsonl")] + cmd[4:], check=True,
+                       capture_output=True, timeout=120)
+        assert sorted(p.name for p in out_dir.iterdir()) == [
+            "big_text_sentence.bin", "big_text_sentence.idx"]
+    else:
+        assert os.listdir(out_dir) == [], os.listdir(out_dir)
+        assert "interrupted" in err
