@@ -228,6 +228,8 @@ class Progress:
 
     def __init__(self, total_bytes: int, log_interval: int, enabled: bool) -> None:
         self.start = time.time()
+        self.first: Optional[Tuple[float, int]] = None
+        self.last = self.start
         self.docs = 0
         self.bytes = 0
         self.log_interval = log_interval
@@ -241,6 +243,9 @@ class Progress:
         self._quiet = not enabled
 
     def update(self, nbytes: int, docs: int, disk_offset: int) -> None:
+        if self.first is None:  # the pipeline is full from here on: steady state starts
+            self.first = (time.time(), nbytes)
+        self.last = time.time()
         self.docs += docs
         self.bytes += nbytes
         if self._bar is not None:
@@ -252,6 +257,12 @@ class Progress:
             print(f"processed {self.docs} documents ({self.docs / elapsed:.0f} docs/s, "
                   f"{self.bytes / elapsed / 1e6:.2f} MB/s)", file=sys.stderr, flush=True)
             self._next_log = (self.docs // self.log_interval + 1) * self.log_interval
+
+    def steady_rate(self) -> Optional[float]:
+        """MB/s from the first finished chunk to the last (start-up excluded)."""
+        if self.first is None or self.last <= self.first[0]:
+            return None
+        return (self.bytes - self.first[1]) / 1e6 / (self.last - self.first[0])
 
     def close(self) -> None:
         if self._bar is not None:
@@ -395,9 +406,13 @@ def run(args: argparse.Namespace) -> int:
 
     elapsed = time.time() - start
     mb = stats["bytes"] / 1e6
-    print(f"done in {elapsed:.1f} s: {stats['documents']} documents, {stats['sequences']} "
-          f"{level}s, {stats['tokens']} tokens from {stats['lines']} lines ({mb:.1f} MB, "
+    sentences = f"{stats['sequences']} sentences, " if args.split_sentences else ""
+    print(f"done in {elapsed:.1f} s: {stats['documents']} documents, {sentences}"
+          f"{stats['tokens']} tokens from {stats['lines']} lines ({mb:.1f} MB, "
           f"{mb / max(elapsed, 1e-9):.2f} MB/s)", file=sys.stderr)
+    steady = progress.steady_rate()
+    if steady is not None:
+        print(f"steady state: {steady:.2f} MB/s", file=sys.stderr)
     if stats["bad"]:
         print(f"skipped {stats['bad']} bad lines, listed in {report_path}", file=sys.stderr)
     for prefix in prefixes:

@@ -1,0 +1,324 @@
+"""Train a SentencePiece model in T5's layout from JSONL or plain-text corpora.
+
+    python data_tools/train_tokenizer.py --input corpus/*.jsonl.gz --output-prefix spm/t5 \\
+        --vocab-size 32000
+
+writes `spm/t5.model` and `spm/t5.vocab`: pad=0, eos=1, unk=2, no bos, as T5's `spiece.model`.
+`megatron.data.tokenizer.T5Tokenizer` adds the 100 `<extra_id_N>` sentinels on top, so the model's
+full vocabulary is `--vocab-size` + 100. Also runs as `python -m data_tools.train_tokenizer`.
+
+Input: `.jsonl`/`.json` (optionally `.gz`): one JSON object per line, the text under `--json-keys`;
+`.txt` (optionally `.gz`): one sentence per line. Files and globs may be mixed. Input is streamed
+to the trainer (SentencePiece samples at most `--input-sentence-size` sentences from it), never
+loaded whole. Documents are cut into lines, and lines longer than `--max-sentence-length` bytes are
+cut at a space or CJK full stop, so that SentencePiece drops nothing for being too long.
+
+Bad input: a pattern matching no file, an unreadable file or a malformed line (invalid UTF-8 or
+JSON, not an object, a missing key, a non-string value) stops the run with one message naming file
+and line, before anything is written. A malformed line usually means a wrong file or a wrong
+`--json-keys`, which would silently leave little or nothing to train on, hence the default;
+`--skip-bad-lines` skips such lines instead and reports their count. Empty documents and blank
+lines are not errors; they are just not used.
+
+Outputs appear under their names only when complete (written to temporary names, checked by
+loading them, then renamed); a failed or interrupted run leaves none.
+Exit status: 0 done, 2 bad arguments or input, 1 SentencePiece failed (e.g. a vocabulary larger
+than the corpus allows; its message says the largest possible size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import time
+from typing import Iterator, List, Optional, Sequence
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import sentencepiece as spm
+
+from megatron.data.jsonl import expand_inputs, read_chunks
+from megatron.data.tokenizer import T5Tokenizer, _available_cpus
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+TEXT_SUFFIXES = (".txt", ".txt.gz")
+# Preferred places to cut an over-long line: after a space, or after a CJK sentence end.
+_CUT_AFTER = (b" ", "。".encode(), "！".encode(), "？".encode(), "；".encode(), "，".encode())
+
+
+class InputError(Exception):
+    """Unusable input; str() names the file (and line) and says what is wrong."""
+
+
+def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Train a SentencePiece tokenizer in T5's layout (pad=0, eos=1, unk=2, no bos).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True,
+                   help="files or globs: .jsonl/.json[.gz] (JSON lines) or .txt[.gz] (one sentence "
+                        "per line)")
+    p.add_argument("--input-format", choices=("auto", "jsonl", "text"), default="auto",
+                   help="how to read the inputs; auto decides by file name suffix")
+    p.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="JSON keys whose texts are used (all of them)")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    p.add_argument("--vocab-size", type=int, default=32000,
+                   help="SentencePiece vocabulary (T5's 100 sentinels come on top)")
+    p.add_argument("--model-type", choices=("unigram", "bpe"), default="unigram")
+    p.add_argument("--character-coverage", type=float, default=0.9995,
+                   help="share of characters covered by the vocabulary; 0.9995 suits Chinese/"
+                        "Japanese, use 1.0 for English or other small alphabets")
+    p.add_argument("--byte-fallback", action=argparse.BooleanOptionalAction, default=True,
+                   help="spell out-of-vocabulary characters as UTF-8 byte pieces instead of <unk>")
+    p.add_argument("--input-sentence-size", type=int, default=2_000_000,
+                   help="SentencePiece samples at most this many lines (0: all)")
+    p.add_argument("--max-sentence-length", type=int, default=4192,
+                   help="longest line in bytes given to SentencePiece; longer lines are cut")
+    p.add_argument("--max-docs", type=int, default=0,
+                   help="stop after this many documents (JSON objects or text lines; 0: all)")
+    p.add_argument("--num-threads", type=int, default=_available_cpus(),
+                   help="SentencePiece trainer threads")
+    p.add_argument("--seed", type=int, default=1234, help="seed of SentencePiece's sampling")
+    p.add_argument("--split-digits", action="store_true", help="make every digit its own piece")
+    p.add_argument("--normalization-rule-name", default="nmt_nfkc",
+                   choices=("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity"))
+    p.add_argument("--skip-bad-lines", action="store_true",
+                   help="skip malformed lines (counted) instead of stopping at the first one")
+    p.add_argument("--verbose", action="store_true", help="show SentencePiece's own log")
+    args = p.parse_args(argv)
+    problems = []
+    if args.vocab_size < 4 + (256 if args.byte_fallback else 0):
+        problems.append(f"--vocab-size {args.vocab_size} is too small for 3 special pieces"
+                        + (" and 256 byte pieces" if args.byte_fallback else ""))
+    if not 0.0 < args.character_coverage <= 1.0:
+        problems.append("--character-coverage must be in (0, 1]")
+    if args.max_sentence_length < 16:
+        problems.append("--max-sentence-length must be at least 16")
+    for name in ("input_sentence_size", "max_docs"):
+        if getattr(args, name) < 0:
+            problems.append(f"--{name.replace('_', '-')} must not be negative")
+    if args.num_threads < 1:
+        problems.append("--num-threads must be at least 1")
+    if problems:
+        p.error("; ".join(problems))
+    return args
+
+
+def input_format(path: str, forced: str) -> str:
+    """'jsonl' or 'text' for `path`."""
+    if forced != "auto":
+        return forced
+    if path.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if path.endswith(TEXT_SUFFIXES):
+        return "text"
+    raise InputError(f"{path}: cannot tell the format from the name (expected one of "
+                     f"{', '.join(JSONL_SUFFIXES + TEXT_SUFFIXES)}); use --input-format")
+
+
+def check_readable(path: str) -> None:
+    """Fail now, not after minutes of training, on a file that cannot be opened or decompressed."""
+    try:
+        with open(path, "rb") as f:
+            if path.endswith(".gz"):
+                with gzip.GzipFile(fileobj=f) as g:
+                    g.read(1)
+            else:
+                f.read(1)
+    except (OSError, EOFError) as e:
+        raise InputError(f"{path}: cannot read: {e}") from None
+
+
+def cut_line(line: str, max_bytes: int) -> Iterator[str]:
+    """`line` in pieces of at most `max_bytes` UTF-8 bytes, cut after a space or CJK punctuation
+    where one falls in the second half of the window, else at a character boundary."""
+    data = line.encode("utf-8")
+    while len(data) > max_bytes:
+        cut = 0
+        for sep in _CUT_AFTER:
+            k = data.rfind(sep, max_bytes // 2, max_bytes - len(sep) + 1)
+            if k >= 0:
+                cut = max(cut, k + len(sep))
+        if not cut:
+            cut = max_bytes
+            while data[cut] & 0xC0 == 0x80:  # back off to the start of a UTF-8 character
+                cut -= 1
+        piece = data[:cut].decode("utf-8").strip()
+        if piece:
+            yield piece
+        data = data[cut:]
+    piece = data.decode("utf-8").strip()
+    if piece:
+        yield piece
+
+
+class Corpus:
+    """Iterates the training sentences of `paths` and counts what it saw."""
+
+    def __init__(self, paths: List[str], args: argparse.Namespace):
+        self.paths = paths
+        self.formats = [input_format(p, args.input_format) for p in paths]
+        self.keys = list(args.json_keys)
+        self.max_docs = args.max_docs
+        self.max_bytes = args.max_sentence_length
+        self.skip_bad = args.skip_bad_lines
+        self.docs = self.sentences = self.cut = self.bad = 0
+        self.bad_examples: List[str] = []
+        self.error: Optional[InputError] = None  # set when the iteration stopped on bad input
+
+    def _texts(self, line: bytes, fmt: str) -> List[str]:
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"invalid UTF-8 at byte {e.start}") from None
+        if fmt == "text":
+            return [text]
+        if not text.strip():
+            return []
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"invalid JSON: {e.msg} at column {e.colno}") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"not a JSON object but {type(obj).__name__}")
+        out = []
+        for key in self.keys:
+            if key not in obj:
+                raise ValueError(f"missing key {key!r} (see --json-keys)")
+            if not isinstance(obj[key], str):
+                raise ValueError(f"value of {key!r} is {type(obj[key]).__name__}, not a string")
+            out.append(obj[key])
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            yield from self._sentences()
+        except InputError as e:
+            # SentencePiece turns an exception in its iterator into a RuntimeError with the
+            # traceback in the message; keep ours to report it cleanly.
+            self.error = e
+            raise
+
+    def _sentences(self) -> Iterator[str]:
+        try:
+            for chunk in read_chunks(self.paths):
+                path, fmt = self.paths[chunk.file_index], self.formats[chunk.file_index]
+                for k, line in enumerate(chunk.lines):
+                    if self.max_docs and self.docs >= self.max_docs:
+                        return
+                    try:
+                        texts = self._texts(line, fmt)
+                    except ValueError as e:
+                        where = f"{path}:{chunk.first_line + k}: {e}"
+                        if not self.skip_bad:
+                            raise InputError(where + " (--skip-bad-lines to skip such lines)")
+                        self.bad += 1
+                        if len(self.bad_examples) < 5:
+                            self.bad_examples.append(where)
+                        continue
+                    if not any(t.strip() for t in texts):
+                        continue  # blank line or empty document: nothing to learn from
+                    self.docs += 1
+                    for text in texts:
+                        for sent in text.splitlines():
+                            if len(sent) * 4 > self.max_bytes and \
+                                    len(sent.encode("utf-8")) > self.max_bytes:
+                                self.cut += 1
+                                pieces = cut_line(sent, self.max_bytes)
+                            else:
+                                sent = sent.strip()
+                                pieces = (sent,) if sent else ()
+                            for piece in pieces:
+                                self.sentences += 1
+                                yield piece
+        except OSError as e:  # a read error mid-file (e.g. truncated gzip); the message names it
+            raise InputError(str(e)) from None
+
+
+def _remove(paths: Sequence[str]) -> None:
+    for path in paths:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+def train(args: argparse.Namespace) -> int:
+    """Train and write the model; returns the exit code."""
+    start = time.perf_counter()
+    try:
+        paths = expand_inputs(args.input)
+        corpus = Corpus(paths, args)
+        for path in paths:
+            check_readable(path)
+    except (FileNotFoundError, InputError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prefix = os.path.abspath(args.output_prefix)
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    tmp = f"{prefix}.tmp-{os.getpid()}"
+    temporaries = [tmp + ".model", tmp + ".vocab"]
+    spm.set_random_generator_seed(args.seed)
+    try:
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(corpus), model_prefix=tmp, model_type=args.model_type,
+                vocab_size=args.vocab_size, character_coverage=args.character_coverage,
+                byte_fallback=args.byte_fallback, input_sentence_size=args.input_sentence_size,
+                shuffle_input_sentence=True, max_sentence_length=args.max_sentence_length,
+                num_threads=args.num_threads, split_digits=args.split_digits,
+                normalization_rule_name=args.normalization_rule_name,
+                # T5's special ids; no bos, as in Google's spiece.model.
+                pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+                pad_piece="<pad>", eos_piece="</s>", unk_piece="<unk>",
+                minloglevel=0 if args.verbose else 2)
+        except (RuntimeError, InputError) as e:
+            # An exception in the iterator comes back either as itself or, wrapped by
+            # SentencePiece, as a RuntimeError; `corpus.error` has it either way.
+            if corpus.error is not None:
+                print(f"error: {corpus.error}", file=sys.stderr)
+                return 2
+            if corpus.sentences == 0:
+                print(f"error: no text to train on in {len(paths)} file(s) "
+                      f"({corpus.docs} documents, {corpus.bad} bad lines)", file=sys.stderr)
+            else:
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+                msg = msg.rsplit("] ", 1)[-1]  # drop SentencePiece's source location
+                print(f"error: SentencePiece training failed: {msg}", file=sys.stderr)
+            return 1
+        # Check what was written the way every user will load it, before it gets its name.
+        tok = T5Tokenizer(tmp + ".model")
+        if (tok.pad_id, tok.eos_id, tok.unk_id, tok.bos_id) != (0, 1, 2, -1):
+            print(f"error: unexpected special ids in the trained model: {tok!r}", file=sys.stderr)
+            return 1
+        # .vocab first: whoever sees PREFIX.model complete also finds its .vocab.
+        os.replace(tmp + ".vocab", prefix + ".vocab")
+        os.replace(tmp + ".model", prefix + ".model")
+    finally:
+        _remove(temporaries)
+    elapsed = time.perf_counter() - start
+    print(f"inputs: {len(paths)} file(s), {corpus.docs} documents, {corpus.sentences} lines given "
+          f"to SentencePiece ({corpus.cut} over-long lines cut; it samples at most "
+          f"{args.input_sentence_size or 'all'})")
+    if corpus.bad:
+        print(f"skipped {corpus.bad} malformed line(s), e.g.:")
+        for example in corpus.bad_examples:
+            print(f"  {example}")
+    print(f"model: {args.model_type}, {tok.sp_vocab_size} pieces + {tok.extra_ids} sentinels = "
+          f"{tok.vocab_size} ids (pad={tok.pad_id}, eos={tok.eos_id}, unk={tok.unk_id}, no bos, "
+          f"byte fallback {'on' if args.byte_fallback else 'off'})")
+    print(f"wrote {args.output_prefix}.model and {args.output_prefix}.vocab in {elapsed:.1f} s")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Command line entry point; returns the exit code."""
+    return train(get_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
