@@ -27,9 +27,10 @@ def histogram_lines(lengths: np.ndarray, bins: int, width: int = 40) -> List[str
     """A text histogram of `lengths` on log2-spaced bins."""
     if lengths.size == 0:
         return ["(no sequences)"]
-    top = max(int(lengths.max()), 1)
-    edges = np.unique(np.geomspace(1, top + 1, num=bins + 1).astype(np.int64))
-    edges = np.concatenate([[0], edges])
+    low, top = max(int(lengths.min()), 1), max(int(lengths.max()), 1)
+    edges = np.unique(np.geomspace(low, top + 1, num=bins + 1).astype(np.int64))
+    if int(lengths.min()) == 0:
+        edges = np.concatenate([[0], edges])
     counts, _ = np.histogram(lengths, bins=edges)
     peak = max(int(counts.max()), 1)
     lines = []

@@ -260,8 +260,8 @@ class Progress:
 
     def steady_rate(self) -> Optional[float]:
         """MB/s from the first finished chunk to the last (start-up excluded)."""
-        if self.first is None or self.last <= self.first[0]:
-            return None
+        if self.first is None or self.last <= self.first[0] or self.bytes <= self.first[1]:
+            return None  # a single chunk: no steady state to speak of
         return (self.bytes - self.first[1]) / 1e6 / (self.last - self.first[0])
 
     def close(self) -> None:

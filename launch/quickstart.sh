@@ -26,8 +26,8 @@ $PYTHON data_tools/preprocess_data.py --input "$DEMO_DIR/corpus.jsonl" \
 
 echo "== 4/4 inspect"
 $PYTHON data_tools/inspect_dataset.py "$DEMO_DIR/demo_text_document" \
-    --tokenizer-model "$DEMO_DIR/spm.model" --document 0 | head -n 30
-$PYTHON data_tools/inspect_dataset.py "$DEMO_DIR/demo_text_sentence" | head -n 6
+    --tokenizer-model "$DEMO_DIR/spm.model" --document 0
+$PYTHON data_tools/inspect_dataset.py "$DEMO_DIR/demo_text_sentence" --bins 8
 
 echo
 echo "tokenizer:         $DEMO_DIR/spm.model"
