@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import os
 import sys
 import time
@@ -41,10 +40,10 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import sentencepiece as spm
 
-from megatron.data.jsonl import expand_inputs, read_chunks
+from megatron.data.jsonl import JSONL_SUFFIXES, BadLine, expand_inputs, parse_line, read_chunks
 from megatron.data.tokenizer import T5Tokenizer, _available_cpus
 
-JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+
 TEXT_SUFFIXES = (".txt", ".txt.gz")
 # Preferred places to cut an over-long line: after a space, or after a CJK sentence end.
 _CUT_AFTER = (b" ", "。".encode(), "！".encode(), "？".encode(), "；".encode(), "，".encode())
@@ -171,28 +170,15 @@ class Corpus:
         self.error: Optional[InputError] = None  # set when the iteration stopped on bad input
 
     def _texts(self, line: bytes, fmt: str) -> List[str]:
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"invalid UTF-8 at byte {e.start}") from None
         if fmt == "text":
-            return [text]
-        if not text.strip():
-            return []
+            try:
+                return [line.decode("utf-8")]
+            except UnicodeDecodeError as e:
+                raise ValueError(f"invalid UTF-8 at byte {e.start}") from None
         try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"invalid JSON: {e.msg} at column {e.colno}") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"not a JSON object but {type(obj).__name__}")
-        out = []
-        for key in self.keys:
-            if key not in obj:
-                raise ValueError(f"missing key {key!r} (see --json-keys)")
-            if not isinstance(obj[key], str):
-                raise ValueError(f"value of {key!r} is {type(obj[key]).__name__}, not a string")
-            out.append(obj[key])
-        return out
+            return parse_line(line, self.keys, allow_empty=True)
+        except BadLine as e:
+            raise ValueError(str(e)) from None
 
     def __iter__(self) -> Iterator[str]:
         try:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import array
 import os
-import shutil
 import struct
 from typing import Iterable, List, Optional, Sequence, Union
 

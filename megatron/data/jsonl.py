@@ -77,18 +77,23 @@ class BadLine(Exception):
     """A line that cannot be used; str() is the reason."""
 
 
-def parse_line(line: bytes, keys: Sequence[str]) -> List[str]:
+def parse_line(line: bytes, keys: Sequence[str], allow_empty: bool = False) -> List[str]:
     """The text under each of `keys` in one JSONL line.
+
+    With `allow_empty`, a blank line gives [] and whitespace-only documents are returned as they
+    are (a tokenizer trainer just has nothing to learn from them).
 
     Raises:
         BadLine: invalid UTF-8, invalid JSON, not an object, a missing key, a non-string value or
-            an empty (whitespace-only) document.
+            (unless `allow_empty`) a blank line or an empty (whitespace-only) document.
     """
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BadLine(f"invalid UTF-8 at byte {e.start}") from None
     if not text.strip():
+        if allow_empty:
+            return []
         raise BadLine("empty line")
     try:
         obj = json.loads(text)
@@ -99,11 +104,11 @@ def parse_line(line: bytes, keys: Sequence[str]) -> List[str]:
     out = []
     for key in keys:
         if key not in obj:
-            raise BadLine(f"missing key {key!r}")
+            raise BadLine(f"missing key {key!r} (see --json-keys)")
         value = obj[key]
         if not isinstance(value, str):
             raise BadLine(f"value of {key!r} is {type(value).__name__}, not a string")
-        if not value.strip():
+        if not value.strip() and not allow_empty:
             raise BadLine(f"empty document under {key!r}")
         out.append(value)
     return out

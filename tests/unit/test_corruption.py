@@ -1,6 +1,5 @@
 """Corrupt .idx/.bin files raise a clear CorruptIndexError naming file and field; none crashes."""
 
-import os
 import struct
 import subprocess
 import sys
