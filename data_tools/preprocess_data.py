@@ -328,17 +328,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: --partitions {args.partitions} is not needed (input is streamed); "
               "output is identical", file=sys.stderr)
 
-    builders = [IndexedDatasetBuilder(data_file_path(p), dtype=dtype) for p in prefixes]
-    report_tmp = f"{report_path}.tmp-{os.getpid()}"
-    report = open(report_tmp, "w", encoding="utf-8")
-    report.write("file\tline\treason\n")
     total_bytes = sum(os.path.getsize(p) for p in paths)
     progress = Progress(total_bytes, args.log_interval, enabled=not args.no_progress)
     stats = collections.Counter()
     start = time.time()
-    old_term = signal.signal(signal.SIGTERM, _on_sigterm)
+    report_tmp = f"{report_path}.tmp-{os.getpid()}"
+    builders: List[IndexedDatasetBuilder] = []
+    report = None
     pool = None
+    # The handler is in place before the first file exists, so that no signal can leave one.
+    old_term = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        report = open(report_tmp, "w", encoding="utf-8")
+        report.write("file\tline\treason\n")
+        for prefix in prefixes:
+            builders.append(IndexedDatasetBuilder(data_file_path(prefix), dtype=dtype))
         ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
         pool = ctx.Pool(args.workers, initializer=_init_worker, initargs=(args,))
         pending: collections.deque = collections.deque()
@@ -394,8 +398,10 @@ def run(args: argparse.Namespace) -> int:
             pool.join()
         for builder in builders:
             builder.abort()
-        report.close()
-        os.unlink(report_tmp)
+        if report is not None:
+            report.close()
+        if os.path.exists(report_tmp):
+            os.unlink(report_tmp)
         interrupted = isinstance(e, (_Interrupted, KeyboardInterrupt))
         what = "interrupted" if interrupted else f"error: {e}"
         print(f"{what}; no output was written", file=sys.stderr)

@@ -143,20 +143,20 @@ def uncorrupt(inputs: np.ndarray, targets: np.ndarray, sentinel_ids: np.ndarray,
               eos_id: int) -> np.ndarray:
     """The raw tokens back from (input, target): the inverse of `corrupt`, used by tests and by
     anyone who wants to look at what a sample was made from."""
+    # Raw tokens may contain EOS themselves (document boundaries): only the last one terminates.
+    inputs, targets = np.asarray(inputs).tolist(), np.asarray(targets).tolist()
+    if not inputs or inputs[-1] != eos_id or not targets or targets[-1] != eos_id:
+        raise ValueError("input and target must both end with EOS (pass them without padding)")
     sentinel_set = {int(s) for s in sentinel_ids}
     spans = {}
     current = None
-    for t in targets.tolist():
-        if t == eos_id:
-            break
+    for t in targets[:-1]:
         if t in sentinel_set:
             current = t
             spans[current] = []
         elif current is not None:
             spans[current].append(t)
     out = []
-    for t in inputs.tolist():
-        if t == eos_id:
-            break
+    for t in inputs[:-1]:
         out.extend(spans.get(t, []) if t in sentinel_set else [t])
     return np.asarray(out, dtype=np.int64)
