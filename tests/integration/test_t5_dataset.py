@@ -1,13 +1,15 @@
 """The T5 dataset on real corpora: span statistics, packing, shapes, determinism, resume, blends."""
 
+import argparse
 import json
 import multiprocessing
 
 import numpy as np
 import pytest
 
-from data_tools import preprocess_data
+from data_tools import build_indices, preprocess_data
 from megatron.data.builder import BlendedDataset, DataConfig, build_datasets
+from megatron.data.data_args import add_data_args, data_config_from_args, sample_counts_from_args
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.data.samplers import PretrainingSampler
 from megatron.data.span_corruption import uncorrupt
@@ -181,3 +183,33 @@ def test_blend_proportions_and_cache_reuse(corpus, tmp_path):
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == entries  # reused
     for key in first:
         np.testing.assert_array_equal(first[key], again[17][key])
+
+
+def test_build_indices_prebuilds_what_training_reads(corpus, tmp_path, spm_model, capsys):
+    prefixes = corpus[0]
+    argv = ["--data-path", "0.5", prefixes["en"], "0.5", prefixes["zh"], "--split", "90,10,0",
+            "--tokenizer-model", str(spm_model), "--encoder-seq-length", "128",
+            "--train-iters", "50", "--global-batch-size", "8", "--eval-interval", "25",
+            "--eval-iters", "2", "--data-cache-path", str(tmp_path / "cache"), "--lr", "1e-4"]
+    assert build_indices.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "train: 400 samples" in err and "valid: 48 samples" in err and "--lr" in err
+    entries = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    # Training with the same flags finds every cache: nothing new is built.
+    args, _ = add_data_args(argparse.ArgumentParser()).parse_known_args(argv)
+    build_datasets(data_config_from_args(args), corpus[2], sample_counts_from_args(args))
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == entries
+    assert "built index cache" not in capsys.readouterr().err
+
+
+def test_build_indices_reports_bad_flags(spm_model, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        build_indices.main(["--data-path", str(tmp_path / "x"), "--tokenizer-model",
+                            str(spm_model), "--train-iters", "0", "--global-batch-size", "8",
+                            "--noise-density", "2"])
+    err = capsys.readouterr().err
+    assert "--train-iters must be positive" in err and "--noise-density 2.0" in err
+    assert build_indices.main(["--data-path", str(tmp_path / "x"), "--tokenizer-model",
+                               str(spm_model), "--train-iters", "5",
+                               "--global-batch-size", "8"]) == 1
+    assert "no .bin/.idx pair" in capsys.readouterr().err

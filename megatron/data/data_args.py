@@ -1,0 +1,91 @@
+"""The data flags (Megatron / CPM-2 names), shared by training and `data_tools/build_indices.py`.
+
+`add_data_args(parser)` adds them; `check_data_args(args)` lists every problem at once;
+`data_config_from_args(args)` and `sample_counts_from_args(args)` turn them into what
+`megatron.data.builder.build_datasets` takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import List, Tuple
+
+from megatron.data.builder import DataConfig, split_sample_counts
+from megatron.data.indexed_dataset import IMPLS
+from megatron.data.t5_dataset import T5DatasetConfig
+
+
+def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", required=True,
+                   help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ..., or several prefixes (weights "
+                        "proportional to their token counts)")
+    g.add_argument("--split", default="969,30,1",
+                   help="train,valid,test proportions of each dataset's documents")
+    g.add_argument("--data-impl", default="infer", choices=IMPLS)
+    g.add_argument("--data-cache-path", default=None,
+                   help="where index caches go (default: PREFIX_cache/ next to the data)")
+    g.add_argument("--data-cache-timeout", type=float, default=3600.0,
+                   help="seconds a rank waits for another to build an index cache")
+    g.add_argument("--tokenizer-model", "--tokenizer-path", dest="tokenizer_model", required=True,
+                   help="SentencePiece model (CPM-2's --tokenizer-path is accepted)")
+    g.add_argument("--vocab-extra-ids", type=int, default=100)
+    g.add_argument("--encoder-seq-length", "--seq-length", "--enc-seq-length",
+                   dest="encoder_seq_length", type=int, default=512)
+    g.add_argument("--decoder-seq-length", "--dec-seq-length", dest="decoder_seq_length",
+                   type=int, default=None,
+                   help="default: the target length that span corruption gives")
+    g.add_argument("--noise-density", "--mask-prob", dest="noise_density", type=float,
+                   default=0.15)
+    g.add_argument("--mean-noise-span-length", type=float, default=3.0)
+    g.add_argument("--whole-word-masking", action="store_true",
+                   help="noise spans never split a SentencePiece word")
+    g.add_argument("--seed", type=int, default=1234)
+    g = parser.add_argument_group("schedule (for sample counts)")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--global-batch-size", "--batch-size", dest="global_batch_size", type=int,
+                   required=True)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    return parser
+
+
+def check_data_args(args: argparse.Namespace) -> List[str]:
+    """Every problem with the data flags (empty when they are fine)."""
+    problems = []
+    for flag in ("encoder_seq_length", "train_iters", "global_batch_size"):
+        if getattr(args, flag) <= 0:
+            problems.append(f"--{flag.replace('_', '-')} must be positive")
+    if args.decoder_seq_length is not None and args.decoder_seq_length <= 0:
+        problems.append("--decoder-seq-length must be positive")
+    if not 0 < args.noise_density < 1:
+        problems.append(f"--noise-density {args.noise_density} must be in (0, 1)")
+    if args.mean_noise_span_length < 1:
+        problems.append("--mean-noise-span-length must be >= 1")
+    if args.eval_iters < 0 or args.eval_interval < 0:
+        problems.append("--eval-iters and --eval-interval must be >= 0")
+    if not problems:
+        try:
+            t5_config_from_args(args).lengths()
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
+
+
+def t5_config_from_args(args: argparse.Namespace) -> T5DatasetConfig:
+    return T5DatasetConfig(encoder_seq_length=args.encoder_seq_length,
+                           decoder_seq_length=args.decoder_seq_length,
+                           noise_density=args.noise_density,
+                           mean_noise_span_length=args.mean_noise_span_length,
+                           whole_word=args.whole_word_masking, seed=args.seed)
+
+
+def data_config_from_args(args: argparse.Namespace) -> DataConfig:
+    return DataConfig(data_path=args.data_path, split=args.split, data_impl=args.data_impl,
+                      data_cache_path=args.data_cache_path, cache_timeout=args.data_cache_timeout,
+                      t5=t5_config_from_args(args))
+
+
+def sample_counts_from_args(args: argparse.Namespace) -> Tuple[int, int, int]:
+    return split_sample_counts(args.train_iters, args.global_batch_size, args.eval_interval,
+                               args.eval_iters)
