@@ -15,6 +15,7 @@ test-fast:
 bench:
 	$(PYTHON) bench/bench_preprocess.py
 	$(PYTHON) bench/bench_reader.py
+	$(PYTHON) bench/bench_t5_dataset.py
 
 install:
 	$(PYTHON) -m pip install torch==2.13.0
