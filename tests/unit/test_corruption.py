@@ -42,6 +42,15 @@ def put(idx, offset, fmt, value):
     idx[offset:offset + struct.calcsize(fmt)] = struct.pack(fmt, value)
 
 
+def expect_each_corrupt(prefix, idx, cases):
+    """Each (offset, struct format, value, field): writing the value there is caught by field."""
+    for offset, fmt, value, field in cases:
+        bad = bytearray(idx)
+        put(bad, offset, fmt, value)
+        rewrite(prefix, bytes(bad))
+        expect_corrupt(prefix, field)
+
+
 def lengths_at(i):
     return HEADER + 4 * i
 
@@ -83,11 +92,7 @@ def test_header_fields(dataset):
         (18, "<Q", 2**64 - 1, "sequence_count"),
         (26, "<Q", 2**61, "document_count"),
     ]
-    for offset, fmt, value, field in cases:
-        bad = bytearray(idx)
-        put(bad, offset, fmt, value)
-        rewrite(prefix, bytes(bad))
-        expect_corrupt(prefix, field)
+    expect_each_corrupt(prefix, idx, cases)
 
 
 def test_index_arrays(dataset):
@@ -104,11 +109,7 @@ def test_index_arrays(dataset):
         (docs_at(d - 1), "<q", n - 1, "document_indices"),  # does not end at N
         (docs_at(d - 1), "<q", 2**63 - 1, "document_indices"),
     ]
-    for offset, fmt, value, field in cases:
-        bad = bytearray(idx)
-        put(bad, offset, fmt, value)
-        rewrite(prefix, bytes(bad))
-        expect_corrupt(prefix, field)
+    expect_each_corrupt(prefix, idx, cases)
 
 
 def test_empty_document_index(tmp_path):
