@@ -238,7 +238,7 @@ class Progress:
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1 << 20,
+            self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
                              desc="preprocess", dynamic_ncols=True)
         self._quiet = not enabled
 
@@ -328,8 +328,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: --partitions {args.partitions} is not needed (input is streamed); "
               "output is identical", file=sys.stderr)
 
-    total_bytes = sum(os.path.getsize(p) for p in paths)
-    progress = Progress(total_bytes, args.log_interval, enabled=not args.no_progress)
+    # Where each file starts in the concatenated input, for the progress bar.
+    file_starts = np.concatenate([[0], np.cumsum([os.path.getsize(p) for p in paths])])
+    progress = Progress(int(file_starts[-1]), args.log_interval, enabled=not args.no_progress)
     stats = collections.Counter()
     start = time.time()
     report_tmp = f"{report_path}.tmp-{os.getpid()}"
@@ -349,7 +350,6 @@ def run(args: argparse.Namespace) -> int:
         max_pending = 2 * args.workers + 2  # bounded memory: never more chunks than this in flight
         chunks = read_chunks(paths, chunk_bytes=int(args.chunk_mb * (1 << 20)))
         exhausted = False
-        offset_base = 0
         while True:
             while not exhausted and len(pending) < max_pending:
                 chunk = next(chunks, None)
@@ -375,8 +375,7 @@ def run(args: argparse.Namespace) -> int:
             stats["sequences"] += int(res.lengths[0].size) if res.lengths else 0
             stats["tokens"] += sum(int(t.size) for t in res.tokens)
             stats["bytes"] += nbytes
-            offset_base = sum(os.path.getsize(p) for p in paths[:file_index])
-            progress.update(nbytes, res.documents, offset_base + end_offset)
+            progress.update(nbytes, res.documents, int(file_starts[file_index]) + end_offset)
         pool.close()
         pool.join()
         pool = None
