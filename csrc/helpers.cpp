@@ -177,7 +177,12 @@ inline T load(const uint8_t *base, uint64_t i) {
 
 class IndexedBin {
  public:
-  IndexedBin(const std::string &idx_path, const std::string &bin_path) {
+  // `sequences_are_documents`: accept an index whose document_indices is just [0] although it
+  // holds sequences (builders that never end documents, e.g. CPM-2's) and make every sequence
+  // its own document.
+  IndexedBin(const std::string &idx_path, const std::string &bin_path,
+             bool sequences_are_documents)
+      : sequences_are_documents_(sequences_are_documents) {
     try {
       py::gil_scoped_release release;
       idx_ = std::make_unique<MappedFile>(idx_path);
@@ -345,8 +350,20 @@ class IndexedBin {
   int64_t pointer(uint64_t i) const { return load<int64_t>(pointers_, i); }
   int64_t doc_index(uint64_t j) const { return load<int64_t>(doc_idx_, j); }
 
-  void check_document_indices() const {
+  void check_document_indices() {
     const std::string &path = idx_->path();
+    if (d_ == 1 && n_ > 0 && doc_index(0) == 0) {
+      if (!sequences_are_documents_) {
+        corrupt(path, "document_indices",
+                "is [0] although the index holds ", n_, " sequences: the writer never ended a "
+                "document (CPM-2's builder does this); open it with sequences_are_documents=True");
+      }
+      own_doc_idx_.resize(n_ + 1);
+      for (uint64_t j = 0; j <= n_; ++j) own_doc_idx_[j] = static_cast<int64_t>(j);
+      doc_idx_ = reinterpret_cast<const uint8_t *>(own_doc_idx_.data());
+      d_ = n_ + 1;
+      return;
+    }
     if (d_ == 0) corrupt(path, "document_indices", "is empty, expected at least [0]");
     if (doc_index(0) != 0) corrupt(path, "document_indices", "[0] is ", doc_index(0), ", expected 0");
     for (uint64_t j = 1; j < d_; ++j) {
@@ -403,6 +420,7 @@ class IndexedBin {
   static const int64_t kEmpty;
 
   std::unique_ptr<MappedFile> idx_, bin_;
+  bool sequences_are_documents_ = false;
   bool legacy_ = false;
   uint64_t code_ = 0;
   DtypeInfo dtype_{};
@@ -423,8 +441,8 @@ PYBIND11_MODULE(_helpers, m) {
 
   py::class_<IndexedBin>(m, "IndexedBin",
                          "A validated, memory-mapped .idx/.bin pair (MMIDIDX v1 or legacy TNTIDX).")
-      .def(py::init<const std::string &, const std::string &>(), py::arg("idx_path"),
-           py::arg("bin_path"))
+      .def(py::init<const std::string &, const std::string &, bool>(), py::arg("idx_path"),
+           py::arg("bin_path"), py::arg("sequences_are_documents") = false)
       .def_property_readonly(
           "sequence_lengths",
           [](py::object self) { return self.cast<const IndexedBin &>().sequence_lengths(self); },

@@ -90,6 +90,8 @@ class IndexedDataset:
         impl: 'mmap' (MMIDIDX), 'lazy' or 'cached' (legacy TNTIDX; both are memory-mapped here), or
             'infer' (choose by the magic). A file in the other format than the one asked for is an
             error that says which format it has.
+        sequences_are_documents: accept an index whose document list is just [0] (written by a
+            builder that never ends documents, as CPM-2's) and treat each sequence as a document.
 
     Raises:
         FileNotFoundError: a file is missing.
@@ -97,13 +99,16 @@ class IndexedDataset:
             message names the file and the field.
     """
 
-    def __init__(self, path_prefix: str, impl: str = "mmap") -> None:
+    def __init__(self, path_prefix: str, impl: str = "mmap",
+                 sequences_are_documents: bool = False) -> None:
         if impl not in IMPLS:
             raise ValueError(f"unknown dataset impl {impl!r}: choose one of {', '.join(IMPLS)}")
         self.path_prefix = str(path_prefix)
         self._requested_impl = impl
+        self._sequences_are_documents = sequences_are_documents
         self._bin = _helpers.IndexedBin(
-            index_file_path(self.path_prefix), data_file_path(self.path_prefix)
+            index_file_path(self.path_prefix), data_file_path(self.path_prefix),
+            sequences_are_documents,
         )
         found = "lazy" if self._bin.legacy else "mmap"
         if impl != "infer" and (found == "mmap") != (impl == "mmap"):
@@ -119,10 +124,11 @@ class IndexedDataset:
 
     # Pickling reopens the files, so DataLoader workers and spawned processes can receive a dataset.
     def __getstate__(self):
-        return {"path_prefix": self.path_prefix, "impl": self._requested_impl}
+        return {"path_prefix": self.path_prefix, "impl": self._requested_impl,
+                "sequences_are_documents": self._sequences_are_documents}
 
     def __setstate__(self, state):
-        self.__init__(state["path_prefix"], state["impl"])
+        self.__init__(state["path_prefix"], state["impl"], state["sequences_are_documents"])
 
     def __len__(self) -> int:
         return self._bin.num_sequences

@@ -185,3 +185,25 @@ def test_mmap_file_with_legacy_impl_is_an_error(tmp_path):
     (tmp_path / "junk.idx").write_bytes(b"JUNKJUNKJUNK")
     with pytest.raises(CorruptIndexError, match="junk.idx.*magic"):
         infer_dataset_impl(str(tmp_path / "junk"))
+
+
+def test_index_without_document_ends(tmp_path):
+    """CPM-2's builder never ends documents: document_indices is [0] with N sequences."""
+    prefix = str(tmp_path / "cpm2")
+    seqs = [np.arange(3), np.arange(5), np.arange(2)]
+    with open(prefix + ".bin", "wb") as f:
+        for s in seqs:
+            f.write(s.astype(np.uint16).tobytes())
+    lengths = np.array([3, 5, 2], dtype=np.int32)
+    pointers = np.array([0, 6, 16], dtype=np.int64)
+    with open(prefix + ".idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, 3, 1))
+        f.write(lengths.tobytes() + pointers.tobytes() + np.zeros(1, np.int64).tobytes())
+    with pytest.raises(CorruptIndexError, match="sequences_are_documents=True"):
+        IndexedDataset(prefix)
+    ds = IndexedDataset(prefix, sequences_are_documents=True)
+    assert ds.num_documents == 3 and ds.document_indices.tolist() == [0, 1, 2, 3]
+    assert [ds.document(d)[0].tolist() for d in range(3)] == [s.tolist() for s in seqs]
+    import pickle
+
+    assert pickle.loads(pickle.dumps(ds)).num_documents == 3
