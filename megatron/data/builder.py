@@ -19,7 +19,9 @@ import numpy as np
 
 from megatron.data import _helpers
 from megatron.data.index_cache import cached_arrays
-from megatron.data.indexed_dataset import IndexedDataset, dataset_exists, index_file_path
+from megatron.data.cpm2_dataset import CPM2Dataset, cpm2_prefixes, is_cpm2_prefix
+from megatron.data.indexed_dataset import IndexedDataset, dataset_exists
+from megatron.data.megatron_t5_dataset import MegatronT5Dataset
 from megatron.data.t5_dataset import T5DatasetConfig, T5SpanCorruptionDataset, T5SpecialTokens
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -84,9 +86,10 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[
             raise ValueError(f"--data-path weights {weights} must be >= 0 with a positive sum")
     else:
         prefixes, weights = items, None
-    missing = [p for p in prefixes if not dataset_exists(p)]
+    missing = [p for p in prefixes if not dataset_exists(p) and not is_cpm2_prefix(p)]
     if missing:
-        raise ValueError("--data-path: no .bin/.idx pair for " + ", ".join(missing))
+        raise ValueError("--data-path: no .bin/.idx pair (nor CPM-2's _context, _target, "
+                         "_target_offset pairs) for " + ", ".join(missing))
     return prefixes, weights
 
 
@@ -123,9 +126,18 @@ class BlendedDataset:
             int(self.dataset_sample_index[index])]
 
 
+OBJECTIVES = ("span-corruption", "megatron")
+
+
 @dataclass
 class DataConfig:
-    """What `build_datasets` needs besides the tokenizer."""
+    """What `build_datasets` needs besides the tokenizer.
+
+    objective: "span-corruption" (T5's, on `_text_document` data) or "megatron" (Megatron's T5:
+        geometric n-gram masking on `_text_sentence` data, with `short_seq_prob`, `max_ngram`).
+        A prefix with CPM-2's three files (`P_context`, `P_target`, `P_target_offset`) is always
+        read as CPM-2 data.
+    """
 
     data_path: Sequence[str]
     split: str = "969,30,1"
@@ -133,15 +145,56 @@ class DataConfig:
     data_cache_path: Optional[str] = None
     cache_timeout: float = 3600.0
     t5: T5DatasetConfig = T5DatasetConfig()
+    objective: str = "span-corruption"
+    short_seq_prob: float = 0.1
+    max_ngram: int = 10
+
+
+class _Source:
+    """One --data-path entry: a token dataset, or CPM-2's three files."""
+
+    def __init__(self, prefix: str, impl: str) -> None:
+        self.prefix = prefix
+        self.cpm2 = is_cpm2_prefix(prefix) and not dataset_exists(prefix)
+        opened = IndexedDataset(cpm2_prefixes(prefix)[0], impl, sequences_are_documents=True) \
+            if self.cpm2 else IndexedDataset(prefix, impl)
+        self.num_documents = opened.num_documents
+        self.num_tokens = opened.num_tokens
+        self.indexed = None if self.cpm2 else opened
+
+    def make(self, name: str, documents: Tuple[int, int], num_samples: int, config: DataConfig,
+             tokens: T5SpecialTokens, cache_dir: str):
+        t5 = config.t5
+        if self.cpm2 or config.objective == "megatron":
+            if t5.decoder_seq_length is None:
+                kind = "CPM-2 data" if self.cpm2 else "--t5-objective megatron"
+                raise ValueError(f"{kind} ({self.prefix}) needs --decoder-seq-length")
+        if self.cpm2:
+            return CPM2Dataset(self.prefix, documents, num_samples, t5.encoder_seq_length,
+                               t5.decoder_seq_length, tokens, seed=t5.seed, name=name,
+                               impl=config.data_impl, cache_dir=cache_dir,
+                               cache_timeout=config.cache_timeout)
+        if config.objective == "megatron":
+            return MegatronT5Dataset(name, self.indexed, documents, num_samples,
+                                     t5.encoder_seq_length, t5.decoder_seq_length, tokens,
+                                     masked_lm_prob=t5.noise_density,
+                                     short_seq_prob=config.short_seq_prob,
+                                     max_ngram=config.max_ngram, seed=t5.seed,
+                                     cache_dir=cache_dir, cache_timeout=config.cache_timeout)
+        return T5SpanCorruptionDataset(name, self.indexed, documents, num_samples, t5, tokens,
+                                       cache_dir, config.cache_timeout)
 
 
 def build_datasets(config: DataConfig, tokens: T5SpecialTokens,
                    num_samples: Tuple[int, int, int]) -> Dict[str, Optional[object]]:
     """{"train"|"valid"|"test": dataset or None (an empty split or no samples asked)}."""
+    if config.objective not in OBJECTIVES:
+        raise ValueError(f"--t5-objective {config.objective!r}: choose one of "
+                         f"{', '.join(OBJECTIVES)}")
     prefixes, weights = parse_data_path(config.data_path)
-    indexed = [IndexedDataset(p, impl=config.data_impl) for p in prefixes]
+    sources = [_Source(p, config.data_impl) for p in prefixes]
     if weights is None:
-        weights = [float(d.num_tokens) for d in indexed]
+        weights = [float(d.num_tokens) for d in sources]
     total_weight = sum(weights)
     weights = [w / total_weight for w in weights]
     out: Dict[str, Optional[object]] = {}
@@ -150,24 +203,21 @@ def build_datasets(config: DataConfig, tokens: T5SpecialTokens,
             out[name] = None
             continue
         parts, part_weights = [], []
-        for d, w in zip(indexed, weights):
+        for d, w in zip(sources, weights):
             start, end = parse_split(config.split, d.num_documents)[s]
             if end <= start or w == 0:
                 continue
-            share = num_samples[s] if len(indexed) == 1 else int(np.ceil(num_samples[s] * w * 1.005))
-            cache_dir = config.data_cache_path or f"{d.path_prefix}_cache"
-            parts.append(T5SpanCorruptionDataset(name, d, (start, end), share, config.t5, tokens,
-                                                 cache_dir, config.cache_timeout))
+            share = num_samples[s] if len(sources) == 1 else int(np.ceil(num_samples[s] * w * 1.005))
+            cache_dir = config.data_cache_path or f"{d.prefix}_cache"
+            parts.append(d.make(name, (start, end), share, config, tokens, cache_dir))
             part_weights.append(w)
         if not parts:
             out[name] = None
         elif len(parts) == 1:
             out[name] = parts[0]
         else:
-            cache_dir = config.data_cache_path or os.path.dirname(
-                os.path.abspath(index_file_path(prefixes[0])))
-            out[name] = BlendedDataset(name, parts, part_weights, num_samples[s],
-                                       os.path.join(cache_dir, "blend_cache")
-                                       if not config.data_cache_path else cache_dir,
+            cache_dir = config.data_cache_path or os.path.join(
+                os.path.dirname(os.path.abspath(prefixes[0])), "blend_cache")
+            out[name] = BlendedDataset(name, parts, part_weights, num_samples[s], cache_dir,
                                        config.cache_timeout)
     return out

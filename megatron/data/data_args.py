@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Tuple
 
-from megatron.data.builder import DataConfig, split_sample_counts
+from megatron.data.builder import OBJECTIVES, DataConfig, split_sample_counts
 from megatron.data.indexed_dataset import IMPLS
 from megatron.data.t5_dataset import T5DatasetConfig
 
@@ -41,6 +41,14 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--whole-word-masking", action="store_true",
                    help="noise spans never split a SentencePiece word")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--t5-objective", choices=OBJECTIVES, default="span-corruption",
+                   help="span-corruption: T5's, on _text_document data; megatron: Megatron's "
+                        "geometric n-gram masking on _text_sentence data (CPM-2 three-file data "
+                        "is recognised by its files)")
+    g.add_argument("--short-seq-prob", type=float, default=0.1,
+                   help="--t5-objective megatron: probability of a shorter sample")
+    g.add_argument("--max-ngram", type=int, default=10,
+                   help="--t5-objective megatron: longest masked n-gram")
     g = parser.add_argument_group("schedule (for sample counts)")
     g.add_argument("--train-iters", type=int, required=True)
     g.add_argument("--global-batch-size", "--batch-size", dest="global_batch_size", type=int,
@@ -64,7 +72,13 @@ def check_data_args(args: argparse.Namespace) -> List[str]:
         problems.append("--mean-noise-span-length must be >= 1")
     if args.eval_iters < 0 or args.eval_interval < 0:
         problems.append("--eval-iters and --eval-interval must be >= 0")
-    if not problems:
+    if not 0 <= args.short_seq_prob <= 1:
+        problems.append(f"--short-seq-prob {args.short_seq_prob} must be in [0, 1]")
+    if args.max_ngram < 1:
+        problems.append("--max-ngram must be >= 1")
+    if args.t5_objective == "megatron" and args.decoder_seq_length is None:
+        problems.append("--t5-objective megatron needs --decoder-seq-length")
+    if not problems and args.t5_objective == "span-corruption":
         try:
             t5_config_from_args(args).lengths()
         except ValueError as e:
@@ -83,7 +97,8 @@ def t5_config_from_args(args: argparse.Namespace) -> T5DatasetConfig:
 def data_config_from_args(args: argparse.Namespace) -> DataConfig:
     return DataConfig(data_path=args.data_path, split=args.split, data_impl=args.data_impl,
                       data_cache_path=args.data_cache_path, cache_timeout=args.data_cache_timeout,
-                      t5=t5_config_from_args(args))
+                      t5=t5_config_from_args(args), objective=args.t5_objective,
+                      short_seq_prob=args.short_seq_prob, max_ngram=args.max_ngram)
 
 
 def sample_counts_from_args(args: argparse.Namespace) -> Tuple[int, int, int]:

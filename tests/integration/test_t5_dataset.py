@@ -213,3 +213,22 @@ def test_build_indices_reports_bad_flags(spm_model, tmp_path, capsys):
                                str(spm_model), "--train-iters", "5",
                                "--global-batch-size", "8"]) == 1
     assert "no .bin/.idx pair" in capsys.readouterr().err
+
+
+def test_megatron_objective_on_sentence_data(tmp_path, spm_model, corpora_dir, corpus):
+    from megatron.data.megatron_t5_dataset import MegatronT5Dataset
+
+    assert preprocess_data.main(["--input", str(corpora_dir / "zh_cmrc2019_stories.jsonl"),
+                                 "--output-prefix", str(tmp_path / "zh"), "--tokenizer-model",
+                                 str(spm_model), "--split-sentences", "--workers", "1",
+                                 "--no-progress"]) == 0
+    args, _ = add_data_args(argparse.ArgumentParser()).parse_known_args(
+        ["--data-path", str(tmp_path / "zh_text_sentence"), "--tokenizer-model", str(spm_model),
+         "--t5-objective", "megatron", "--encoder-seq-length", "128",
+         "--decoder-seq-length", "64", "--train-iters", "10", "--global-batch-size", "4",
+         "--split", "1", "--data-cache-path", str(tmp_path / "cache")])
+    train = build_datasets(data_config_from_args(args), corpus[2],
+                           sample_counts_from_args(args))["train"]
+    assert isinstance(train, MegatronT5Dataset) and len(train) == 40
+    sample = train[3]
+    assert sample["encoder_input_ids"].shape == (128,) and sample["labels"].shape == (64,)

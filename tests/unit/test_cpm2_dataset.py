@@ -384,3 +384,26 @@ def test_reads_cpm2_index_without_document_boundaries(tmp_path):
         f.truncate(os.path.getsize(path) - 4)
     with pytest.raises(CorruptIndexError, match=r"ab_target\.idx"):
         make(prefix, tmp_path, 2, 6, 8)
+
+
+def test_build_datasets_recognises_cpm2_files(tmp_path):
+    from megatron.data.builder import DataConfig, build_datasets
+    from megatron.data.t5_dataset import T5DatasetConfig
+
+    prefix = str(tmp_path / "corpus_document")
+    write_docs(prefix, random_corpus(np.random.default_rng(3), 40))
+    tokens = T5SpecialTokens(pad_id=PAD, eos_id=EOD, decoder_start_token_id=START,
+                             sentinel_ids=tuple(range(200, 220)))
+    t5 = T5DatasetConfig(encoder_seq_length=16, decoder_seq_length=12, seed=5)
+    config = DataConfig(data_path=[prefix], split="90,10,0", t5=t5,
+                        data_cache_path=str(tmp_path / "cache"))
+    built = build_datasets(config, tokens, (20, 4, 0))
+    direct = CPM2Dataset(prefix, (0, 36), 20, 16, 12, tokens, seed=5,
+                         cache_dir=str(tmp_path / "cache2"))
+    assert isinstance(built["train"], CPM2Dataset) and built["test"] is None
+    for i in range(20):
+        for key, value in direct[i].items():
+            np.testing.assert_array_equal(built["train"][i][key], value)
+    with pytest.raises(ValueError, match="needs --decoder-seq-length"):
+        build_datasets(DataConfig(data_path=[prefix], t5=T5DatasetConfig(16)), tokens,
+                       (20, 0, 0))
