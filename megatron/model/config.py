@@ -1,0 +1,237 @@
+"""T5Config: the architecture of a T5 / T5 v1.1 / CPM-2 encoder-decoder, read from JSON.
+
+A Hugging Face T5 `config.json` and a CPM-2 model config both load as they are. Every field that
+shapes the model is honoured; keys that only describe a Hugging Face checkpoint (its class name,
+library version, generation defaults) are accepted and listed in `HF_METADATA_KEYS`; any other key
+is an error that names the file and the key, so a typo cannot silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional, Union
+
+ACTIVATIONS = ("relu", "gelu", "gelu_new", "gelu_pytorch_tanh", "silu", "swish")
+
+# Keys of Hugging Face config.json files that do not change the architecture we build.
+HF_METADATA_KEYS = frozenset({
+    "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype",
+    "dtype", "use_cache", "is_encoder_decoder", "n_positions", "output_past",
+    "task_specific_params", "tokenizer_class", "gradient_checkpointing", "classifier_dropout",
+    "is_gated_act", "dense_act_fn", "bos_token_id", "output_attentions",
+    "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type",
+})
+
+
+class ConfigError(ValueError):
+    """A model configuration that cannot be built; the message names the file and key."""
+
+
+@dataclass
+class T5Config:
+    """The architecture. Field names are Hugging Face's (CPM-2 uses the same ones)."""
+
+    vocab_size: int = 32128
+    """Token ids the tokenizer produces (sentinels included); the embedding table is padded."""
+    d_model: int = 512
+    """Width of the residual stream."""
+    d_kv: int = 64
+    """Width of one attention head (d_model need not equal num_heads * d_kv)."""
+    d_ff: int = 2048
+    """Inner width of the feed-forward block."""
+    num_layers: int = 6
+    """Encoder blocks."""
+    num_decoder_layers: Optional[int] = None
+    """Decoder blocks; None means num_layers."""
+    num_heads: int = 8
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    dropout_rate: float = 0.1
+    layer_norm_epsilon: float = 1e-6
+    feed_forward_proj: str = "relu"
+    """'relu' (T5 v1.0), 'gated-gelu' (T5 v1.1, CPM-2: tanh GELU), or [gated-]{relu,gelu,silu}."""
+    tie_word_embeddings: bool = True
+    """True: the LM head is the input embedding and the decoder output is scaled by
+    d_model ** -0.5 (T5 v1.0). False: a separate lm_head and no scaling (T5 v1.1, mT5)."""
+    initializer_factor: float = 1.0
+    """Scale of Hugging Face's initialization (init_method 'hf')."""
+    init_method: Optional[str] = None
+    """'hf' (Hugging Face's per-layer standard deviations) or 'cpm2' (normal with
+    init_method_std, output layers scaled by 1/sqrt(2 * layers)). None: 'cpm2' when the file
+    sets init_method_std, else 'hf'."""
+    init_method_std: float = 0.02
+    pad_token_id: int = 0
+    eos_token_id: int = 1
+    decoder_start_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_decoder_layers is None:
+            self.num_decoder_layers = self.num_layers
+        if self.init_method is None:
+            self.init_method = "hf"
+        self.validate()
+
+    # Derived properties -----------------------------------------------------------------------
+    @property
+    def is_gated_act(self) -> bool:
+        return self.feed_forward_proj.startswith("gated-")
+
+    @property
+    def activation(self) -> str:
+        """The activation's name; 'gated-gelu' means the tanh GELU, as in Hugging Face."""
+        if self.feed_forward_proj == "gated-gelu":
+            return "gelu_new"
+        return self.feed_forward_proj.split("-")[-1]
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_heads * self.d_kv
+
+    def padded_vocab_size(self, divisible_by: int = 128, tensor_parallel_size: int = 1) -> int:
+        """The embedding rows: vocab_size rounded up to a multiple of divisible_by x TP."""
+        multiple = divisible_by * tensor_parallel_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def num_parameters(self, divisible_by: int = 1, tensor_parallel_size: int = 1) -> int:
+        """All parameters of the unsharded model (embedding at its padded size)."""
+        d, inner, ff = self.d_model, self.inner_dim, self.d_ff
+        vocab = self.padded_vocab_size(divisible_by, tensor_parallel_size)
+        ffn = (3 if self.is_gated_act else 2) * d * ff
+        attention = 4 * d * inner
+        bias = self.relative_attention_num_buckets * self.num_heads
+        encoder = self.num_layers * (attention + ffn + 2 * d) + bias + d
+        decoder = self.num_decoder_layers * (2 * attention + ffn + 3 * d) + bias + d
+        head = 0 if self.tie_word_embeddings else vocab * d
+        return vocab * d + encoder + decoder + head
+
+    # Validation -------------------------------------------------------------------------------
+    def problems(self) -> list:
+        """Every problem with the values, as messages; empty when the config is buildable."""
+        out = []
+        for name in ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers",
+                     "num_heads", "relative_attention_num_buckets",
+                     "relative_attention_max_distance"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                out.append(f"{name} must be a positive integer, not {value!r}")
+        for name in ("dropout_rate",):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 <= value < 1:
+                out.append(f"{name} must be in [0, 1), not {value!r}")
+        for name in ("layer_norm_epsilon", "initializer_factor", "init_method_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                out.append(f"{name} must be a positive number, not {value!r}")
+        parts = self.feed_forward_proj.split("-") if isinstance(self.feed_forward_proj, str) \
+            else []
+        if not parts or len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated") \
+                or parts[-1] not in ACTIVATIONS:
+            out.append(f"feed_forward_proj {self.feed_forward_proj!r} is not one of relu, "
+                       f"gated-gelu, or [gated-]{{{', '.join(ACTIVATIONS)}}}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            out.append(f"tie_word_embeddings must be true or false, not "
+                       f"{self.tie_word_embeddings!r}")
+        if self.init_method not in ("hf", "cpm2"):
+            out.append(f"init_method must be 'hf' or 'cpm2', not {self.init_method!r}")
+        if isinstance(self.relative_attention_num_buckets, int) \
+                and self.relative_attention_num_buckets < 4:
+            out.append("relative_attention_num_buckets must be at least 4 (half exact, half "
+                       "logarithmic, in each direction)")
+        for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
+            value = getattr(self, name)
+            if isinstance(value, int) and isinstance(self.vocab_size, int) \
+                    and not 0 <= value < self.vocab_size:
+                out.append(f"{name} {value} is outside the vocabulary (size {self.vocab_size})")
+        return out
+
+    def validate(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ConfigError("invalid model config: " + "; ".join(problems))
+
+    # I/O --------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: Dict[str, Any], source: str = "model config") -> "T5Config":
+        """Build from a dict of Hugging Face / CPM-2 fields; unknown keys are errors."""
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = [k for k in values if k not in known and k not in HF_METADATA_KEYS]
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ConfigError(f"{source}: unknown key(s) {', '.join(hints)}; known keys: "
+                              f"{', '.join(sorted(known))}")
+        problems = _metadata_problems(values)
+        fields = {k: v for k, v in values.items() if k in known}
+        if "init_method" not in fields and "init_method_std" in fields:
+            fields["init_method"] = "cpm2"
+        try:
+            config = cls(**fields)
+        except ConfigError as err:
+            problems.append(str(err).removeprefix("invalid model config: "))
+            config = None
+        except TypeError as err:
+            problems.append(str(err))
+            config = None
+        if problems:
+            raise ConfigError(f"{source}: " + "; ".join(problems))
+        return config
+
+    @classmethod
+    def from_json(cls, path: Union[str, Path]) -> "T5Config":
+        """Read a JSON file (Hugging Face config.json, CPM-2 model config or a preset)."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise ConfigError(f"cannot read model config {path}: {err.strerror}") from None
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: "
+                              f"{err.msg})") from None
+        return cls.from_dict(values, source=str(path))
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_hf_dict(self) -> Dict[str, Any]:
+        """The fields of a Hugging Face T5 config.json for this architecture."""
+        out = {k: v for k, v in self.to_dict().items() if k not in ("init_method",
+                                                                    "init_method_std")}
+        out.update(model_type="t5", architectures=["T5ForConditionalGeneration"],
+                   is_encoder_decoder=True)
+        return out
+
+
+def _metadata_problems(values: Dict[str, Any]) -> list:
+    """Metadata keys that contradict what we would build (another model type, say)."""
+    out = []
+    if values.get("model_type", "t5") not in ("t5", "mt5"):
+        out.append(f"model_type {values['model_type']!r} is not a T5 model (t5 or mt5)")
+    if values.get("is_encoder_decoder", True) is not True:
+        out.append("is_encoder_decoder is false: only encoder-decoder models are built here")
+    return out
+
+
+def load_preset(name: str) -> T5Config:
+    """A preset from configs/model/ by name (t5-base, t5-v1_1-xl, cpm2-11b, ...) or a path."""
+    path = Path(name)
+    if not path.suffix:
+        path = PRESET_DIR / f"{name}.json"
+    if not path.is_file():
+        names = sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+        raise ConfigError(f"no model config {name!r}; presets: {', '.join(names)}")
+    return T5Config.from_json(path)
+
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"

@@ -1,0 +1,226 @@
+"""The T5 encoder-decoder: shared embedding -> encoder blocks -> decoder blocks -> LM head.
+
+The model is a flat sequence of layers (`T5Model.layers()`), each taking and returning one
+`Carry`, so a pipeline stage can be cut between any two of them:
+
+    embed_encoder, encoder.block[0..], finish_encoder, embed_decoder, decoder.block[0..],
+    finish_decoder
+
+followed by the head (`lm_logits`) and the loss. Parameter names are Hugging Face's
+T5ForConditionalGeneration names (`shared`, `encoder.block.N...`, `decoder.final_layer_norm`,
+`lm_head` when untied). The vocabulary is padded to a multiple of make_vocab_size_divisible_by x
+TP; the padded logits are excluded from the loss and from the logits' meaning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+from torch import nn
+
+from megatron import parallel_state
+from megatron.model.config import ConfigError, T5Config
+from megatron.model.transformer import Carry, InitMethods, T5Block, T5LayerNorm
+from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    parallel_lm_logits,
+)
+from megatron.tensor_parallel.random import checkpoint
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "eager")
+
+
+@dataclass
+class T5Output:
+    """logits: [batch, dec_len, padded vocab / TP], this rank's vocabulary slice.
+    loss: mean over the labelled tokens (None without labels).
+    token_losses: [batch, dec_len], 0 where labels are -100 (None without labels)."""
+
+    logits: torch.Tensor
+    loss: Optional[torch.Tensor] = None
+    token_losses: Optional[torch.Tensor] = None
+
+
+def model_parallel_problems(config: T5Config, tensor_parallel_size: int) -> List[str]:
+    """What keeps `config` from being split over `tensor_parallel_size` ranks."""
+    out = []
+    for name, value in (("num_heads", config.num_heads), ("d_ff", config.d_ff)):
+        if value % tensor_parallel_size:
+            out.append(f"{name} ({value}) is not divisible by the tensor-model-parallel size "
+                       f"{tensor_parallel_size}")
+    return out
+
+
+def use_sdpa_for(backend: str, device_type: str) -> bool:
+    """'auto' picks torch's fused attention where it is faster with T5's additive bias: on CUDA;
+    on CPU the eager path is faster for T5 shapes (bench/bench_model.py)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is not one of {ATTENTION_BACKENDS}")
+    return backend == "sdpa" or (backend == "auto" and device_type == "cuda")
+
+
+class T5Stack(nn.Module):
+    def __init__(self, config: T5Config, is_decoder: bool, use_sdpa: bool, device=None,
+                 dtype=None) -> None:
+        super().__init__()
+        num_layers = config.num_decoder_layers if is_decoder else config.num_layers
+        init = InitMethods(config, num_layers)
+        self.block = nn.ModuleList([
+            T5Block(config, init, is_decoder, has_relative_attention_bias=(i == 0),
+                    use_sdpa=use_sdpa, device=device, dtype=dtype)
+            for i in range(num_layers)])
+        self.final_layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device,
+                                            dtype)
+
+
+class T5Model(nn.Module):
+    """T5 / T5 v1.1 / CPM-2 for span-corruption pretraining, tensor-parallel through its layers.
+
+    Args:
+        config: the architecture.
+        make_vocab_size_divisible_by: the embedding is padded to a multiple of this x TP.
+        attention_backend: 'auto', 'sdpa' (torch.nn.functional.scaled_dot_product_attention) or
+            'eager'.
+        checkpoint_activations: recompute blocks in backward, `checkpoint_num_layers` at a time.
+        label_smoothing: of the cross entropy.
+        device, dtype: of the parameters ('meta' builds without memory or initialization).
+
+    Raises:
+        ConfigError: the config cannot be split over the tensor-parallel ranks.
+    """
+
+    def __init__(self, config: T5Config, make_vocab_size_divisible_by: int = 128,
+                 attention_backend: str = "auto", checkpoint_activations: bool = False,
+                 checkpoint_num_layers: int = 1, label_smoothing: float = 0.0, device=None,
+                 dtype=None) -> None:
+        super().__init__()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        problems = model_parallel_problems(config, tp)
+        if checkpoint_num_layers < 1:
+            problems.append(f"checkpoint_num_layers must be at least 1, not "
+                            f"{checkpoint_num_layers}")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.config = config
+        self.padded_vocab_size = config.padded_vocab_size(make_vocab_size_divisible_by, tp)
+        self.checkpoint_activations = checkpoint_activations
+        self.checkpoint_num_layers = checkpoint_num_layers
+        self.label_smoothing = label_smoothing
+        device_type = torch.device(device).type if device is not None else (
+            "cuda" if torch.cuda.is_available() else "cpu")
+        use_sdpa = use_sdpa_for(attention_backend, device_type)
+        init = InitMethods(config, config.num_layers)
+        self.shared = VocabParallelEmbedding(self.padded_vocab_size, config.d_model,
+                                             init_method=init("embedding"), device=device,
+                                             dtype=dtype)
+        self.encoder = T5Stack(config, False, use_sdpa, device, dtype)
+        self.decoder = T5Stack(config, True, use_sdpa, device, dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = ColumnParallelLinear(config.d_model, self.padded_vocab_size,
+                                                init_method=init("lm_head"), device=device,
+                                                dtype=dtype)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    # The flat layer list ----------------------------------------------------------------------
+    def embed_encoder(self, carry: Carry) -> Carry:
+        """carry.hidden holds the encoder input ids on entry."""
+        return carry._replace(hidden=self.dropout(self.shared(carry.hidden)))
+
+    def finish_encoder(self, carry: Carry) -> Carry:
+        output = self.dropout(self.encoder.final_layer_norm(carry.hidden))
+        return carry._replace(hidden=None, encoder_output=output, position_bias=None)
+
+    def embed_decoder(self, carry: Carry) -> Carry:
+        return carry._replace(hidden=self.dropout(self.shared(carry.decoder_input_ids)),
+                              position_bias=None)
+
+    def finish_decoder(self, carry: Carry) -> Carry:
+        hidden = self.dropout(self.decoder.final_layer_norm(carry.hidden))
+        if self.config.tie_word_embeddings:
+            hidden = hidden * (self.config.d_model ** -0.5)
+        return carry._replace(hidden=hidden)
+
+    def layers(self) -> List[Callable[[Carry], Carry]]:
+        return [self.embed_encoder, *self.encoder.block, self.finish_encoder,
+                self.embed_decoder, *self.decoder.block, self.finish_decoder]
+
+    # Head and loss ----------------------------------------------------------------------------
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[batch, dec_len, padded vocab / TP]."""
+        if self.config.tie_word_embeddings:
+            return parallel_lm_logits(hidden, self.shared.weight)
+        return self.lm_head(hidden)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor):
+        """(mean loss over labelled tokens, per-token losses)."""
+        token_losses = vocab_parallel_cross_entropy(logits, labels, self.config.vocab_size,
+                                                    label_smoothing=self.label_smoothing)
+        count = (labels != -100).sum().clamp(min=1)
+        return token_losses.sum() / count, token_losses
+
+    # Whole model ------------------------------------------------------------------------------
+    @staticmethod
+    def initial_carry(encoder_input_ids: torch.Tensor, decoder_input_ids: torch.Tensor,
+                      encoder_attention_mask: Optional[torch.Tensor] = None,
+                      decoder_attention_mask: Optional[torch.Tensor] = None) -> Carry:
+        """The carry entering the first layer: ids and additive masks (float32)."""
+        minimum = torch.finfo(torch.float32).min
+        device = encoder_input_ids.device
+        batch, enc_len = encoder_input_ids.shape
+        dec_len = decoder_input_ids.shape[1]
+        enc_keep = (torch.ones(batch, enc_len, dtype=torch.bool, device=device)
+                    if encoder_attention_mask is None else encoder_attention_mask.bool())
+        dec_keep = torch.ones(dec_len, dec_len, dtype=torch.bool, device=device).tril()
+        dec_keep = dec_keep[None, None]
+        if decoder_attention_mask is not None:
+            dec_keep = dec_keep & decoder_attention_mask.bool()[:, None, None, :]
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        encoder_mask = torch.where(enc_keep[:, None, None, :], zero, minimum)
+        decoder_mask = torch.where(dec_keep, zero, minimum).expand(batch, 1, dec_len, dec_len)
+        return Carry(hidden=encoder_input_ids, encoder_output=None, encoder_mask=encoder_mask,
+                     decoder_mask=decoder_mask, position_bias=None,
+                     decoder_input_ids=decoder_input_ids)
+
+    def run_layers(self, carry: Carry, layers=None) -> Carry:
+        """Run layers (default: all) on a carry, checkpointing blocks when configured."""
+        layers = self.layers() if layers is None else layers
+        recompute = self.checkpoint_activations and torch.is_grad_enabled()
+        i = 0
+        while i < len(layers):
+            if recompute and isinstance(layers[i], T5Block):
+                j = i
+                while (j < len(layers) and j - i < self.checkpoint_num_layers
+                       and isinstance(layers[j], T5Block)
+                       and layers[j].is_decoder == layers[i].is_decoder):
+                    j += 1
+                carry = Carry(*checkpoint(_chunk_runner(layers[i:j]), *carry))
+                i = j
+            else:
+                carry = layers[i](carry)
+                i += 1
+        return carry
+
+    def forward(self, encoder_input_ids: torch.Tensor, decoder_input_ids: torch.Tensor,
+                encoder_attention_mask: Optional[torch.Tensor] = None,
+                decoder_attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> T5Output:
+        carry = self.initial_carry(encoder_input_ids, decoder_input_ids, encoder_attention_mask,
+                                   decoder_attention_mask)
+        logits = self.lm_logits(self.run_layers(carry).hidden)
+        if labels is None:
+            return T5Output(logits=logits)
+        loss, token_losses = self.loss(logits, labels)
+        return T5Output(logits=logits, loss=loss, token_losses=token_losses)
+
+
+def _chunk_runner(blocks):
+    def run(*fields):
+        carry = Carry(*fields)
+        for block in blocks:
+            carry = block(carry)
+        return tuple(carry)
+    return run

@@ -1,0 +1,326 @@
+"""The pieces of a T5 block, as in Hugging Face's modeling_t5.py, with tensor-parallel linears.
+
+Names follow Hugging Face (`q`, `k`, `v`, `o`, `relative_attention_bias`, `wi`, `wi_0`, `wi_1`,
+`wo`, `layer_norm`, `layer.0/1/2`), so a state dict converts by name. Heads and the feed-forward
+width are split over tensor-parallel ranks (q, k, v, wi column-parallel; o, wo row-parallel; the
+relative attention bias by heads). With TP=1 the same classes are plain math.
+
+T5's particulars: RMSNorm without bias or mean, variance in fp32; no 1/sqrt(d_kv) scaling of
+the scores; an additive relative position bias computed by block 0 of each stack and reused by
+the others; no position bias in cross-attention; bias-free linears.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron import parallel_state
+from megatron.model.config import T5Config
+from megatron.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    InitMethod,
+    RowParallelLinear,
+    _initialize_shard,
+    divide,
+    normal_init,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.tensor_parallel.random import get_cuda_rng_tracker
+
+
+class Carry(NamedTuple):
+    """What every layer of the flat layer list takes and returns.
+
+    hidden: [batch, length, d_model] of the stack being run.
+    encoder_output: [batch, enc_len, d_model], None until the encoder has finished.
+    encoder_mask: [batch, 1, 1, enc_len], additive (0 or the float32 minimum).
+    decoder_mask: [batch, 1, dec_len, dec_len], additive, causal and padding.
+    position_bias: [1, heads per rank, length, length], the current stack's self-attention
+        bias, computed by its block 0 (None before it).
+    decoder_input_ids: [batch, dec_len], read by the decoder's embedding step.
+    """
+
+    hidden: Optional[torch.Tensor]
+    encoder_output: Optional[torch.Tensor]
+    encoder_mask: torch.Tensor
+    decoder_mask: torch.Tensor
+    position_bias: Optional[torch.Tensor]
+    decoder_input_ids: torch.Tensor
+
+
+class InitMethods:
+    """Initial standard deviations of each kind of weight, for one stack.
+
+    'hf': Hugging Face's T5 initialization (scaled by initializer_factor).
+    'cpm2': normal(init_method_std), output projections (o, wo) divided by sqrt(2 * layers).
+    """
+
+    def __init__(self, config: T5Config, num_layers: int) -> None:
+        self.config, self.num_layers = config, num_layers
+
+    def std(self, kind: str) -> float:
+        c = self.config
+        if c.init_method == "cpm2":
+            if kind in ("o", "wo"):
+                return c.init_method_std / math.sqrt(2.0 * self.num_layers)
+            return c.init_method_std
+        f = c.initializer_factor
+        return f * {
+            "embedding": 1.0, "lm_head": 1.0,
+            "q": (c.d_model * c.d_kv) ** -0.5, "k": c.d_model ** -0.5, "v": c.d_model ** -0.5,
+            "o": c.inner_dim ** -0.5, "relative_attention_bias": c.d_model ** -0.5,
+            "wi": c.d_model ** -0.5, "wo": c.d_ff ** -0.5,
+        }[kind]
+
+    def __call__(self, kind: str) -> InitMethod:
+        return normal_init(self.std(kind))
+
+
+class T5LayerNorm(nn.Module):
+    """RMSNorm: scale only, no mean subtraction, variance in fp32."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":
+            nn.init.ones_(self.weight)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        variance = hidden.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        hidden = hidden * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            hidden = hidden.to(self.weight.dtype)
+        return self.weight * hidden
+
+
+def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool,
+                             num_buckets: int, max_distance: int) -> torch.Tensor:
+    """Mesh TensorFlow's bucketing of key_position - query_position: half the buckets for exact
+    small distances, half logarithmic up to max_distance; split by sign when bidirectional."""
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = -torch.clamp(relative_position, max=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    large = max_exact + (
+        torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)).long()
+    large = torch.clamp(large, max=num_buckets - 1)
+    return buckets + torch.where(is_small, distance, large)
+
+
+class RelativeAttentionBias(nn.Module):
+    """The [num_buckets, num_heads] bias table, split by heads over tensor ranks."""
+
+    def __init__(self, num_buckets: int, num_heads: int, init_method: InitMethod,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        self.num_buckets, self.num_heads, self.init_method = num_buckets, num_heads, init_method
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.weight = nn.Parameter(torch.empty(num_buckets, divide(num_heads, tp, "num_heads"),
+                                               device=device, dtype=dtype))
+        set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _initialize_shard(self.weight, (self.num_buckets, self.num_heads), 1, 1,
+                          self.init_method)
+
+    def forward(self, buckets: torch.Tensor) -> torch.Tensor:
+        return F.embedding(buckets, self.weight)
+
+
+def core_attention(query, key, value, bias, dropout_p: float, use_sdpa: bool):
+    """softmax(q k^T + bias) v over [batch, heads, length, d_kv] without score scaling."""
+    if use_sdpa:
+        if bias.dtype != query.dtype:
+            bias = bias.to(query.dtype).clamp(min=torch.finfo(query.dtype).min)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=bias,
+                                              dropout_p=dropout_p, scale=1.0)
+    scores = torch.matmul(query, key.transpose(-1, -2)) + bias
+    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, value)
+
+
+class T5Attention(nn.Module):
+    """Self- or cross-attention; block 0's self-attention owns the relative position bias."""
+
+    def __init__(self, config: T5Config, init: InitMethods, is_decoder: bool,
+                 has_relative_attention_bias: bool = False, use_sdpa: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        self.config, self.is_decoder, self.use_sdpa = config, is_decoder, use_sdpa
+        d, inner = config.d_model, config.inner_dim
+        self.heads_per_rank = divide(config.num_heads,
+                                     parallel_state.get_tensor_model_parallel_world_size(),
+                                     "num_heads")
+        kw = dict(device=device, dtype=dtype)
+        self.q = ColumnParallelLinear(d, inner, init_method=init("q"), **kw)
+        self.k = ColumnParallelLinear(d, inner, init_method=init("k"), **kw)
+        self.v = ColumnParallelLinear(d, inner, init_method=init("v"), **kw)
+        self.o = RowParallelLinear(inner, d, input_is_parallel=True, init_method=init("o"), **kw)
+        self.has_relative_attention_bias = has_relative_attention_bias
+        if has_relative_attention_bias:
+            self.relative_attention_bias = RelativeAttentionBias(
+                config.relative_attention_num_buckets, config.num_heads,
+                init("relative_attention_bias"), **kw)
+
+    def compute_bias(self, query_length: int, key_length: int) -> torch.Tensor:
+        """[1, heads per rank, query_length, key_length]."""
+        device = self.relative_attention_bias.weight.device
+        context = torch.arange(query_length, dtype=torch.long, device=device)[:, None]
+        memory = torch.arange(key_length, dtype=torch.long, device=device)[None, :]
+        buckets = relative_position_bucket(
+            memory - context, bidirectional=not self.is_decoder,
+            num_buckets=self.config.relative_attention_num_buckets,
+            max_distance=self.config.relative_attention_max_distance)
+        return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
+
+    def _heads(self, projected: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = projected.shape
+        return projected.view(batch, length, self.heads_per_rank, -1).transpose(1, 2)
+
+    def forward(self, hidden: torch.Tensor, bias: torch.Tensor,
+                key_value: Optional[torch.Tensor] = None) -> torch.Tensor:
+        source = hidden if key_value is None else key_value
+        query, key, value = self._heads(self.q(hidden)), self._heads(self.k(source)), \
+            self._heads(self.v(source))
+        dropout_p = self.config.dropout_rate if self.training else 0.0
+        with get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
+            context = core_attention(query, key, value, bias, dropout_p, self.use_sdpa)
+        batch, _, length, _ = context.shape
+        return self.o(context.transpose(1, 2).reshape(batch, length, -1))
+
+
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name == "relu":
+        return F.relu
+    if name == "gelu":
+        return F.gelu
+    if name in ("gelu_new", "gelu_pytorch_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    return F.silu  # silu, swish
+
+
+class T5DenseActDense(nn.Module):
+    """wo(dropout(act(wi x))), or with a gate: wo(dropout(act(wi_0 x) * wi_1 x))."""
+
+    def __init__(self, config: T5Config, init: InitMethods, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.gated = config.is_gated_act
+        if self.gated:
+            self.wi_0 = ColumnParallelLinear(config.d_model, config.d_ff, init_method=init("wi"),
+                                             **kw)
+            self.wi_1 = ColumnParallelLinear(config.d_model, config.d_ff, init_method=init("wi"),
+                                             **kw)
+        else:
+            self.wi = ColumnParallelLinear(config.d_model, config.d_ff, init_method=init("wi"),
+                                           **kw)
+        self.wo = RowParallelLinear(config.d_ff, config.d_model, init_method=init("wo"), **kw)
+        self.act = _activation(config.activation)
+        self.dropout_p = config.dropout_rate
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            inner = self.act(self.wi_0(hidden)) * self.wi_1(hidden)
+        else:
+            inner = self.act(self.wi(hidden))
+        if self.training and self.dropout_p > 0:
+            with get_cuda_rng_tracker().fork():
+                inner = F.dropout(inner, p=self.dropout_p)
+        return self.wo(inner)
+
+
+class T5LayerSelfAttention(nn.Module):
+    def __init__(self, config, init, is_decoder, has_relative_attention_bias, use_sdpa,
+                 device=None, dtype=None):
+        super().__init__()
+        self.SelfAttention = T5Attention(config, init, is_decoder, has_relative_attention_bias,
+                                         use_sdpa, device=device, dtype=dtype)
+        self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device, dtype)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, hidden, bias):
+        return hidden + self.dropout(self.SelfAttention(self.layer_norm(hidden), bias))
+
+
+class T5LayerCrossAttention(nn.Module):
+    def __init__(self, config, init, use_sdpa, device=None, dtype=None):
+        super().__init__()
+        self.EncDecAttention = T5Attention(config, init, True, False, use_sdpa, device=device,
+                                           dtype=dtype)
+        self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device, dtype)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, hidden, encoder_output, bias):
+        attended = self.EncDecAttention(self.layer_norm(hidden), bias, key_value=encoder_output)
+        return hidden + self.dropout(attended)
+
+
+class T5LayerFF(nn.Module):
+    def __init__(self, config, init, device=None, dtype=None):
+        super().__init__()
+        self.DenseReluDense = T5DenseActDense(config, init, device=device, dtype=dtype)
+        self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device, dtype)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, hidden):
+        return hidden + self.dropout(self.DenseReluDense(self.layer_norm(hidden)))
+
+
+def _clamp_fp16(hidden: torch.Tensor) -> torch.Tensor:
+    """Keep fp16 residuals finite, as Hugging Face does (T5 activations grow large)."""
+    if hidden.dtype != torch.float16:
+        return hidden
+    limit = torch.finfo(torch.float16).max
+    limit = torch.where(torch.isinf(hidden).any(), limit - 1000, limit)
+    return torch.clamp(hidden, min=-limit, max=limit)
+
+
+class T5Block(nn.Module):
+    """Self-attention, cross-attention (decoder only) and feed-forward; one layer of the flat
+    list: takes and returns a Carry."""
+
+    def __init__(self, config: T5Config, init: InitMethods, is_decoder: bool,
+                 has_relative_attention_bias: bool, use_sdpa: bool = False,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        self.is_decoder = is_decoder
+        self.layer = nn.ModuleList([T5LayerSelfAttention(config, init, is_decoder,
+                                                         has_relative_attention_bias, use_sdpa,
+                                                         device, dtype)])
+        if is_decoder:
+            self.layer.append(T5LayerCrossAttention(config, init, use_sdpa, device, dtype))
+        self.layer.append(T5LayerFF(config, init, device, dtype))
+
+    def forward(self, carry: Carry) -> Carry:
+        hidden, position_bias = carry.hidden, carry.position_bias
+        attention = self.layer[0].SelfAttention
+        if position_bias is None:
+            if not attention.has_relative_attention_bias:
+                raise RuntimeError("the first block of a stack must own the relative "
+                                   "attention bias")
+            position_bias = attention.compute_bias(hidden.shape[1], hidden.shape[1])
+        mask = carry.decoder_mask if self.is_decoder else carry.encoder_mask
+        hidden = _clamp_fp16(self.layer[0](hidden, position_bias + mask))
+        if self.is_decoder:
+            hidden = _clamp_fp16(self.layer[1](hidden, carry.encoder_output, carry.encoder_mask))
+        hidden = _clamp_fp16(self.layer[-1](hidden))
+        return carry._replace(hidden=hidden, position_bias=position_bias)
