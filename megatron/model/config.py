@@ -23,7 +23,7 @@ HF_METADATA_KEYS = frozenset({
     "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype",
     "dtype", "use_cache", "is_encoder_decoder", "n_positions", "output_past",
     "task_specific_params", "tokenizer_class", "gradient_checkpointing", "classifier_dropout",
-    "is_gated_act", "dense_act_fn", "bos_token_id", "output_attentions",
+    "is_gated_act", "dense_act_fn", "is_decoder", "bos_token_id", "output_attentions",
     "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type",
 })
 
@@ -56,8 +56,12 @@ class T5Config:
     feed_forward_proj: str = "relu"
     """'relu' (T5 v1.0), 'gated-gelu' (T5 v1.1, CPM-2: tanh GELU), or [gated-]{relu,gelu,silu}."""
     tie_word_embeddings: bool = True
-    """True: the LM head is the input embedding and the decoder output is scaled by
-    d_model ** -0.5 (T5 v1.0). False: a separate lm_head and no scaling (T5 v1.1, mT5)."""
+    """True: the LM head is the input embedding (T5 v1.0, CPM-2). False: a separate lm_head
+    (T5 v1.1, mT5)."""
+    scale_decoder_outputs: Optional[bool] = None
+    """Multiply the decoder output by d_model ** -0.5 before the LM head. None: as
+    tie_word_embeddings (T5 v1.0 scales, v1.1 does not). Hugging Face 5.x writes it into
+    config.json and always writes tie_word_embeddings true; both are honoured as written."""
     initializer_factor: float = 1.0
     """Scale of Hugging Face's initialization (init_method 'hf')."""
     init_method: Optional[str] = None
@@ -74,6 +78,8 @@ class T5Config:
             self.num_decoder_layers = self.num_layers
         if self.init_method is None:
             self.init_method = "hf"
+        if self.scale_decoder_outputs is None:
+            self.scale_decoder_outputs = self.tie_word_embeddings
         self.validate()
 
     # Derived properties -----------------------------------------------------------------------
@@ -134,9 +140,9 @@ class T5Config:
                 or parts[-1] not in ACTIVATIONS:
             out.append(f"feed_forward_proj {self.feed_forward_proj!r} is not one of relu, "
                        f"gated-gelu, or [gated-]{{{', '.join(ACTIVATIONS)}}}")
-        if not isinstance(self.tie_word_embeddings, bool):
-            out.append(f"tie_word_embeddings must be true or false, not "
-                       f"{self.tie_word_embeddings!r}")
+        for name in ("tie_word_embeddings", "scale_decoder_outputs"):
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"{name} must be true or false, not {getattr(self, name)!r}")
         if self.init_method not in ("hf", "cpm2"):
             out.append(f"init_method must be 'hf' or 'cpm2', not {self.init_method!r}")
         if isinstance(self.relative_attention_num_buckets, int) \
@@ -220,6 +226,14 @@ def _metadata_problems(values: Dict[str, Any]) -> list:
         out.append(f"model_type {values['model_type']!r} is not a T5 model (t5 or mt5)")
     if values.get("is_encoder_decoder", True) is not True:
         out.append("is_encoder_decoder is false: only encoder-decoder models are built here")
+    if values.get("is_decoder", False) is not False:
+        out.append("is_decoder is true: that is a decoder stack's config, not a whole model's")
+    if "dense_act_fn" in values and "feed_forward_proj" in values:
+        expected = T5Config(feed_forward_proj=values["feed_forward_proj"]).activation \
+            if isinstance(values["feed_forward_proj"], str) else None
+        if expected is not None and values["dense_act_fn"] != expected:
+            out.append(f"dense_act_fn {values['dense_act_fn']!r} contradicts feed_forward_proj "
+                       f"{values['feed_forward_proj']!r} (which means {expected!r})")
     return out
 
 

@@ -55,23 +55,15 @@ def model_parallel_problems(config: T5Config, tensor_parallel_size: int) -> List
     return out
 
 
-def use_sdpa_for(backend: str, device_type: str) -> bool:
-    """'auto' picks torch's fused attention where it is faster with T5's additive bias: on CUDA;
-    on CPU the eager path is faster for T5 shapes (bench/bench_model.py)."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend {backend!r} is not one of {ATTENTION_BACKENDS}")
-    return backend == "sdpa" or (backend == "auto" and device_type == "cuda")
-
-
 class T5Stack(nn.Module):
-    def __init__(self, config: T5Config, is_decoder: bool, use_sdpa: bool, device=None,
+    def __init__(self, config: T5Config, is_decoder: bool, backend: str, device=None,
                  dtype=None) -> None:
         super().__init__()
         num_layers = config.num_decoder_layers if is_decoder else config.num_layers
         init = InitMethods(config, num_layers)
         self.block = nn.ModuleList([
             T5Block(config, init, is_decoder, has_relative_attention_bias=(i == 0),
-                    use_sdpa=use_sdpa, device=device, dtype=dtype)
+                    backend=backend, device=device, dtype=dtype)
             for i in range(num_layers)])
         self.final_layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device,
                                             dtype)
@@ -100,6 +92,9 @@ class T5Model(nn.Module):
         super().__init__()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         problems = model_parallel_problems(config, tp)
+        if attention_backend not in ATTENTION_BACKENDS:
+            problems.append(f"attention backend {attention_backend!r} is not one of "
+                            f"{', '.join(ATTENTION_BACKENDS)}")
         if checkpoint_num_layers < 1:
             problems.append(f"checkpoint_num_layers must be at least 1, not "
                             f"{checkpoint_num_layers}")
@@ -110,15 +105,12 @@ class T5Model(nn.Module):
         self.checkpoint_activations = checkpoint_activations
         self.checkpoint_num_layers = checkpoint_num_layers
         self.label_smoothing = label_smoothing
-        device_type = torch.device(device).type if device is not None else (
-            "cuda" if torch.cuda.is_available() else "cpu")
-        use_sdpa = use_sdpa_for(attention_backend, device_type)
         init = InitMethods(config, config.num_layers)
         self.shared = VocabParallelEmbedding(self.padded_vocab_size, config.d_model,
                                              init_method=init("embedding"), device=device,
                                              dtype=dtype)
-        self.encoder = T5Stack(config, False, use_sdpa, device, dtype)
-        self.decoder = T5Stack(config, True, use_sdpa, device, dtype)
+        self.encoder = T5Stack(config, False, attention_backend, device, dtype)
+        self.decoder = T5Stack(config, True, attention_backend, device, dtype)
         if not config.tie_word_embeddings:
             self.lm_head = ColumnParallelLinear(config.d_model, self.padded_vocab_size,
                                                 init_method=init("lm_head"), device=device,
@@ -140,7 +132,7 @@ class T5Model(nn.Module):
 
     def finish_decoder(self, carry: Carry) -> Carry:
         hidden = self.dropout(self.decoder.final_layer_norm(carry.hidden))
-        if self.config.tie_word_embeddings:
+        if self.config.scale_decoder_outputs:
             hidden = hidden * (self.config.d_model ** -0.5)
         return carry._replace(hidden=hidden)
 

@@ -41,8 +41,9 @@ class Carry(NamedTuple):
     encoder_output: [batch, enc_len, d_model], None until the encoder has finished.
     encoder_mask: [batch, 1, 1, enc_len], additive (0 or the float32 minimum).
     decoder_mask: [batch, 1, dec_len, dec_len], additive, causal and padding.
-    position_bias: [1, heads per rank, length, length], the current stack's self-attention
-        bias, computed by its block 0 (None before it).
+    position_bias: [batch, heads per rank, length, length], the current stack's self-attention
+        bias: relative position bias plus the stack's mask, computed once by its block 0 (None
+        before it) and reused by the other blocks.
     decoder_input_ids: [batch, dec_len], read by the decoder's embedding step.
     """
 
@@ -144,28 +145,40 @@ class RelativeAttentionBias(nn.Module):
         return F.embedding(buckets, self.weight)
 
 
-def core_attention(query, key, value, bias, dropout_p: float, use_sdpa: bool):
-    """softmax(q k^T + bias) v over [batch, heads, length, d_kv] without score scaling."""
-    if use_sdpa:
-        if bias.dtype != query.dtype:
-            bias = bias.to(query.dtype).clamp(min=torch.finfo(query.dtype).min)
+def core_attention(query, key, value, bias, dropout_p: float, backend: str):
+    """softmax(q k^T + bias) v over [batch, heads, length, d_kv], without score scaling.
+
+    'sdpa' is torch's scaled_dot_product_attention; 'eager' adds the bias inside the score
+    GEMM (baddbmm). 'auto' takes sdpa where its fused kernels apply: on CUDA, or when the bias
+    needs no gradient (cross-attention); on CPU a bias that needs a gradient sends sdpa to its
+    slower math path, and eager is faster (bench/bench_model.py).
+    """
+    if bias.dtype != query.dtype:
+        bias = bias.to(query.dtype).clamp(min=torch.finfo(query.dtype).min)
+    if backend == "sdpa" or (backend == "auto" and (query.device.type == "cuda"
+                                                    or not bias.requires_grad)):
         return F.scaled_dot_product_attention(query, key, value, attn_mask=bias,
                                               dropout_p=dropout_p, scale=1.0)
-    scores = torch.matmul(query, key.transpose(-1, -2)) + bias
+    batch, heads, q_len, d_kv = query.shape
+    k_len = key.shape[2]
+    bias = bias.expand(batch, heads, q_len, k_len).reshape(batch * heads, q_len, k_len)
+    scores = torch.baddbmm(bias, query.reshape(batch * heads, q_len, d_kv),
+                           key.reshape(batch * heads, k_len, d_kv).transpose(1, 2))
     probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
     if dropout_p > 0:
         probs = F.dropout(probs, p=dropout_p)
-    return torch.matmul(probs, value)
+    context = torch.bmm(probs, value.reshape(batch * heads, k_len, d_kv))
+    return context.view(batch, heads, q_len, d_kv)
 
 
 class T5Attention(nn.Module):
     """Self- or cross-attention; block 0's self-attention owns the relative position bias."""
 
     def __init__(self, config: T5Config, init: InitMethods, is_decoder: bool,
-                 has_relative_attention_bias: bool = False, use_sdpa: bool = False,
+                 has_relative_attention_bias: bool = False, backend: str = "auto",
                  device=None, dtype=None) -> None:
         super().__init__()
-        self.config, self.is_decoder, self.use_sdpa = config, is_decoder, use_sdpa
+        self.config, self.is_decoder, self.backend = config, is_decoder, backend
         d, inner = config.d_model, config.inner_dim
         self.heads_per_rank = divide(config.num_heads,
                                      parallel_state.get_tensor_model_parallel_world_size(),
@@ -203,7 +216,7 @@ class T5Attention(nn.Module):
             self._heads(self.v(source))
         dropout_p = self.config.dropout_rate if self.training else 0.0
         with get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
-            context = core_attention(query, key, value, bias, dropout_p, self.use_sdpa)
+            context = core_attention(query, key, value, bias, dropout_p, self.backend)
         batch, _, length, _ = context.shape
         return self.o(context.transpose(1, 2).reshape(batch, length, -1))
 
@@ -249,11 +262,11 @@ class T5DenseActDense(nn.Module):
 
 
 class T5LayerSelfAttention(nn.Module):
-    def __init__(self, config, init, is_decoder, has_relative_attention_bias, use_sdpa,
+    def __init__(self, config, init, is_decoder, has_relative_attention_bias, backend,
                  device=None, dtype=None):
         super().__init__()
         self.SelfAttention = T5Attention(config, init, is_decoder, has_relative_attention_bias,
-                                         use_sdpa, device=device, dtype=dtype)
+                                         backend, device=device, dtype=dtype)
         self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device, dtype)
         self.dropout = nn.Dropout(config.dropout_rate)
 
@@ -262,9 +275,9 @@ class T5LayerSelfAttention(nn.Module):
 
 
 class T5LayerCrossAttention(nn.Module):
-    def __init__(self, config, init, use_sdpa, device=None, dtype=None):
+    def __init__(self, config, init, backend, device=None, dtype=None):
         super().__init__()
-        self.EncDecAttention = T5Attention(config, init, True, False, use_sdpa, device=device,
+        self.EncDecAttention = T5Attention(config, init, True, False, backend, device=device,
                                            dtype=dtype)
         self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device, dtype)
         self.dropout = nn.Dropout(config.dropout_rate)
@@ -299,15 +312,15 @@ class T5Block(nn.Module):
     list: takes and returns a Carry."""
 
     def __init__(self, config: T5Config, init: InitMethods, is_decoder: bool,
-                 has_relative_attention_bias: bool, use_sdpa: bool = False,
+                 has_relative_attention_bias: bool, backend: bool = False,
                  device=None, dtype=None) -> None:
         super().__init__()
         self.is_decoder = is_decoder
         self.layer = nn.ModuleList([T5LayerSelfAttention(config, init, is_decoder,
-                                                         has_relative_attention_bias, use_sdpa,
+                                                         has_relative_attention_bias, backend,
                                                          device, dtype)])
         if is_decoder:
-            self.layer.append(T5LayerCrossAttention(config, init, use_sdpa, device, dtype))
+            self.layer.append(T5LayerCrossAttention(config, init, backend, device, dtype))
         self.layer.append(T5LayerFF(config, init, device, dtype))
 
     def forward(self, carry: Carry) -> Carry:
@@ -317,9 +330,9 @@ class T5Block(nn.Module):
             if not attention.has_relative_attention_bias:
                 raise RuntimeError("the first block of a stack must own the relative "
                                    "attention bias")
-            position_bias = attention.compute_bias(hidden.shape[1], hidden.shape[1])
-        mask = carry.decoder_mask if self.is_decoder else carry.encoder_mask
-        hidden = _clamp_fp16(self.layer[0](hidden, position_bias + mask))
+            mask = carry.decoder_mask if self.is_decoder else carry.encoder_mask
+            position_bias = attention.compute_bias(hidden.shape[1], hidden.shape[1]) + mask
+        hidden = _clamp_fp16(self.layer[0](hidden, position_bias))
         if self.is_decoder:
             hidden = _clamp_fp16(self.layer[1](hidden, carry.encoder_output, carry.encoder_mask))
         hidden = _clamp_fp16(self.layer[-1](hidden))

@@ -1,0 +1,150 @@
+"""T5Config: presets, Hugging Face and CPM-2 files, refusals; parameter counts against HF."""
+
+import json
+
+import pytest
+import torch
+from transformers import T5Config as HFConfig
+from transformers import T5ForConditionalGeneration
+
+from megatron.model import ConfigError, T5Config, T5Model, load_preset
+from megatron.model.config import PRESET_DIR
+
+PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def test_all_presets_exist():
+    assert PRESETS == sorted([
+        "t5-small", "t5-base", "t5-large", "t5-3b", "t5-11b", "t5-v1_1-small", "t5-v1_1-base",
+        "t5-v1_1-large", "t5-v1_1-xl", "t5-v1_1-xxl", "cpm2-11b"])
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_parameter_count_matches_hugging_face(name):
+    config = load_preset(name)
+    hf_fields = {k: v for k, v in config.to_hf_dict().items() if k != "init_method_std"}
+    with torch.device("meta"):
+        hf = T5ForConditionalGeneration(HFConfig(**hf_fields))
+        ours = T5Model(config, make_vocab_size_divisible_by=1, device="meta")
+        if not config.tie_word_embeddings:  # transformers 5.x ties on construction; untie
+            hf.lm_head.weight = torch.nn.Parameter(torch.empty_like(hf.lm_head.weight))
+    hf_count = sum(p.numel() for p in hf.parameters())  # tied weights are one parameter
+    ours_count = sum(p.numel() for p in ours.parameters())
+    assert ours_count == hf_count == config.num_parameters()
+    assert {n for n, _ in ours.named_parameters()} <= set(hf.state_dict())
+
+
+def test_known_sizes():
+    # Published sizes: t5-small 60.5M, t5-base 223M, t5-v1_1-xl 2.85B, t5-11b 11.3B.
+    assert load_preset("t5-small").num_parameters() == 60_506_624
+    assert load_preset("t5-base").num_parameters() == 222_903_552
+    assert round(load_preset("t5-v1_1-xl").num_parameters() / 1e9, 2) == 2.85
+    assert round(load_preset("t5-11b").num_parameters() / 1e9, 1) == 11.3
+
+
+def test_hugging_face_config_json_loads(tmp_path):
+    hf = HFConfig(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                  num_decoder_layers=3, num_heads=4, feed_forward_proj="gated-gelu",
+                  tie_word_embeddings=False, dropout_rate=0.0)
+    path = tmp_path / "config.json"
+    hf.to_json_file(path)
+    config = T5Config.from_json(path)
+    assert (config.vocab_size, config.d_model, config.d_kv, config.d_ff) == (1000, 64, 16, 128)
+    assert (config.num_layers, config.num_decoder_layers, config.num_heads) == (2, 3, 4)
+    assert config.is_gated_act and config.activation == "gelu_new"
+    # transformers 5.x writes tie_word_embeddings true and the scaling separately.
+    assert config.tie_word_embeddings is True and config.scale_decoder_outputs is False
+    assert config.init_method == "hf"
+
+
+def test_transformers_4_style_v1_1_config_is_untied_and_unscaled():
+    config = T5Config.from_dict({"d_model": 64, "d_ff": 128, "num_heads": 4, "d_kv": 16,
+                                 "feed_forward_proj": "gated-gelu", "tie_word_embeddings": False,
+                                 "model_type": "t5", "dense_act_fn": "gelu_new",
+                                 "is_gated_act": True, "is_decoder": False})
+    assert config.tie_word_embeddings is False and config.scale_decoder_outputs is False
+    with pytest.raises(ConfigError, match="dense_act_fn 'relu' contradicts"):
+        T5Config.from_dict({"feed_forward_proj": "gated-gelu", "dense_act_fn": "relu"})
+
+
+def test_cpm2_config_uses_cpm2_initialization(tmp_path):
+    path = tmp_path / "enc_dec_config.json"
+    path.write_text(json.dumps({
+        "d_model": 64, "d_ff": 96, "d_kv": 16, "num_heads": 4, "num_layers": 2,
+        "num_decoder_layers": 1, "feed_forward_proj": "gated-gelu",
+        "relative_attention_num_buckets": 32, "dropout_rate": 0.1, "layer_norm_epsilon": 1e-6,
+        "init_method_std": 0.05, "vocab_size": 500, "tie_word_embeddings": True}))
+    config = T5Config.from_json(path)
+    assert config.init_method == "cpm2" and config.num_decoder_layers == 1
+    torch.manual_seed(0)
+    model = T5Model(config, make_vocab_size_divisible_by=1)
+    q = model.encoder.block[0].layer[0].SelfAttention.q.weight
+    o = model.encoder.block[0].layer[0].SelfAttention.o.weight
+    wo_dec = model.decoder.block[0].layer[2].DenseReluDense.wo.weight
+    assert abs(q.std().item() - 0.05) < 0.005
+    assert abs(o.std().item() - 0.05 / 2.0) < 0.003  # 1 / sqrt(2 * 2 encoder layers)
+    assert abs(wo_dec.std().item() - 0.05 / 2 ** 0.5) < 0.004  # the decoder's 1 layer
+    assert len(model.decoder.block) == 1
+
+
+def test_hf_initialization_scales():
+    config = T5Config(vocab_size=512, d_model=256, d_kv=32, d_ff=1024, num_layers=1,
+                      num_heads=8)
+    torch.manual_seed(0)
+    model = T5Model(config)
+    attention = model.encoder.block[0].layer[0].SelfAttention
+    expected = {attention.q.weight: (256 * 32) ** -0.5, attention.k.weight: 256 ** -0.5,
+                attention.o.weight: 256 ** -0.5,
+                model.encoder.block[0].layer[1].DenseReluDense.wo.weight: 1024 ** -0.5,
+                model.shared.weight: 1.0}
+    for weight, std in expected.items():
+        assert abs(weight.std().item() / std - 1) < 0.05
+    assert torch.equal(model.encoder.final_layer_norm.weight, torch.ones(256))
+
+
+def test_unknown_keys_are_refused_with_a_suggestion(tmp_path):
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"d_model": 64, "num_head": 4, "dff": 3}))
+    with pytest.raises(ConfigError) as err:
+        T5Config.from_json(path)
+    message = str(err.value)
+    assert str(path) in message and "'num_head' (did you mean 'num_heads'?)" in message
+    assert "'dff'" in message
+
+
+def test_bad_values_are_listed_together(tmp_path):
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"d_model": 0, "feed_forward_proj": "gated-tanh",
+                                "dropout_rate": 1.5, "model_type": "bart"}))
+    with pytest.raises(ConfigError) as err:
+        T5Config.from_json(path)
+    message = str(err.value)
+    for part in ("d_model must be a positive integer", "feed_forward_proj 'gated-tanh'",
+                 "dropout_rate must be in [0, 1)", "model_type 'bart'"):
+        assert part in message
+
+
+def test_unreadable_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read model config"):
+        T5Config.from_json(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"d_model": 64,\n "num_heads": }')
+    with pytest.raises(ConfigError, match=r"bad.json: not valid JSON \(line 2"):
+        T5Config.from_json(bad)
+    with pytest.raises(ConfigError, match="no model config 't5-huge'; presets: cpm2-11b"):
+        load_preset("t5-huge")
+
+
+def test_vocab_padding():
+    config = T5Config(vocab_size=32100)
+    assert config.padded_vocab_size(128, 1) == 32128
+    assert config.padded_vocab_size(128, 8) == 32768
+    assert config.padded_vocab_size(1, 3) == 32100
+
+
+def test_tensor_parallel_divisibility_is_checked():
+    from megatron.model.t5 import model_parallel_problems
+    config = load_preset("t5-v1_1-small")  # 6 heads, d_ff 1024
+    assert model_parallel_problems(config, 2) == []
+    problems = model_parallel_problems(config, 4)
+    assert problems == ["num_heads (6) is not divisible by the tensor-model-parallel size 4"]
