@@ -145,18 +145,15 @@ class RelativeAttentionBias(nn.Module):
         return F.embedding(buckets, self.weight)
 
 
-def core_attention(query, key, value, bias, dropout_p: float, backend: str):
+def core_attention(query, key, value, bias, dropout_p: float, use_sdpa: bool):
     """softmax(q k^T + bias) v over [batch, heads, length, d_kv], without score scaling.
 
-    'sdpa' is torch's scaled_dot_product_attention; 'eager' adds the bias inside the score
-    GEMM (baddbmm). 'auto' takes sdpa where its fused kernels apply: on CUDA, or when the bias
-    needs no gradient (cross-attention); on CPU a bias that needs a gradient sends sdpa to its
-    slower math path, and eager is faster (bench/bench_model.py).
+    use_sdpa: torch's scaled_dot_product_attention; else the bias is added inside the score
+    GEMM (baddbmm), which on CPU beats sdpa's math path when the bias needs a gradient.
     """
     if bias.dtype != query.dtype:
         bias = bias.to(query.dtype).clamp(min=torch.finfo(query.dtype).min)
-    if backend == "sdpa" or (backend == "auto" and (query.device.type == "cuda"
-                                                    or not bias.requires_grad)):
+    if use_sdpa:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=bias,
                                               dropout_p=dropout_p, scale=1.0)
     batch, heads, q_len, d_kv = query.shape
@@ -215,8 +212,14 @@ class T5Attention(nn.Module):
         query, key, value = self._heads(self.q(hidden)), self._heads(self.k(source)), \
             self._heads(self.v(source))
         dropout_p = self.config.dropout_rate if self.training else 0.0
+        # 'auto': sdpa where its fused kernels apply, i.e. on CUDA, or for cross-attention (its
+        # bias is only the mask); self-attention on CPU learns its bias, which sends sdpa to a
+        # slower math path (bench/bench_model.py). Decided by the layer, never by grad mode, so
+        # a checkpointed block recomputes with the same kernel and the same random draws.
+        use_sdpa = self.backend == "sdpa" or (self.backend == "auto" and (
+            query.device.type == "cuda" or key_value is not None))
         with get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
-            context = core_attention(query, key, value, bias, dropout_p, self.backend)
+            context = core_attention(query, key, value, bias, dropout_p, use_sdpa)
         batch, _, length, _ = context.shape
         return self.o(context.transpose(1, 2).reshape(batch, length, -1))
 

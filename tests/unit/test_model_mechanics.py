@@ -32,7 +32,7 @@ def loss_and_grads(model, seed=7):
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "auto"])
 @pytest.mark.parametrize("chunk", [1, 2])
 def test_checkpointing_gives_bit_identical_gradients_with_dropout(backend, chunk):
     model_parallel_seed(0)

@@ -1,0 +1,86 @@
+"""Run a function on N real processes joined by a gloo process group, and collect results.
+
+Workers are started with the 'spawn' method; each initializes torch.distributed over a
+rendezvous file, runs `target(rank, world_size, *args)`, and sends back what it returns (or its
+traceback). The parent raises if any rank failed, died or timed out, so assertions can live in the
+test and compare against a single-process reference computed there.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _entry(target, rank, world_size, init_file, args, results):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size)
+        try:
+            value = target(rank, world_size, *args)
+        finally:
+            from megatron import parallel_state
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+        # Tensors go through a queue as shared memory that dies with this process: send bytes.
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        results.put((rank, False, traceback.format_exc()))
+
+
+def _collect(procs, results, timeout):
+    out, failures = {}, []
+    deadline = time.monotonic() + timeout
+    while len(out) + len(failures) < len(procs):
+        try:
+            rank, ok, value = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:  # died without reporting (killed, or failed while starting)
+                failures.append(f"ranks {dead} exited with codes "
+                                f"{[procs[r].exitcode for r in dead]} without a result")
+                break
+            if time.monotonic() > deadline:
+                failures.append(f"timed out after {timeout:.0f} s; finished: {sorted(out)}")
+                break
+            continue
+        if ok:
+            out[rank] = torch.load(io.BytesIO(value), weights_only=True)
+        else:
+            failures.append(f"rank {rank}:\n{value}")
+    return out, failures
+
+
+def run_workers(world_size: int, target, *args, timeout: float = 300.0) -> list:
+    """[target's return value for rank 0, 1, ...]; raises AssertionError naming failed ranks."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_entry, args=(target, r, world_size, init_file, args,
+                                                  results), daemon=True)
+                 for r in range(world_size)]
+        for proc in procs:
+            proc.start()
+        try:
+            out, failures = _collect(procs, results, timeout)
+        finally:
+            for proc in procs:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
+    if failures:
+        raise AssertionError("distributed workers failed:\n" + "\n".join(failures))
+    return [out[r] for r in range(world_size)]
