@@ -16,6 +16,7 @@ bench:
 	$(PYTHON) bench/bench_preprocess.py
 	$(PYTHON) bench/bench_reader.py
 	$(PYTHON) bench/bench_t5_dataset.py
+	$(PYTHON) bench/bench_model.py
 
 install:
 	$(PYTHON) -m pip install torch==2.13.0

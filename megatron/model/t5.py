@@ -22,6 +22,7 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron.model.config import ConfigError, T5Config
+from megatron.model.dropout import Dropout
 from megatron.model.transformer import Carry, InitMethods, T5Block, T5LayerNorm
 from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.tensor_parallel.layers import (
@@ -115,7 +116,7 @@ class T5Model(nn.Module):
             self.lm_head = ColumnParallelLinear(config.d_model, self.padded_vocab_size,
                                                 init_method=init("lm_head"), device=device,
                                                 dtype=dtype)
-        self.dropout = nn.Dropout(config.dropout_rate)
+        self.dropout = Dropout(config.dropout_rate)
 
     # The flat layer list ----------------------------------------------------------------------
     def embed_encoder(self, carry: Carry) -> Carry:

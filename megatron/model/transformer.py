@@ -22,6 +22,7 @@ from torch import nn
 
 from megatron import parallel_state
 from megatron.model.config import T5Config
+from megatron.model.dropout import Dropout, dropout
 from megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
     InitMethod,
@@ -163,7 +164,7 @@ def core_attention(query, key, value, bias, dropout_p: float, use_sdpa: bool):
                            key.reshape(batch * heads, k_len, d_kv).transpose(1, 2))
     probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
     if dropout_p > 0:
-        probs = F.dropout(probs, p=dropout_p)
+        probs = dropout(probs, dropout_p)
     context = torch.bmm(probs, value.reshape(batch * heads, k_len, d_kv))
     return context.view(batch, heads, q_len, d_kv)
 
@@ -260,7 +261,7 @@ class T5DenseActDense(nn.Module):
             inner = self.act(self.wi(hidden))
         if self.training and self.dropout_p > 0:
             with get_cuda_rng_tracker().fork():
-                inner = F.dropout(inner, p=self.dropout_p)
+                inner = dropout(inner, self.dropout_p)
         return self.wo(inner)
 
 
@@ -271,7 +272,7 @@ class T5LayerSelfAttention(nn.Module):
         self.SelfAttention = T5Attention(config, init, is_decoder, has_relative_attention_bias,
                                          backend, device=device, dtype=dtype)
         self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device, dtype)
-        self.dropout = nn.Dropout(config.dropout_rate)
+        self.dropout = Dropout(config.dropout_rate)
 
     def forward(self, hidden, bias):
         return hidden + self.dropout(self.SelfAttention(self.layer_norm(hidden), bias))
@@ -283,7 +284,7 @@ class T5LayerCrossAttention(nn.Module):
         self.EncDecAttention = T5Attention(config, init, True, False, backend, device=device,
                                            dtype=dtype)
         self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device, dtype)
-        self.dropout = nn.Dropout(config.dropout_rate)
+        self.dropout = Dropout(config.dropout_rate)
 
     def forward(self, hidden, encoder_output, bias):
         attended = self.EncDecAttention(self.layer_norm(hidden), bias, key_value=encoder_output)
@@ -295,7 +296,7 @@ class T5LayerFF(nn.Module):
         super().__init__()
         self.DenseReluDense = T5DenseActDense(config, init, device=device, dtype=dtype)
         self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device, dtype)
-        self.dropout = nn.Dropout(config.dropout_rate)
+        self.dropout = Dropout(config.dropout_rate)
 
     def forward(self, hidden):
         return hidden + self.dropout(self.DenseReluDense(self.layer_norm(hidden)))

@@ -23,56 +23,76 @@ def _all_reduce(tensor: torch.Tensor, op) -> torch.Tensor:
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """One fused pass per row (torch's log_softmax over this rank's real columns) gives the local
+    log-probabilities and the local logsumexp; one all-reduce (max, then sum) turns the local
+    logsumexps into the global one. Backward turns the saved log-probabilities into the softmax,
+    and that into the gradient, in place. So the [tokens, vocab / TP] matrix is read once and
+    written once forward, and rewritten once backward. Because backward consumes its buffer, a
+    second backward through the same loss (retain_graph) raises."""
+
     @staticmethod
     def forward(ctx, logits, target, vocab_size, ignore_index, label_smoothing):
-        logits_dtype = logits.dtype
         per_rank = logits.shape[-1]
         start = parallel_state.get_tensor_model_parallel_rank() * per_rank
-        columns = torch.arange(start, start + per_rank, device=logits.device)
-        padded = columns >= vocab_size  # [per_rank]
-        logits = logits.float().masked_fill(padded, float("-inf"))
-
-        row_max = logits.max(dim=-1).values
-        _all_reduce(row_max, dist.ReduceOp.MAX)
-        logits = logits - row_max.unsqueeze(-1)
+        valid = max(min(vocab_size - start, per_rank), 0)  # local columns below vocab_size
+        x = logits.float()
+        real = x if valid == per_rank else x[..., :valid]
+        log_probs = torch.log_softmax(real, dim=-1)  # local: [..., valid]
+        if valid > 0:
+            local_lse = real[..., 0] - log_probs[..., 0]
+        else:
+            local_lse = torch.full(x.shape[:-1], float("-inf"), device=x.device)
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            top = local_lse.clone()
+            _all_reduce(top, dist.ReduceOp.MAX)
+            total = (local_lse - top).exp_()
+            _all_reduce(total, dist.ReduceOp.SUM)
+            log_sum_exp = total.log_().add_(top)
+        else:
+            log_sum_exp = local_lse
 
         ignored = target == ignore_index
-        safe_target = target.masked_fill(ignored, 0)
-        in_range = (safe_target >= start) & (safe_target < start + per_rank)
-        local_target = (safe_target - start).masked_fill(~in_range, 0)
-        target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        in_range = (target >= start) & (target < start + valid) & ~ignored
+        local_target = torch.where(in_range, target - start, torch.zeros_like(target))
+        target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(~in_range, 0.0)
         _all_reduce(target_logit, dist.ReduceOp.SUM)
-
-        exp = logits.exp()
-        sum_exp = exp.sum(dim=-1)
-        _all_reduce(sum_exp, dist.ReduceOp.SUM)
-        log_sum_exp = sum_exp.log()
         loss = log_sum_exp - target_logit
         if label_smoothing > 0:
-            logit_sum = logits.masked_fill(padded, 0.0).sum(dim=-1)
+            logit_sum = real.sum(dim=-1)
             _all_reduce(logit_sum, dist.ReduceOp.SUM)
             mean_log_prob = logit_sum / vocab_size - log_sum_exp
             loss = (1.0 - label_smoothing) * loss - label_smoothing * mean_log_prob
         loss = loss.masked_fill(ignored, 0.0)
 
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, in_range, local_target, ignored, padded)
+        ctx.save_for_backward(log_probs, local_lse - log_sum_exp, in_range, local_target,
+                              ignored)
         ctx.label_smoothing, ctx.vocab_size = label_smoothing, vocab_size
-        ctx.logits_dtype = logits_dtype
+        ctx.per_rank, ctx.logits_dtype, ctx.consumed = per_rank, logits.dtype, False
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, in_range, local_target, ignored, padded = ctx.saved_tensors
+        if ctx.consumed:
+            raise RuntimeError("vocab_parallel_cross_entropy: backward reuses its buffer and "
+                               "cannot run twice through the same loss (retain_graph)")
+        ctx.consumed = True
+        log_probs, correction, in_range, local_target, ignored = ctx.saved_tensors
         eps = ctx.label_smoothing
-        grad = softmax.clone()
-        hit = in_range.unsqueeze(-1) & (
-            torch.arange(grad.shape[-1], device=grad.device) == local_target.unsqueeze(-1))
-        grad = grad - hit.float() * (1.0 - eps)
+        if log_probs.shape[-1] == 0:  # every column of this rank is padding
+            return (grad_loss.new_zeros(*log_probs.shape[:-1], ctx.per_rank,
+                                        dtype=ctx.logits_dtype), None, None, None, None)
+        if ctx.per_rank != log_probs.shape[-1] or bool(correction.any()):
+            log_probs = log_probs.add_(correction.unsqueeze(-1))  # global log-probabilities
+        grad = log_probs.exp_()  # the softmax over this rank's real columns
         if eps > 0:
-            grad = grad - (~padded).float() * (eps / ctx.vocab_size)
-        grad = grad * grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)
+            grad -= eps / ctx.vocab_size
+        flat = grad.view(-1, grad.shape[-1])
+        rows = torch.arange(flat.shape[0], device=grad.device)
+        flat[rows, local_target.reshape(-1)] -= in_range.reshape(-1).to(grad.dtype) * (1.0 - eps)
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        if grad.shape[-1] < ctx.per_rank:  # padded columns get no gradient
+            grad = torch.nn.functional.pad(grad, (0, ctx.per_rank - grad.shape[-1]))
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 

@@ -118,3 +118,25 @@ def test_decoder_only_shortcut_overcounts():
     ours = training_step_flops(config, 1, 512, 114, config.padded_vocab_size()).model
     shortcut = 6 * config.num_parameters(128) * (512 + 114)
     assert 1.5 < shortcut / ours < 2.5
+
+
+def test_cpu_dropout_statistics_and_gradient():
+    from megatron.model.dropout import dropout
+    torch.manual_seed(0)
+    x = torch.full((1_000_000,), 2.0, requires_grad=True)
+    y = dropout(x, 0.25)
+    dropped = (y == 0).float().mean().item()
+    assert abs(dropped - 0.25) < 0.002  # 1e6 draws: standard error 4e-4
+    assert torch.equal(y[y != 0], torch.full_like(y[y != 0], 2.0 / 0.75))
+    y.sum().backward()
+    assert torch.equal(x.grad, (y.detach() != 0).float() / 0.75)
+    assert dropout(x, 0.25, training=False) is x and dropout(x, 0.0) is x
+
+
+def test_loss_backward_twice_is_refused():
+    from megatron.tensor_parallel import vocab_parallel_cross_entropy
+    logits = torch.randn(2, 3, 10, requires_grad=True)
+    loss = vocab_parallel_cross_entropy(logits, torch.tensor([[1, 2, -100], [0, 9, 4]])).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="cannot run twice"):
+        loss.backward()

@@ -1,0 +1,177 @@
+"""T5 training-step throughput on CPU: ours vs Hugging Face's T5ForConditionalGeneration.
+
+    python bench/bench_model.py [--steps 7] [--batch 8] [--threads 2]
+
+One process, the same config, weights and batch for both: d_model 256, 4 + 4 layers, 4 heads
+of 64, d_ff 1024, gated-gelu, untied, vocabulary 32128, inputs 512 / targets 128, batch 8, in
+training mode with dropout 0 (T5 v1.1 was pretrained without dropout) and 0.1. A step is forward, loss and backward (no optimizer: it is the same
+for both). Steps alternate between the two models; the median of `--steps` timed steps after two
+warm-up steps is reported, in fp32 and, where the CPU has bf16 instructions, with bf16 autocast. Achieved GFLOP/s use the
+encoder-decoder formula of megatron/model/flops.py, against this machine's matmul peak measured
+here (a 2048^3 GEMM). Results go to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import machine_line, write_section  # noqa: E402
+from megatron.model import T5Config, T5Model  # noqa: E402
+from megatron.model.flops import training_step_flops  # noqa: E402
+from megatron.model.state_dict import from_hf_state_dict, load_full_state_dict  # noqa: E402
+from megatron.tensor_parallel import model_parallel_seed  # noqa: E402
+
+FIELDS = dict(vocab_size=32128, d_model=256, d_kv=64, d_ff=1024, num_layers=4,
+              num_decoder_layers=4, num_heads=4, feed_forward_proj="gated-gelu",
+              tie_word_embeddings=False, dropout_rate=0.1)
+ENC_LEN, DEC_LEN = 512, 128
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.mm(a, b)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(reps))
+    return 2 * n ** 3 / best / 1e9
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 matrix instructions; without them torch emulates bf16 GEMMs,
+    tens of times slower than fp32, and a bf16 timing says nothing about the model."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def build(backend: str, dropout: float):
+    from transformers import T5Config as HFConfig
+    from transformers import T5ForConditionalGeneration
+
+    model_parallel_seed(0)
+    fields = dict(FIELDS, dropout_rate=dropout)
+    hf = T5ForConditionalGeneration(HFConfig(**fields))
+    hf.lm_head.weight = torch.nn.Parameter(torch.randn_like(hf.lm_head.weight))  # untie (5.x)
+    ours = T5Model(T5Config(**fields), attention_backend=backend)
+    load_full_state_dict(ours, from_hf_state_dict(hf.state_dict(), ours.config))
+    return hf.train(), ours.train()
+
+
+def batch(size: int):
+    g = torch.Generator().manual_seed(0)
+    enc = torch.randint(2, 32100, (size, ENC_LEN), generator=g)
+    labels = torch.randint(2, 32100, (size, DEC_LEN), generator=g)
+    dec = torch.cat([torch.zeros(size, 1, dtype=torch.long), labels[:, :-1]], dim=1)
+    return enc, dec, labels
+
+
+def measure(hf, ours, data, steps: int, bf16: bool):
+    enc, dec, labels = data
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16
+                else contextlib.nullcontext())
+
+    def step_hf():
+        hf.zero_grad(set_to_none=True)
+        with autocast:
+            loss = hf(input_ids=enc, decoder_input_ids=dec, labels=labels).loss
+        loss.backward()
+
+    def step_ours():
+        ours.zero_grad(set_to_none=True)
+        with autocast:
+            loss = ours(enc, dec, labels=labels).loss
+        loss.backward()
+
+    times = {"hf": [], "ours": []}
+    for i in range(steps + 2):
+        for name, fn in (("hf", step_hf), ("ours", step_ours)):
+            elapsed = _timed(fn)
+            if i >= 2:
+                times[name].append(elapsed)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--backend", default="auto", choices=["auto", "eager", "sdpa"])
+    parser.add_argument("--bf16", choices=["auto", "yes", "no"], default="auto",
+                        help="also time bf16 autocast (auto: when the CPU has bf16 instructions)")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    data = batch(args.batch)
+    with_bf16 = args.bf16 == "yes" or (args.bf16 == "auto" and native_bf16())
+    runs = [(0.0, "fp32", False, torch.float32), (0.1, "fp32", False, torch.float32)]
+    if with_bf16:
+        runs.append((0.0, "bf16 autocast", True, torch.bfloat16))
+    rows, speedups, padded = [], {}, None
+    for dropout, label, bf16, dtype in runs:
+        hf, ours = build(args.backend, dropout)
+        padded = ours.padded_vocab_size
+        flops = training_step_flops(ours.config, args.batch, ENC_LEN, DEC_LEN, padded)
+        peak = matmul_peak(dtype)
+        t = measure(hf, ours, data, args.steps, bf16)
+        speedups[dropout, label] = t["hf"] / t["ours"]
+        for name in ("ours", "hf"):
+            gflops = flops.model / t[name] / 1e9
+            rows.append(f"| {label} | {dropout} | {'ours' if name == 'ours' else 'Hugging Face'} "
+                        f"| {t[name]:.3f} | {args.batch * ENC_LEN / t[name]:,.0f} | "
+                        f"{args.batch * DEC_LEN / t[name]:,.0f} | {gflops:.1f} | "
+                        f"{gflops / peak:.0%} of {peak:.0f} |")
+        del hf, ours
+    if with_bf16:
+        bf16_line = f"With bf16 autocast: **{speedups[0.0, 'bf16 autocast']:.2f}x**."
+    else:
+        bf16_line = (f"bf16 not timed: this CPU has no bf16 matrix instructions, so torch "
+                     f"emulates bf16 GEMMs ({matmul_peak(torch.bfloat16, 512, 2):.1f} GFLOP/s "
+                     f"here against {matmul_peak(torch.float32, 512, 2):.0f} in fp32) and a "
+                     "timing would measure the emulation. `--bf16 yes` forces it; the bf16 "
+                     "path's correctness is tested (tests/unit/test_hf_parity.py).")
+    command = "python bench/bench_model.py" + (f" --steps {args.steps}" if args.steps != 7
+                                               else "")
+    body = f"""## T5 model training step (one process, CPU)
+
+Command: `{command}`
+Machine: {machine_line()}, {args.threads} threads, torch {torch.__version__}. Config: d_model 256,
+4 + 4 layers, 4 heads x 64, d_ff 1024, gated-gelu, untied, vocab 32128 (ours padded to
+{padded}), inputs {ENC_LEN} / targets {DEC_LEN}, batch {args.batch}; dropout 0 (T5 v1.1's
+pretraining recipe) and 0.1. Forward + loss + backward, median of {args.steps} steps, the two
+models alternating on the same weights and batch. Attention backend `{args.backend}`.
+GFLOP/s from the encoder-decoder formula ({flops.model / 1e9:.1f} GFLOP per step) against the
+measured matmul peak.
+
+| precision | dropout | model | s/step | input tokens/s | target tokens/s | GFLOP/s | of matmul peak |
+| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |
+{chr(10).join(rows)}
+
+Speed-up over Hugging Face in fp32: **{speedups[0.0, 'fp32']:.2f}x** with dropout off,
+**{speedups[0.1, 'fp32']:.2f}x** with dropout 0.1 (goal >= 1.2x).
+{bf16_line}
+"""
+    print(body)
+    if not args.no_write:
+        write_section("model", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
