@@ -18,16 +18,18 @@ _LEVELS = 1 << 16
 
 
 class _MaskedScale(torch.autograd.Function):
+    """where(keep, x, 0) * scale: two passes, no float copy of the boolean mask."""
+
     @staticmethod
     def forward(ctx, tensor, keep, scale):
         ctx.save_for_backward(keep)
         ctx.scale = scale
-        return tensor * keep * scale
+        return torch.where(keep, tensor, 0.0).mul_(scale)
 
     @staticmethod
     def backward(ctx, grad):
         (keep,) = ctx.saved_tensors
-        return grad * keep * ctx.scale, None, None
+        return torch.where(keep, grad, 0.0).mul_(ctx.scale), None, None
 
 
 def dropout(tensor: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:

@@ -98,6 +98,10 @@ class T5LayerNorm(nn.Module):
             nn.init.ones_(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.dtype == torch.float32 and self.weight.dtype == torch.float32 \
+                and not torch.is_autocast_enabled(hidden.device.type):
+            # torch's fused kernel: the same fp32 math in one pass (bitwise equal here)
+            return F.rms_norm(hidden, self.weight.shape, self.weight, self.variance_epsilon)
         variance = hidden.to(torch.float32).pow(2).mean(-1, keepdim=True)
         hidden = hidden * torch.rsqrt(variance + self.variance_epsilon)
         if self.weight.dtype in (torch.float16, torch.bfloat16):
