@@ -1,6 +1,6 @@
 """T5 training-step throughput on CPU: ours vs Hugging Face's T5ForConditionalGeneration.
 
-    python bench/bench_model.py [--steps 7] [--batch 8] [--threads 2]
+    python bench/bench_model.py [--steps 9] [--batch 8] [--threads 2]
 
 One process, the same config, weights and batch for both: d_model 256, 4 + 4 layers, 4 heads
 of 64, d_ff 1024, gated-gelu, untied, vocabulary 32128, inputs 512 / targets 128, batch 8, in
@@ -112,7 +112,7 @@ def measure(hf, ours, data, steps: int, bf16: bool):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--backend", default="auto", choices=["auto", "eager", "sdpa"])
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
                      f"here against {matmul_peak(torch.float32, 512, 2):.0f} in fp32) and a "
                      "timing would measure the emulation. `--bf16 yes` forces it; the bf16 "
                      "path's correctness is tested (tests/unit/test_hf_parity.py).")
-    command = "python bench/bench_model.py" + (f" --steps {args.steps}" if args.steps != 7
+    command = "python bench/bench_model.py" + (f" --steps {args.steps}" if args.steps != 9
                                                else "")
     body = f"""## T5 model training step (one process, CPU)
 
