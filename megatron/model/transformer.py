@@ -27,7 +27,7 @@ from megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
     InitMethod,
     RowParallelLinear,
-    _initialize_shard,
+    initialize_shard,
     divide,
     normal_init,
     set_tensor_model_parallel_attributes,
@@ -38,7 +38,8 @@ from megatron.tensor_parallel.random import get_cuda_rng_tracker
 class Carry(NamedTuple):
     """What every layer of the flat layer list takes and returns.
 
-    hidden: [batch, length, d_model] of the stack being run.
+    hidden: [batch, length, d_model] of the stack being run (before the first layer: the
+        encoder input ids; after the encoder: None until the decoder embeds its ids).
     encoder_output: [batch, enc_len, d_model], None until the encoder has finished.
     encoder_mask: [batch, 1, 1, enc_len], additive (0 or the float32 minimum).
     decoder_mask: [batch, 1, dec_len, dec_len], additive, causal and padding.
@@ -143,7 +144,7 @@ class RelativeAttentionBias(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        _initialize_shard(self.weight, (self.num_buckets, self.num_heads), 1, 1,
+        initialize_shard(self.weight, (self.num_buckets, self.num_heads), 1, 1,
                           self.init_method)
 
     def forward(self, buckets: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,7 @@ def shard(full: torch.Tensor, dim: int, stride: int = 1, rank: Optional[int] = N
     return torch.cat(blocks[rank::size], dim=dim)
 
 
-def _initialize_shard(weight: torch.Tensor, full_shape, dim: int, stride: int,
+def initialize_shard(weight: torch.Tensor, full_shape, dim: int, stride: int,
                       init_method: InitMethod) -> None:
     if weight.device.type == "meta":
         return
@@ -103,7 +103,7 @@ class ColumnParallelLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        _initialize_shard(self.weight, (self.output_size, self.input_size), 0, self.stride,
+        initialize_shard(self.weight, (self.output_size, self.input_size), 0, self.stride,
                           self.init_method)
         if self.bias is not None and self.bias.device.type != "meta":
             with torch.no_grad():
@@ -146,7 +146,7 @@ class RowParallelLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        _initialize_shard(self.weight, (self.output_size, self.input_size), 1, self.stride,
+        initialize_shard(self.weight, (self.output_size, self.input_size), 1, self.stride,
                           self.init_method)
         if self.bias is not None and self.bias.device.type != "meta":
             with torch.no_grad():
@@ -182,7 +182,7 @@ class VocabParallelEmbedding(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        _initialize_shard(self.weight, (self.num_embeddings, self.embedding_dim), 0, 1,
+        initialize_shard(self.weight, (self.num_embeddings, self.embedding_dim), 0, 1,
                           self.init_method)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

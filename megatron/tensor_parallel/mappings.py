@@ -87,21 +87,21 @@ class _GatherFromRegion(torch.autograd.Function):
         return _split_last_dim(grad)
 
 
-def _single(tensor: torch.Tensor) -> bool:
+def _single() -> bool:
     return parallel_state.get_tensor_model_parallel_world_size() == 1
 
 
 def copy_to_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if _single(tensor) else _CopyToRegion.apply(tensor)
+    return tensor if _single() else _CopyToRegion.apply(tensor)
 
 
 def reduce_from_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if _single(tensor) else _ReduceFromRegion.apply(tensor)
+    return tensor if _single() else _ReduceFromRegion.apply(tensor)
 
 
 def scatter_to_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if _single(tensor) else _ScatterToRegion.apply(tensor)
+    return tensor if _single() else _ScatterToRegion.apply(tensor)
 
 
 def gather_from_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if _single(tensor) else _GatherFromRegion.apply(tensor)
+    return tensor if _single() else _GatherFromRegion.apply(tensor)
