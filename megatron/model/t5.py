@@ -14,8 +14,7 @@ TP; the padded logits are excluded from the loss and from the logits' meaning.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -35,11 +34,12 @@ from megatron.tensor_parallel.random import checkpoint
 ATTENTION_BACKENDS = ("auto", "sdpa", "eager")
 
 
-@dataclass
-class T5Output:
+class T5Output(NamedTuple):
     """logits: [batch, dec_len, padded vocab / TP], this rank's vocabulary slice.
     loss: mean over the labelled tokens (None without labels).
-    token_losses: [batch, dec_len], 0 where labels are -100 (None without labels)."""
+    token_losses: [batch, dec_len], 0 where labels are -100 (None without labels).
+
+    A tuple, so DeepSpeed's ZeRO-3 module hooks see the tensors it holds."""
 
     logits: torch.Tensor
     loss: Optional[torch.Tensor] = None

@@ -23,6 +23,9 @@ def _entry(target, rank, world_size, init_file, args, results):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # What torchrun would set; DeepSpeed reads them.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size)

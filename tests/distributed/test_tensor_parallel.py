@@ -168,3 +168,14 @@ def test_dropout_streams_per_tensor_and_data_rank():
     assert torch.equal(by_place[1, 0][0], by_place[1, 1][0])
     # default (replicated activations): equal on every rank
     assert all(torch.equal(by_place[0, 0][1], v[1]) for v in by_place.values())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_zero_init_builds_the_same_weights(tp):
+    """Each module initializes its own weights, so DeepSpeed's zero.Init (which partitions a
+    module's parameters right after its constructor) keeps them; with TP the partition group must
+    be the data-parallel group, or DeepSpeed broadcasts rank 0's shard over the tensor ranks."""
+    got = run_workers(2, workers.zero_init_weights, tp, FIELDS)
+    for diffs, partitioned in got:
+        assert diffs and max(diffs.values()) == 0.0
+        assert partitioned is (True if tp == 1 else None)

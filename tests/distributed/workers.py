@@ -149,3 +149,27 @@ def dropout_streams(rank, world_size, tp):
     default = torch.rand(6)
     return tracked, default, parallel_state.get_tensor_model_parallel_rank(), \
         parallel_state.get_data_parallel_rank()
+
+
+def zero_init_weights(rank, world_size, tp, fields):
+    """Largest difference between a model built under deepspeed.zero.Init (gathered) and one
+    built normally from the same seed, per parameter."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    parallel_state.initialize_model_parallel(tp, 1)
+    model_parallel_seed(7)
+    reference = dict(T5Model(T5Config(**fields)).named_parameters())
+    dp = parallel_state.get_data_parallel_world_size()
+    config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": dp,
+              "zero_optimization": {"stage": 3}}
+    model_parallel_seed(7)
+    with deepspeed.zero.Init(config_dict_or_path=config, mpu=parallel_state,
+                             data_parallel_group=parallel_state.get_data_parallel_group()):
+        model = T5Model(T5Config(**fields))
+    partitioned = all(p.numel() < reference[n].numel() for n, p in model.named_parameters()) \
+        if dp > 1 else None
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        diffs = {n: (p.detach() - reference[n]).abs().max().item()
+                 for n, p in model.named_parameters()}
+    return diffs, partitioned
