@@ -3,7 +3,7 @@
 English (and other space-separated text) goes through nltk's Punkt algorithm with parameters that
 are either shipped with the package (`assets/punkt_english.json`, made by
 `data_tools/train_punkt.py`) or trained on the input itself by `train_punkt_parameters`; nothing is
-ever downloaded (`nltk.download` is never called). Chinese and Japanese text is cut after
+ever downloaded (nltk's downloader is never called). Chinese and Japanese text is cut after
 sentence-final punctuation (。！？；… and their closing quotes/brackets), then each piece still goes
 through Punkt so that mixed text works.
 
