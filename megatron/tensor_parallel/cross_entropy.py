@@ -14,17 +14,12 @@ import torch
 import torch.distributed as dist
 
 from megatron import parallel_state
+from megatron.tensor_parallel.mappings import all_reduce_tensor_parallel
 
 
 # exp(-87) = 1.6e-38, just above fp32's smallest normal number (1.18e-38 = exp(-87.34)); at
 # exactly log(tiny) rounding can still land below it.
 _LOG_FLOAT32_TINY = -87.0
-
-
-def _all_reduce(tensor: torch.Tensor, op) -> torch.Tensor:
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(tensor, op=op, group=parallel_state.get_tensor_model_parallel_group())
-    return tensor
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -47,11 +42,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             local_lse = real[..., 0] - log_probs[..., 0]
         else:
             local_lse = torch.full(x.shape[:-1], float("-inf"), device=x.device)
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        ctx.tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+        if ctx.tensor_parallel:
             top = local_lse.clone()
-            _all_reduce(top, dist.ReduceOp.MAX)
+            top = all_reduce_tensor_parallel(top, dist.ReduceOp.MAX)
             total = (local_lse - top).exp_()
-            _all_reduce(total, dist.ReduceOp.SUM)
+            total = all_reduce_tensor_parallel(total, dist.ReduceOp.SUM)
             log_sum_exp = total.log_().add_(top)
         else:
             log_sum_exp = local_lse
@@ -61,11 +57,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = torch.where(in_range, target - start, torch.zeros_like(target))
         target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(~in_range, 0.0)
-        _all_reduce(target_logit, dist.ReduceOp.SUM)
+        target_logit = all_reduce_tensor_parallel(target_logit, dist.ReduceOp.SUM)
         loss = log_sum_exp - target_logit
         if label_smoothing > 0:
             logit_sum = real.sum(dim=-1)
-            _all_reduce(logit_sum, dist.ReduceOp.SUM)
+            logit_sum = all_reduce_tensor_parallel(logit_sum, dist.ReduceOp.SUM)
             mean_log_prob = logit_sum / vocab_size - log_sum_exp
             loss = (1.0 - label_smoothing) * loss - label_smoothing * mean_log_prob
         loss = loss.masked_fill(ignored, 0.0)
@@ -87,8 +83,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if log_probs.shape[-1] == 0:  # every column of this rank is padding
             return (grad_loss.new_zeros(*log_probs.shape[:-1], ctx.per_rank,
                                         dtype=ctx.logits_dtype), None, None, None, None)
-        if ctx.per_rank != log_probs.shape[-1] or bool(correction.any()):
-            log_probs = log_probs.add_(correction.unsqueeze(-1))  # global log-probabilities
+        if ctx.tensor_parallel:  # local log-probabilities -> global ones
+            log_probs = log_probs.add_(correction.unsqueeze(-1))
         # The softmax over this rank's real columns. Log-probabilities are clamped just above the
         # log of fp32's smallest normal number first: exp would otherwise produce subnormals,
         # which x86 computes many times slower, for probabilities (< 1.7e-38) that no gradient

@@ -17,11 +17,13 @@ import torch.distributed as dist
 from megatron import parallel_state
 
 
-def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+def all_reduce_tensor_parallel(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce over the tensor-parallel group, in place on a contiguous tensor (no autograd);
+    the identity with one tensor rank."""
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return tensor
     tensor = tensor.contiguous()
-    dist.all_reduce(tensor, group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_reduce(tensor, op=op, group=parallel_state.get_tensor_model_parallel_group())
     return tensor
 
 
@@ -54,13 +56,13 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone())
+        return all_reduce_tensor_parallel(grad.clone())
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor):
-        return _all_reduce(tensor.clone())
+        return all_reduce_tensor_parallel(tensor.clone())
 
     @staticmethod
     def backward(ctx, grad):

@@ -71,7 +71,7 @@ def layers(rank, world_size, inputs):
             y = gather_from_tensor_model_parallel_region(y)
         (y * inputs["dy_col"]).sum().backward()
         out[f"col{gather}"] = (y.detach(), xi.grad, _gather_grad(col.weight),
-                               _gather_grad_vector(col.bias))
+                               _gather_grad(col.bias))
     for parallel_input in (True, False):
         row = RowParallelLinear(w_row.shape[1], w_row.shape[0], bias=True,
                                 input_is_parallel=parallel_input)
@@ -99,12 +99,6 @@ def layers(rank, world_size, inputs):
         dist.all_gather(grad, logits.grad.contiguous())
         out[f"xent{smoothing}"] = (loss.detach(), torch.cat(grad, -1))
     return out
-
-
-def _gather_grad_vector(param):
-    parts = [torch.empty_like(param.grad) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, param.grad)
-    return torch.cat(parts)
 
 
 def model_step(rank, world_size, fields, full_state, batch, options):
