@@ -15,7 +15,10 @@ from megatron.data.indexed_dataset import IMPLS
 from megatron.data.t5_dataset import T5DatasetConfig
 
 
-def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_data_args(parser: argparse.ArgumentParser,
+                  schedule: bool = True) -> argparse.ArgumentParser:
+    """Add the data flags; with `schedule`, also the few schedule flags that fix sample counts
+    (the training parser defines those itself, with micro batches and sample-based schedules)."""
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", required=True,
                    help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ..., or several prefixes (weights "
@@ -49,10 +52,12 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="--t5-objective megatron: probability of a shorter sample")
     g.add_argument("--max-ngram", type=int, default=10,
                    help="--t5-objective megatron: longest masked n-gram")
+    if not schedule:
+        return parser
     g = parser.add_argument_group("schedule (for sample counts)")
     g.add_argument("--train-iters", type=int, required=True)
-    g.add_argument("--global-batch-size", "--batch-size", dest="global_batch_size", type=int,
-                   required=True)
+    g.add_argument("--global-batch-size", type=int, required=True,
+                   help="samples per optimizer step over all data-parallel ranks")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     return parser

@@ -108,13 +108,15 @@ class T5Model(nn.Module):
         self.label_smoothing = label_smoothing
         init = InitMethods(config, config.num_layers)
         self.shared = VocabParallelEmbedding(self.padded_vocab_size, config.d_model,
-                                             init_method=init("embedding"), device=device,
+                                             init_method=init("embedding"),
+                                             init_size=config.vocab_size, device=device,
                                              dtype=dtype)
         self.encoder = T5Stack(config, False, attention_backend, device, dtype)
         self.decoder = T5Stack(config, True, attention_backend, device, dtype)
         if not config.tie_word_embeddings:
             self.lm_head = ColumnParallelLinear(config.d_model, self.padded_vocab_size,
-                                                init_method=init("lm_head"), device=device,
+                                                init_method=init("lm_head"),
+                                                init_size=config.vocab_size, device=device,
                                                 dtype=dtype)
         self.dropout = Dropout(config.dropout_rate)
 

@@ -63,11 +63,21 @@ def shard(full: torch.Tensor, dim: int, stride: int = 1, rank: Optional[int] = N
 
 
 def initialize_shard(weight: torch.Tensor, full_shape, dim: int, stride: int,
-                      init_method: InitMethod) -> None:
+                      init_method: InitMethod, init_size: Optional[int] = None) -> None:
+    """Draw the full weight, then keep this rank's slice (the same model at any TP).
+
+    init_size: draw only the first init_size entries along `dim`; the rest (vocabulary padding,
+    whose size depends on the TP size) start at zero, so the draws do not depend on the TP size.
+    """
     if weight.device.type == "meta":
         return
-    master = torch.empty(full_shape, dtype=torch.float32)
-    init_method(master)
+    master = torch.zeros(full_shape, dtype=torch.float32)
+    if init_size is None or init_size >= full_shape[dim]:
+        init_method(master)
+    else:
+        drawn = torch.empty(*full_shape[:dim], init_size, *full_shape[dim + 1:])
+        init_method(drawn)
+        master.narrow(dim, 0, init_size).copy_(drawn)
     with torch.no_grad():
         weight.copy_(shard(master, dim, stride))
 
@@ -81,13 +91,16 @@ class ColumnParallelLinear(nn.Module):
         gather_output: all-gather the output so every rank holds all features; else each rank
             returns its own slice, ready for a RowParallelLinear with input_is_parallel.
         init_method: fills the full weight.
+        init_size: draw only this many output rows; the rest (vocabulary padding) are zero.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  gather_output: bool = False, init_method: InitMethod = normal_init(0.02),
-                 stride: int = 1, device=None, dtype=None) -> None:
+                 stride: int = 1, init_size: Optional[int] = None, device=None,
+                 dtype=None) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
+        self.init_size = init_size
         self.gather_output = gather_output
         self.init_method, self.stride = init_method, stride
         tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -104,7 +117,7 @@ class ColumnParallelLinear(nn.Module):
 
     def reset_parameters(self) -> None:
         initialize_shard(self.weight, (self.output_size, self.input_size), 0, self.stride,
-                          self.init_method)
+                          self.init_method, self.init_size)
         if self.bias is not None and self.bias.device.type != "meta":
             with torch.no_grad():
                 self.bias.zero_()
@@ -168,9 +181,11 @@ class VocabParallelEmbedding(nn.Module):
     rows are summed over tensor ranks. `num_embeddings` must divide by the TP size (pad it)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
-                 init_method: InitMethod = normal_init(1.0), device=None, dtype=None) -> None:
+                 init_method: InitMethod = normal_init(1.0), init_size: Optional[int] = None,
+                 device=None, dtype=None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.init_size = init_size
         self.init_method = init_method
         tp = parallel_state.get_tensor_model_parallel_world_size()
         per_rank = divide(num_embeddings, tp, "vocabulary size")
@@ -183,7 +198,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def reset_parameters(self) -> None:
         initialize_shard(self.weight, (self.num_embeddings, self.embedding_dim), 0, 1,
-                          self.init_method)
+                          self.init_method, self.init_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if parallel_state.get_tensor_model_parallel_world_size() == 1:

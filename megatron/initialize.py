@@ -1,0 +1,95 @@
+"""Start the distributed job: read the launcher's environment, pick the device, join the process
+group, make the tensor / pipeline / data groups and seed every generator.
+
+Launchers: torchrun, `python -m torch.distributed.launch` and the deepspeed launcher set RANK,
+WORLD_SIZE, LOCAL_RANK (or pass --local_rank / --local-rank), MASTER_ADDR and MASTER_PORT. `srun`
+with one task per device sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and SLURM_NODELIST: the
+first host of the node list (from `scontrol show hostnames`) is the master, and the port is
+derived from SLURM_JOB_ID so that jobs sharing a node do not collide. A plain `python -m` is a
+world of one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import subprocess
+from typing import Dict, MutableMapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron import parallel_state
+from megatron.tensor_parallel.random import model_parallel_seed
+
+
+def distributed_env(env: MutableMapping[str, str], local_rank_flag=None) -> Dict[str, str]:
+    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT for this process."""
+    out = {}
+    if "RANK" in env and "WORLD_SIZE" in env:
+        out.update(RANK=env["RANK"], WORLD_SIZE=env["WORLD_SIZE"])
+        out["LOCAL_RANK"] = env.get("LOCAL_RANK", str(local_rank_flag or 0))
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        out.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"],
+                   LOCAL_RANK=env.get("SLURM_LOCALID", "0"))
+        if "MASTER_ADDR" not in env:
+            out["MASTER_ADDR"] = first_slurm_host(env.get("SLURM_NODELIST", "localhost"))
+        if "MASTER_PORT" not in env:
+            out["MASTER_PORT"] = str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+    else:
+        out.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(local_rank_flag or 0))
+    if local_rank_flag is not None:
+        out["LOCAL_RANK"] = str(local_rank_flag)
+    out.setdefault("MASTER_ADDR", env.get("MASTER_ADDR", "127.0.0.1"))
+    out.setdefault("MASTER_PORT", env.get("MASTER_PORT", "29500"))
+    return out
+
+
+def first_slurm_host(nodelist: str) -> str:
+    try:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                               capture_output=True, text=True, timeout=60).stdout.split()
+        return hosts[0] if hosts else "localhost"
+    except (OSError, subprocess.SubprocessError):
+        return nodelist.split(",")[0]
+
+
+def initialize_distributed(args: argparse.Namespace) -> bool:
+    """Join (or reuse) the process group and build the parallel groups.
+
+    Returns:
+        True when this call created the process group (the caller destroys it at exit).
+    """
+    import deepspeed
+
+    created = False
+    if not dist.is_initialized():
+        os.environ.update(distributed_env(os.environ, args.local_rank))
+        if args.device_type == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        deepspeed.init_distributed(
+            dist_backend=args.distributed_backend, auto_mpi_discovery=False,
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+        created = True
+    else:
+        # Already joined (tests, or a caller that made its own group): DeepSpeed adopts it.
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    if dist.get_world_size() != args.world_size:
+        raise RuntimeError(f"the launcher started {dist.get_world_size()} processes but the "
+                           f"flags were checked for {args.world_size}")
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
+                                             args.pipeline_model_parallel_size)
+    return created
+
+
+def set_seeds(seed: int, device_type: str) -> None:
+    """The same seed on every rank for the default generators (so every rank draws the same
+    initial weights); the tensor-parallel stream differs per tensor rank."""
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    model_parallel_seed(seed, device_type)
+    if device_type == "cuda":
+        torch.cuda.manual_seed(seed)

@@ -1,0 +1,1 @@
+"""Training: the loop and what it steps (learning-rate schedule, checkpoints)."""

@@ -1,0 +1,228 @@
+"""Checkpoints that are never half-written, and exact resume.
+
+Layout of `--save DIR` (Megatron's tracker and names, DeepSpeed's files inside):
+
+    DIR/latest_checkpointed_iteration.txt   the iteration of the newest complete checkpoint
+    DIR/latest                              the same tag, for DeepSpeed's own tools
+    DIR/iter_0001000/                       DeepSpeed's engine checkpoint (model, ZeRO states)
+        meta.json                           iteration, consumed samples, layout, LR schedule,
+                                            resolved flags (plain JSON)
+        rng/rank_00003.pt                   python, numpy, torch (+cuda) and TP-tracker states
+
+A save writes `iter_N.tmp/`, flushes it to disk, renames it to `iter_N`, and only then replaces
+the tracker file (itself written to a temporary name and renamed). A process killed at any
+moment leaves the previous checkpoint and the tracker that points to it intact; the stale
+`.tmp` folder is removed by the next save.
+
+Loading checks the layout first (tensor and pipeline sizes must match; the data-parallel size
+too, unless only weights are loaded from a ZeRO 0-2 checkpoint), then hands the engine files to
+DeepSpeed and restores our own state from JSON and `weights_only` tensor files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron import parallel_state
+from megatron.tensor_parallel.random import get_cuda_rng_tracker
+
+TRACKER = "latest_checkpointed_iteration.txt"
+TEST_PAUSE_ENV = "MEGATRON_CHECKPOINT_TEST_PAUSE_S"
+"""Tests only: seconds to sleep after the engine files are written, before the rename (so a
+test can kill the process mid-save)."""
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def tag_for(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def _fsync_tree(path: Path) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def rng_state(device_type: str) -> Dict[str, Any]:
+    """This rank's generator states as tensors and plain values (loadable with weights_only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+             "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if device_type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any], device_type: str) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if device_type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def layout(args: argparse.Namespace) -> Dict[str, int]:
+    return {"tensor_model_parallel_size": args.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+            "data_parallel_size": args.data_parallel_size, "zero_stage": args.zero_stage}
+
+
+def save_checkpoint(engine, args: argparse.Namespace, iteration: int, consumed_samples: int,
+                    lr_state: Dict[str, Any], resolved_flags: Dict[str, Any]) -> Path:
+    """Write checkpoint `iteration` under args.save (collective: every rank calls it)."""
+    root = Path(args.save)
+    rank = dist.get_rank()
+    tag = tag_for(iteration)
+    tmp_tag = tag + ".tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("iter_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier()
+    engine.save_checkpoint(str(root), tag=tmp_tag, client_state={"iteration": iteration},
+                           save_latest=False)
+    rng_dir = root / tmp_tag / "rng"
+    rng_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(args.device_type), rng_dir / f"rank_{rank:05d}.pt")
+    pause = float(os.environ.get(TEST_PAUSE_ENV, "0") or 0)
+    if pause:
+        time.sleep(pause)
+    dist.barrier()
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        _fsync_tree(root / tmp_tag)
+    dist.barrier()
+    if rank == 0:
+        meta = {"iteration": iteration, "consumed_samples": consumed_samples,
+                "layout": layout(args), "world_size": dist.get_world_size(),
+                "lr_schedule": lr_state, "flags": resolved_flags,
+                "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        write_atomic(root / tmp_tag / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
+        final = root / tag
+        if final.exists():  # saving the same iteration again: keep the old one until the swap
+            old = root / (tag + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(root / tmp_tag, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(root / tmp_tag, final)
+        _fsync_dir(root)
+        write_atomic(root / TRACKER, f"{iteration}\n")
+        write_atomic(root / "latest", tag)
+    dist.barrier()
+    return root / tag
+
+
+def read_tracker(load_dir: Path) -> Optional[int]:
+    """The newest complete checkpoint's iteration, or None when the folder has none."""
+    tracker = load_dir / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if text == "release":
+        raise CheckpointError(f"{tracker} says 'release' (a converted checkpoint); pass "
+                              f"--finetune to load only its weights")
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number") from None
+
+
+def read_meta(load_dir: Path, iteration: int) -> Dict[str, Any]:
+    path = load_dir / tag_for(iteration) / "meta.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: missing or unreadable ({e}); the checkpoint is "
+                              f"incomplete") from None
+
+
+def layout_problems(saved: Dict[str, int], args: argparse.Namespace, weights_only: bool) -> list:
+    now = layout(args)
+    problems = []
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if saved[key] != now[key]:
+            problems.append(f"{key.replace('_', '-')} {saved[key]} in the checkpoint, "
+                            f"{now[key]} now")
+    reshard_free = weights_only and saved["zero_stage"] < 3 and now["zero_stage"] < 3
+    if not reshard_free:
+        for key in ("data_parallel_size", "zero_stage"):
+            if saved[key] != now[key]:
+                problems.append(f"{key.replace('_', '-')} {saved[key]} in the checkpoint, "
+                                f"{now[key]} now")
+    return problems
+
+
+def load_checkpoint(engine, args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """Restore from args.load; returns the checkpoint's meta.json (None: nothing to load).
+
+    Raises:
+        CheckpointError: a damaged checkpoint or one from another layout.
+    """
+    root = Path(args.load)
+    iteration = read_tracker(root) if root.is_dir() else None
+    if iteration is None:
+        return None
+    meta = read_meta(root, iteration)
+    weights_only = args.finetune or args.no_load_optim
+    problems = layout_problems(meta["layout"], args, weights_only)
+    if problems:
+        raise CheckpointError(
+            f"{root / tag_for(iteration)} was saved with another layout: {'; '.join(problems)}. "
+            "Converting between layouts needs data_tools/convert_checkpoint.py"
+            + ("" if weights_only or meta["layout"]["zero_stage"] == 3 else
+               "; a ZeRO 0-2 checkpoint's weights alone load on another data-parallel size "
+               "with --no-load-optim"))
+    load_optim = not weights_only
+    path, _ = engine.load_checkpoint(str(root), tag=tag_for(iteration),
+                                     load_optimizer_states=load_optim,
+                                     load_lr_scheduler_states=False,
+                                     load_module_only=not load_optim)
+    if path is None:
+        raise CheckpointError(f"DeepSpeed could not load {root / tag_for(iteration)}")
+    if not (args.finetune or args.no_load_rng):
+        rng_file = root / tag_for(iteration) / "rng" / f"rank_{dist.get_rank():05d}.pt"
+        if not rng_file.is_file():
+            raise CheckpointError(f"{rng_file} is missing; pass --no-load-rng to start the "
+                                  f"random generators afresh")
+        set_rng_state(torch.load(rng_file, weights_only=True), args.device_type)
+    return meta

@@ -1,0 +1,348 @@
+"""The DeepSpeed config: read from `--deepspeed_config`, cross-checked with the flags, or made
+from the flags alone.
+
+Every setting that both sides can express (micro and global batch, accumulation, clipping,
+precision and loss scaling, Adam's hyperparameters, ZeRO stage and offload) is compared: a value
+given on both sides must agree, else the problem names the flag, the JSON key and the file; a
+value given on one side is taken by the other. The result is one complete config dict that
+DeepSpeed's own config class has parsed, so its errors appear before any process starts.
+
+The optimizer and LR schedule are always built by our code (AdamW without decay on norms and
+biases, Megatron's schedules); an "optimizer" section only supplies hyperparameters and a
+"scheduler" section is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from megatron.arguments import DEFAULTS
+
+EXTRA_KNOWN_KEYS = {"optimizer", "scheduler", "activation_checkpointing", "aio",
+                    "flops_profiler", "autotuning", "zero_allow_untested_optimizer",
+                    "zero_force_ds_cpu_optimizer", "bfloat16", "fp16", "bf16", "amp"}
+"""Top-level keys DeepSpeed reads outside its main config class."""
+
+NEVER_EVER = 2 ** 31 - 1  # DeepSpeed's own step printing: our loop logs
+
+
+class _Layout:
+    """What DeepSpeed's config class asks an `mpu` for, before any process group exists."""
+
+    def __init__(self, data_parallel_size: int, model_parallel_size: int) -> None:
+        self.dp, self.mp = data_parallel_size, model_parallel_size
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.mp
+
+    def get_data_parallel_group(self):
+        return None
+
+
+class _TrackingDict(dict):
+    """Records which top-level keys DeepSpeed's config class looked at."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen = set()
+
+    def get(self, key, default=None):
+        self.seen.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.seen.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key) -> bool:
+        self.seen.add(key)
+        return super().__contains__(key)
+
+
+def load_json(path: str, problems: List[str]) -> Optional[Dict[str, Any]]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        problems.append(f"--deepspeed_config {path}: cannot be read ({e.strerror or e})")
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        problems.append(f"--deepspeed_config {path}: line {e.lineno} column {e.colno}: {e.msg}")
+        return None
+    if not isinstance(data, dict):
+        problems.append(f"--deepspeed_config {path}: the top level must be a JSON object")
+        return None
+    return data
+
+
+class _Merge:
+    """Cross-checks one flag against one JSON value at a time."""
+
+    def __init__(self, args: argparse.Namespace, path: Optional[str], problems: List[str]):
+        self.args, self.path, self.problems = args, path, problems
+
+    def take(self, dest: str, flag: str, json_key: str, json_value: Any, same=None) -> Any:
+        """The agreed value (the flag's or the JSON's); records a problem when both disagree."""
+        mine = getattr(self.args, dest)
+        if json_value is None:
+            return mine
+        if mine is None:
+            setattr(self.args, dest, json_value)
+            return json_value
+        agree = same(mine, json_value) if same else mine == json_value
+        if not agree:
+            self.problems.append(f"{flag} {mine} contradicts {json_key}: {json_value} in "
+                                 f"{self.path}; remove one or make them equal")
+        return mine
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+
+
+def resolve(args: argparse.Namespace) -> List[str]:
+    """Set args.ds_config (the dict for deepspeed.initialize), args.precision, args.zero_stage,
+    the batch sizes, offload and optimizer values; return every problem."""
+    problems: List[str] = []
+    path = args.deepspeed_config
+    user = load_json(path, problems) if path else {}
+    if user is None:
+        user = {}
+    merge = _Merge(args, path, problems)
+    dp = args.data_parallel_size
+
+    # Batch sizes.
+    micro = merge.take("micro_batch_size", "--micro-batch-size", "train_micro_batch_size_per_gpu",
+                       user.get("train_micro_batch_size_per_gpu"))
+    accumulation = user.get("gradient_accumulation_steps")
+    merge.take("global_batch_size", "--global-batch-size", "train_batch_size",
+               user.get("train_batch_size"))
+    if micro is None and args.global_batch_size:
+        micro = args.micro_batch_size = args.global_batch_size // (dp * (accumulation or 1)) or None
+    if micro is None:
+        problems.append("set --micro-batch-size (or train_micro_batch_size_per_gpu in the "
+                        "DeepSpeed JSON)")
+    elif micro < 1:
+        problems.append(f"--micro-batch-size {micro} must be positive")
+    else:
+        if args.global_batch_size is None:
+            args.global_batch_size = micro * dp * (accumulation or 1)
+        per_step = micro * dp
+        if args.global_batch_size % per_step or args.global_batch_size < per_step:
+            problems.append(f"--global-batch-size {args.global_batch_size} is not a positive "
+                            f"multiple of --micro-batch-size {micro} x data-parallel size {dp}")
+        else:
+            needed = args.global_batch_size // per_step
+            if accumulation is not None and accumulation != needed:
+                problems.append(f"gradient_accumulation_steps: {accumulation} in {path} "
+                                f"contradicts --global-batch-size {args.global_batch_size} / "
+                                f"(--micro-batch-size {micro} x data-parallel size {dp}) = "
+                                f"{needed}")
+            accumulation = needed
+    args.gradient_accumulation_steps = accumulation or 1
+
+    # Clipping and precision.
+    merge.take("clip_grad", "--clip-grad", "gradient_clipping", user.get("gradient_clipping"),
+               _close)
+    fp16 = dict(user.get("fp16") or {})
+    bf16 = dict(user.get("bf16") or user.get("bfloat16") or {})
+    if fp16.get("enabled") and args.fp16 is None:
+        args.fp16 = True
+    if bf16.get("enabled") and args.bf16 is None:
+        args.bf16 = True
+    if args.fp16 and "enabled" in fp16 and not fp16["enabled"]:
+        problems.append(f"--fp16 contradicts fp16.enabled: false in {path}")
+    if args.bf16 and "enabled" in bf16 and not bf16["enabled"]:
+        problems.append(f"--bf16 contradicts bf16.enabled: false in {path}")
+    if args.fp16 and args.bf16:
+        problems.append("--fp16 and --bf16 exclude each other (check the DeepSpeed JSON too)")
+    args.precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+    if args.precision != "fp16":
+        for dest in ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+                     "hysteresis"):
+            if getattr(args, dest) is not None:
+                problems.append(f"--{dest.replace('_', '-')} has effect only with --fp16")
+    else:
+        scale = fp16.get("loss_scale")
+        merge.take("loss_scale", "--loss-scale", "fp16.loss_scale",
+                   scale if scale not in (None, 0) else None, _close)
+        power = fp16.get("initial_scale_power")
+        merge.take("initial_loss_scale", "--initial-loss-scale", "fp16.initial_scale_power "
+                   "(as 2^power)", 2.0 ** power if power is not None else None, _close)
+        merge.take("min_loss_scale", "--min-loss-scale", "fp16.min_loss_scale",
+                   fp16.get("min_loss_scale"), _close)
+        merge.take("loss_scale_window", "--loss-scale-window", "fp16.loss_scale_window",
+                   fp16.get("loss_scale_window"))
+        merge.take("hysteresis", "--hysteresis", "fp16.hysteresis", fp16.get("hysteresis"))
+        initial = args.initial_loss_scale or DEFAULTS["initial_loss_scale"]
+        if initial <= 0 or not float(math.log2(initial)).is_integer():
+            problems.append(f"--initial-loss-scale {initial} must be a power of 2")
+        fp16.update(enabled=True, loss_scale=args.loss_scale or 0,
+                    initial_scale_power=int(math.log2(initial)) if initial > 0 else 32)
+        for dest, key in (("min_loss_scale", "min_loss_scale"),
+                          ("loss_scale_window", "loss_scale_window"),
+                          ("hysteresis", "hysteresis")):
+            if getattr(args, dest) is not None:
+                fp16[key] = getattr(args, dest)
+
+    # Optimizer hyperparameters.
+    optimizer = user.get("optimizer")
+    if optimizer is not None:
+        kind = str(optimizer.get("type", "")).lower() if isinstance(optimizer, dict) else ""
+        if kind not in ("adam", "adamw"):
+            problems.append(f"optimizer.type {optimizer.get('type') if kind else optimizer!r} "
+                            f"in {path}: only Adam / AdamW are supported")
+        else:
+            params = optimizer.get("params", {}) or {}
+            betas = params.get("betas") or [None, None]
+            merge.take("lr", "--lr", "optimizer.params.lr", params.get("lr"), _close)
+            merge.take("adam_beta1", "--adam-beta1", "optimizer.params.betas[0]", betas[0], _close)
+            merge.take("adam_beta2", "--adam-beta2", "optimizer.params.betas[1]", betas[1], _close)
+            merge.take("adam_eps", "--adam-eps", "optimizer.params.eps", params.get("eps"), _close)
+            merge.take("weight_decay", "--weight-decay", "optimizer.params.weight_decay",
+                       params.get("weight_decay"), _close)
+            if params.get("adam_w_mode") is False or (kind == "adam" and "adam_w_mode" not in
+                                                      params and params.get("torch_adam")):
+                problems.append(f"optimizer in {path} asks for Adam with L2 decay; the trainer "
+                                f"uses AdamW (decoupled decay); drop adam_w_mode / torch_adam")
+    if "scheduler" in user:
+        problems.append(f"scheduler in {path}: the LR schedule comes from --lr, --min-lr, "
+                        f"--lr-decay-style, --lr-warmup-*; remove the section")
+
+    # ZeRO and offload.
+    zero = dict(user.get("zero_optimization") or {})
+    stage = merge.take("zero_stage", "--zero-stage", "zero_optimization.stage", zero.get("stage"))
+    stage = args.zero_stage = DEFAULTS["zero_stage"] if stage is None else stage
+    for dest, key in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
+        section = zero.get(key) or {}
+        legacy = {"offload_optimizer": "cpu_offload", "offload_param": "cpu_offload_params"}[dest]
+        device = section.get("device") if isinstance(section, dict) else None
+        if device is None and zero.get(legacy):
+            device = "cpu"
+        merge.take(dest, f"--{dest.replace('_', '-')}", f"zero_optimization.{key}.device", device)
+        value = getattr(args, dest) or DEFAULTS[dest]
+        setattr(args, dest, value)
+        if value != "none":
+            entry = dict(section) if isinstance(section, dict) else {}
+            entry["device"] = value
+            if value == "nvme":
+                nvme = merge.take("nvme_path", "--nvme-path", f"zero_optimization.{key}.nvme_path",
+                                  entry.get("nvme_path"))
+                if nvme is None:
+                    problems.append(f"--{dest.replace('_', '-')} nvme needs --nvme-path")
+                elif not Path(nvme).is_dir():
+                    problems.append(f"--nvme-path {nvme}: no such folder")
+                else:
+                    entry["nvme_path"] = nvme
+            zero.pop(legacy, None)
+            zero[key] = entry
+    if args.offload_param != "none" and stage != 3:
+        problems.append(f"--offload-param {args.offload_param} needs ZeRO stage 3 (have {stage})")
+    if args.offload_optimizer == "nvme" and stage != 3:
+        problems.append(f"--offload-optimizer nvme needs ZeRO stage 3 (have {stage})")
+    if args.offload_optimizer == "cpu" and stage == 0:
+        problems.append("--offload-optimizer cpu needs ZeRO stage 1, 2 or 3 (have 0)")
+    if args.nvme_path is not None and "nvme" not in (args.offload_optimizer, args.offload_param):
+        problems.append("--nvme-path has effect only with --offload-optimizer/--offload-param "
+                        "nvme")
+    if args.precision == "bf16" and stage == 0:
+        problems.append("--bf16 with ZeRO stage 0: DeepSpeed's bf16 path there distorts the "
+                        "first update and the gradient norm; use --zero-stage 1 or higher")
+    if args.pipeline_model_parallel_size > 1 and stage >= 2:
+        problems.append(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} "
+                        f"with ZeRO stage {stage}: DeepSpeed's pipeline engine supports stages "
+                        f"0 and 1 only")
+    zero["stage"] = stage
+
+    # Activation checkpointing.
+    ac = user.get("activation_checkpointing") or {}
+    unsupported = {
+        "partition_activations": "partitioned activations assume every checkpointed tensor is "
+        "equal across tensor ranks and empty inputs that are reused (the encoder output feeds "
+        "every decoder chunk)",
+        "contiguous_memory_optimization": "it needs partition_activations",
+        "cpu_checkpointing": "it is not implemented by our recomputation",
+        "synchronize_checkpoint_boundary": "it is not implemented by our recomputation",
+        "profile": "it is not implemented by our recomputation",
+    }
+    for key, why in unsupported.items():
+        if ac.get(key):
+            problems.append(f"activation_checkpointing.{key}: true in {path} is not supported: "
+                            f"{why}; set it to false")
+    if args.deepspeed_activation_checkpointing:
+        if args.deepspeed_config is None:
+            problems.append("--deepspeed-activation-checkpointing needs --deepspeed_config")
+        args.checkpoint_activations = True
+
+    # Device and precision limits.
+    import torch
+
+    args.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    args.warnings = getattr(args, "warnings", [])
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if args.device_type == "cuda" else "gloo"
+    elif args.distributed_backend == "nccl" and args.device_type == "cpu":
+        args.warnings.append("--distributed-backend nccl: no CUDA device here; using gloo")
+        args.distributed_backend = "gloo"
+    if args.precision == "fp16" and args.device_type == "cpu":
+        problems.append("--fp16 needs a CUDA device (DeepSpeed refuses fp16 on CPU); use --bf16")
+
+    for dest in ("clip_grad", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps"):
+        if getattr(args, dest) is None:
+            setattr(args, dest, DEFAULTS[dest])
+    if args.clip_grad < 0:
+        problems.append("--clip-grad must be >= 0")
+    if not (0 <= args.adam_beta1 < 1 and 0 <= args.adam_beta2 < 1) or args.adam_eps <= 0:
+        problems.append("--adam-beta1/2 must be in [0, 1) and --adam-eps positive")
+    if args.weight_decay < 0:
+        problems.append("--weight-decay must be >= 0")
+
+    config = {k: v for k, v in user.items()
+              if k not in ("optimizer", "scheduler", "bfloat16", "activation_checkpointing")}
+    config.update(train_micro_batch_size_per_gpu=args.micro_batch_size or 1,
+                  gradient_accumulation_steps=args.gradient_accumulation_steps,
+                  train_batch_size=(args.micro_batch_size or 1) * dp *
+                  args.gradient_accumulation_steps,
+                  gradient_clipping=args.clip_grad, zero_optimization=zero,
+                  zero_allow_untested_optimizer=True)
+    config.setdefault("steps_per_print", NEVER_EVER)
+    config["fp16"] = fp16 if args.precision == "fp16" else {"enabled": False}
+    config["bf16"] = {**bf16, "enabled": args.precision == "bf16"}
+    args.ds_config = config
+    if not problems:
+        problems += deepspeed_problems(config, user, path, dp, args.tensor_model_parallel_size *
+                                       args.pipeline_model_parallel_size)
+    return problems
+
+
+def deepspeed_problems(config: Dict[str, Any], user: Dict[str, Any], path: Optional[str],
+                       dp: int, mp: int) -> List[str]:
+    """What DeepSpeed's own config class says, and the JSON keys nobody reads."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    where = path or "the generated DeepSpeed config"
+    # Without deepspeed.comm initialized the class assumes one process: leave the batch
+    # arithmetic (checked above) out of its view.
+    tracked = _TrackingDict({k: v for k, v in config.items() if k != "train_batch_size"})
+    try:
+        DeepSpeedConfig(tracked, mpu=_Layout(dp, mp))
+    except Exception as e:  # noqa: BLE001 - pydantic and assertion errors alike
+        text = str(e).strip().replace("\n", "; ")
+        return [f"{where}: DeepSpeed rejects it: {text}"]
+    known = tracked.seen | EXTRA_KNOWN_KEYS
+    problems = []
+    for key in user:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"{where}: unknown key {key!r}{hint}")
+    return problems

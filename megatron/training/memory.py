@@ -1,0 +1,322 @@
+"""Device memory of one training rank: ZeRO's model states plus one micro-batch's activations.
+
+Model states follow ZeRO (Rajbhandari et al., 2020) as DeepSpeed implements them, per parameter
+of this tensor rank (Psi) and data-parallel size N:
+
+    precision   params  grads  master  Adam moments   (16-bit: master and moments are fp32)
+    fp32        4       4      0 (*)   8              (*) stages 1, 2 keep a 4-byte clone / N
+    bf16, fp16  2       2      4       8
+
+    stage 0: nothing divided;  1: master + moments / N;  2: also grads / N;  3: also params / N
+    (stage 3 keeps parameters of at most stage3_param_persistence_threshold elements whole).
+
+Offloading moves master, moments and the gradient partition (stages 2, 3; stage 1 keeps its full
+16-bit gradients on the device) to cpu/nvme, and with `offload_param` the parameter partition.
+`buffers` are DeepSpeed's transient ones (`ZeroBuckets`); a 16-bit step also converts the
+gradient partition to fp32, at a time when no activations are alive.
+
+Activations are the tensors autograd saves in forward, counted from what our layers save
+(megatron/model/transformer.py, dropout.py, cross_entropy.py) and checked against a measurement
+in tests/unit/test_memory_estimate.py. Backward's transient gradients are left out, except the
+logits' gradient, which is as large as the logits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from megatron.model.config import ConfigError, T5Config
+from megatron.model.t5 import model_parallel_problems
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+ATTENTION_KERNELS = ("fused", "eager")
+
+
+@dataclass(frozen=True)
+class ZeroBuckets:
+    """DeepSpeed's bucket settings, in elements, at DeepSpeed's defaults.
+
+    Stages 1 and 2 allocate reduce_bucket_size elements of gradient dtype (twice with
+    overlap_comm); stage 3 one bucket plus the parameters it gathers, at most
+    stage3_max_live_parameters (prefetches included; with the default max_reuse_distance a model
+    under 1e9 parameters may stay nearly all gathered from forward to backward). The all-gather
+    bucket costs nothing: stages 1 and 2 gather into the flat parameter buffer in place."""
+
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    overlap_comm: Optional[bool] = None
+    """None: DeepSpeed's default, true for stage 3 only."""
+    contiguous_gradients: bool = True
+
+    @classmethod
+    def from_zero_config(cls, zero: Dict) -> "ZeroBuckets":
+        """From the `zero_optimization` section of a DeepSpeed config (absent keys: defaults)."""
+        return cls(**{name: zero[name] for name in cls.__dataclass_fields__ if name in zero})
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank. parameters, gradients, optimizer_states (master weights + moments) and
+    buffers are what stays on the device; offloaded is what moved to cpu/nvme. activations is
+    the peak of one micro-batch, activations_saved what forward leaves saved for backward.
+    total: the device peak."""
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    activations_saved: int
+    buffers: int
+    total: int
+    offloaded: int
+
+    def table(self) -> List[str]:
+        """Printable lines, one per field."""
+        rows = [("parameters", self.parameters), ("gradients", self.gradients),
+                ("optimizer states", self.optimizer_states),
+                ("activations (peak)", self.activations),
+                ("  saved after forward", self.activations_saved), ("buffers", self.buffers),
+                ("total on device", self.total), ("offloaded (cpu/nvme)", self.offloaded)]
+        return [f"{name:<22}{value / 2 ** 30:>10.3f} GiB" for name, value in rows]
+
+
+def parameter_numels(config: T5Config, tensor_parallel_size: int = 1,
+                     make_vocab_size_divisible_by: int = 128) -> Dict[str, int]:
+    """Elements of each parameter on one tensor rank, by T5Model's parameter names.
+
+    Raises:
+        ConfigError: heads or d_ff do not divide by tensor_parallel_size.
+    """
+    tp = tensor_parallel_size
+    problems = model_parallel_problems(config, tp)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    d, inner, ff = config.d_model, config.inner_dim // tp, config.d_ff // tp
+    vocab = config.padded_vocab_size(make_vocab_size_divisible_by, tp) // tp
+    attention = {name: d * inner for name in ("q", "k", "v", "o")}
+    dense = {"wi_0": d * ff, "wi_1": d * ff} if config.is_gated_act else {"wi": d * ff}
+    dense["wo"] = ff * d
+    out = {"shared.weight": vocab * d}
+    for stack, layers in (("encoder", config.num_layers), ("decoder", config.num_decoder_layers)):
+        sublayers = [("SelfAttention", attention)]
+        if stack == "decoder":
+            sublayers.append(("EncDecAttention", attention))
+        sublayers.append(("DenseReluDense", dense))
+        for i in range(layers):
+            for j, (name, weights) in enumerate(sublayers):
+                prefix = f"{stack}.block.{i}.layer.{j}"
+                out.update({f"{prefix}.{name}.{w}.weight": n for w, n in weights.items()})
+                if i == 0 and j == 0:
+                    out[f"{prefix}.SelfAttention.relative_attention_bias.weight"] = \
+                        config.relative_attention_num_buckets * (config.num_heads // tp)
+                out[f"{prefix}.layer_norm.weight"] = d
+        out[f"{stack}.final_layer_norm.weight"] = d
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = vocab * d
+    return out
+
+
+def count_parameters(config: T5Config, tensor_parallel_size: int = 1,
+                     make_vocab_size_divisible_by: int = 128) -> int:
+    """Parameters held by one tensor rank (layer norms are whole on every rank)."""
+    return sum(parameter_numels(config, tensor_parallel_size,
+                                make_vocab_size_divisible_by).values())
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """One tensor rank's activation sizes; a: bytes per activation element."""
+
+    b: int
+    D: int
+    inner: int
+    ff: int
+    heads: int
+    a: int
+    fp16: bool
+    dropout: bool
+    kernel: str
+    config: T5Config
+
+    def norm(self, tokens: int) -> int:
+        """Layer norm: fp32 rms_norm saves input and normalized, a 16-bit one also an fp32 copy
+        of its input; its output (saved by the next linear); rstd."""
+        return tokens * (self.D * (3 * self.a + (4 if self.a != 4 else 0)) + 4)
+
+    def sublayer(self, tokens: int) -> int:
+        """The norm, the residual dropout's mask and, in fp16, the residual before the clamp."""
+        return self.norm(tokens) + tokens * self.D * (self.dropout + (self.a if self.fp16 else 0))
+
+    def attention(self, q: int, k: int, is_self: bool) -> int:
+        """q, k, v and the context (eager: reshaped copies; fused: the kernel's inputs/output),
+        plus the score-sized tensors: eager keeps the fp32 softmax and what bmm reads (dropped
+        probabilities + bool mask, or a 16-bit copy); fused keeps the logsumexp. In 16 bits the
+        self-attention bias is cast per layer (saved by clamp; and by sdpa when fused)."""
+        out = self.a * self.b * self.inner * 2 * (q + k)
+        scores = self.b * self.heads * q * k
+        cast = self.a != 4
+        if self.kernel == "eager":
+            out += scores * (4 + (1 + self.a if self.dropout else (self.a if cast else 0)))
+            out += scores * self.a if is_self and cast else 0
+        else:
+            out += 4 * self.b * self.heads * q
+            out += 2 * scores * self.a if is_self and cast else 0
+        return out
+
+    def feed_forward(self, tokens: int) -> int:
+        """The activation's output (and input unless relu), the gate, wo's input (the dropped
+        product when dropout is on) and the dropout mask."""
+        c = self.config
+        n = (c.activation != "relu") + 1 + (2 if c.is_gated_act else self.dropout)
+        return tokens * self.ff * (n * self.a + self.dropout)
+
+    def encoder_block(self, e: int) -> int:
+        return 2 * self.sublayer(self.b * e) + self.attention(e, e, True) + \
+            self.feed_forward(self.b * e)
+
+    def decoder_block(self, d: int, e: int) -> int:
+        return 3 * self.sublayer(self.b * d) + self.attention(d, d, True) + \
+            self.attention(d, e, False) + self.feed_forward(self.b * d)
+
+
+def _validate(tp, dp, zero_stage, precision, offload_optimizer, offload_param, sizes,
+              checkpoint_num_layers, attention_kernel) -> List[str]:
+    out = [f"{name} must be a positive integer, not {value!r}" for name, value in
+           (("tensor_parallel_size", tp), ("data_parallel_size", dp), *sizes.items(),
+            ("checkpoint_num_layers", checkpoint_num_layers)) if not isinstance(value, int)
+           or value < 1]
+    if zero_stage not in (0, 1, 2, 3):
+        out.append(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage!r}")
+    if precision not in PRECISIONS:
+        out.append(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+    if attention_kernel not in ATTENTION_KERNELS:
+        out.append(f"attention_kernel must be 'fused' or 'eager', not {attention_kernel!r}")
+    for name, value in (("offload_optimizer", offload_optimizer),
+                        ("offload_param", offload_param)):
+        if value not in OFFLOAD_DEVICES:
+            out.append(f"{name} must be one of {', '.join(OFFLOAD_DEVICES)}, not {value!r}")
+    if offload_optimizer != "none" and zero_stage == 0:
+        out.append("offload_optimizer needs ZeRO stage 1, 2 or 3")
+    if offload_optimizer == "nvme" and zero_stage != 3:
+        out.append("offload_optimizer nvme needs ZeRO stage 3")
+    if offload_param != "none" and zero_stage != 3:
+        out.append("offload_param needs ZeRO stage 3")
+    return out
+
+
+def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                    zero_stage: int = 0, precision: str = "bf16", offload_optimizer: str = "none",
+                    offload_param: str = "none", micro_batch_size: int = 1,
+                    encoder_seq_length: int = 512, decoder_seq_length: int = 114,
+                    checkpoint_activations: bool = False, checkpoint_num_layers: int = 1,
+                    make_vocab_size_divisible_by: int = 128, attention_kernel: str = "fused",
+                    buckets: ZeroBuckets = ZeroBuckets()) -> MemoryEstimate:
+    """Per-rank memory of training `config` with DeepSpeed ZeRO and Adam(W).
+
+    Args:
+        tensor_parallel_size, data_parallel_size: the parallel sizes (no pipeline).
+        zero_stage: 0-3. precision: 'fp32', 'bf16' or 'fp16' (16-bit: fp32 master weights).
+        offload_optimizer, offload_param: 'none', 'cpu' or 'nvme' (ZeRO-Offload / -Infinity).
+        micro_batch_size, encoder_seq_length, decoder_seq_length: one micro-batch.
+        checkpoint_activations, checkpoint_num_layers: as T5Model's.
+        attention_kernel: 'fused' (sdpa's flash / memory-efficient kernels: the model's 'auto' on
+            CUDA) or 'eager' (probabilities kept: attention_backend 'eager', torch's math path).
+        buckets: DeepSpeed's bucket sizes.
+
+    Raises:
+        ValueError: an argument out of range or a combination DeepSpeed does not run.
+        ConfigError: the config does not split over tensor_parallel_size.
+    """
+    sizes = {"micro_batch_size": micro_batch_size, "encoder_seq_length": encoder_seq_length,
+             "decoder_seq_length": decoder_seq_length}
+    problems = _validate(tensor_parallel_size, data_parallel_size, zero_stage, precision,
+                         offload_optimizer, offload_param, sizes, checkpoint_num_layers,
+                         attention_kernel)
+    if problems:
+        raise ValueError("cannot estimate memory: " + "; ".join(problems))
+    numels = parameter_numels(config, tensor_parallel_size, make_vocab_size_divisible_by)
+    params, grads, optimizer, buffers, step, offloaded = _model_states(
+        list(numels.values()), data_parallel_size, zero_stage, precision, offload_optimizer,
+        offload_param, buckets)
+    tp = tensor_parallel_size
+    shape = _Shape(micro_batch_size, config.d_model, config.inner_dim // tp, config.d_ff // tp,
+                   config.num_heads // tp, 4 if precision == "fp32" else 2, precision == "fp16",
+                   config.dropout_rate > 0, attention_kernel, config)
+    vocab = config.padded_vocab_size(make_vocab_size_divisible_by, tp) // tp
+    saved, activations = _activations(shape, tp, vocab, encoder_seq_length, decoder_seq_length,
+                                      checkpoint_activations, checkpoint_num_layers)
+    return MemoryEstimate(parameters=params, gradients=grads, optimizer_states=optimizer,
+                          activations=activations, activations_saved=saved, buffers=buffers,
+                          total=params + grads + optimizer + buffers + max(activations, step),
+                          offloaded=offloaded)
+
+
+def _model_states(numels, dp, stage, precision, offload_optimizer, offload_param, buckets):
+    """(parameters, gradients, optimizer states, buffers, step transient, offloaded) bytes.
+    The step transient is the fp32 copy of the gradient partition a 16-bit step makes."""
+    psi = sum(numels)
+    persistent = sum(n for n in numels if n <= buckets.stage3_param_persistence_threshold)
+    shard = lambda n: math.ceil(n / dp)  # noqa: E731
+    pb = 4 if precision == "fp32" else 2  # params and grads (DeepSpeed accumulates in this dtype)
+    master = 0 if precision == "fp32" and stage in (0, 3) else 4
+    params = pb * (persistent + shard(psi - persistent) if stage == 3 else psi)
+    grads = pb * (shard(psi) if stage >= 2 else psi)
+    optimizer = (master + 8) * (shard(psi) if stage >= 1 else psi)
+    offloaded = 0
+    if offload_optimizer != "none":  # the host also takes the gradient partition, fp32 < stage 3
+        offloaded += optimizer + (4 if stage < 3 else pb) * shard(psi)
+        optimizer, grads = 0, grads if stage == 1 else 0
+    if offload_param != "none":
+        offloaded += pb * shard(psi - persistent)
+        params = pb * persistent
+    step = 4 * (psi if stage == 0 else shard(psi)) \
+        if precision != "fp32" and offload_optimizer == "none" else 0
+    overlap = stage == 3 if buckets.overlap_comm is None else buckets.overlap_comm
+    bucket = pb * buckets.reduce_bucket_size if buckets.contiguous_gradients else 0
+    if stage == 0:  # the engine all-reduces flattened buckets of gradients
+        buffers = pb * min(buckets.reduce_bucket_size, psi) if dp > 1 else 0
+    elif stage < 3:
+        buffers = bucket * (2 if overlap else 1)
+    else:
+        buffers = bucket + pb * min(buckets.stage3_max_live_parameters, psi - persistent)
+    return params, grads, optimizer, buffers, step, offloaded
+
+
+def _activations(s: _Shape, tp: int, vocab: int, e: int, d: int, checkpoint: bool,
+                 chunk: int):
+    """(saved after forward, peak) bytes of one micro-batch; vocab: padded columns per rank."""
+    c, a, b, D = s.config, s.a, s.b, s.D
+    ids = b * (e + d) * (8 if tp == 1 else 9)  # embedding indices (TP: local ids + a bool mask)
+    # the final norms, the embedding and final dropout masks
+    outer = ids + s.norm(b * e) + s.norm(b * d) + 2 * s.dropout * b * (e + d) * D
+    # log-probabilities over this rank's real columns (fp32), lse, target and masks; loss count
+    cross_entropy = b * d * (4 * min(vocab, c.vocab_size) + 14) + 8
+    outer += cross_entropy
+    head = cross_entropy + a * b * d * D  # freed before any recompute, with the head's input
+    if not checkpoint:
+        # + the relative-position buckets: one int64 [q, k] per stack
+        saved = outer + 8 * (e * e + d * d) + c.num_layers * s.encoder_block(e) + \
+            c.num_decoder_layers * s.decoder_block(d, e)
+        if s.kernel == "fused" and a == 4:  # sdpa saves the shared fp32 bias
+            saved += 4 * b * s.heads * (e * e + d * d)
+        recompute = 0
+    else:
+        enc_chunks, dec_chunks = -(-c.num_layers // chunk), -(-c.num_decoder_layers // chunk)
+        # each chunk saves its input carry: hidden; position bias and masks once per stack
+        saved = outer + a * b * D * (e * enc_chunks + d * dec_chunks) + 4 * (b * e + d * d)
+        saved += 4 * b * s.heads * ((enc_chunks > 1) * e * e + (dec_chunks > 1) * d * d)
+        saved += 8 * b * d * (tp > 1)  # the decoder ids, saved apart from the local ids
+        # one chunk's blocks (the first with its buckets), less its input, saved already
+        recompute = max(
+            min(chunk, c.num_layers) * s.encoder_block(e) + 8 * e * e - a * b * e * D,
+            min(chunk, c.num_decoder_layers) * s.decoder_block(d, e) + 8 * d * d - a * b * d * D)
+    logits = a * b * d * vocab  # held by T5Output through backward
+    logits_grad = b * d * vocab * (4 + (a if a != 4 else 0))  # padded in fp32, then cast
+    # backward starts with the logits' gradient; a recompute comes after the head is freed
+    return saved, saved + logits + max(logits_grad, recompute - head)

@@ -1,0 +1,36 @@
+"""Worker bodies for the training tests: run the real entry point's `pretrain` on each rank."""
+
+from __future__ import annotations
+
+import os
+
+from megatron import parallel_state
+
+
+def run_pretrain(rank, world_size, argvs):
+    """Run each command line in turn; return [{'losses': {iteration: loss}, 'evals': [...]}]."""
+    from megatron.arguments import parse_args
+    from megatron.initialize import initialize_distributed
+    from megatron.pretrain_t5 import pretrain
+
+    out = []
+    for argv in argvs:
+        args = parse_args(argv, env=os.environ)
+        initialize_distributed(args)
+        try:
+            state = pretrain(args)
+        finally:
+            parallel_state.destroy_model_parallel()
+        out.append({"losses": dict(state.losses), "evals": list(state.evaluations),
+                    "iteration": state.iteration})
+    return out
+
+
+def base_argv(data, *extra, model=None, iters=4):
+    """A small run: 4 steps, global batch 4, 64 encoder tokens, evaluation every 2 steps."""
+    return ["--data-path", data.prefix, "--tokenizer-model", data.spm,
+            "--model-config", model or data.tiny, "--lr", "3e-3", "--lr-warmup-iters", "1",
+            "--train-iters", str(iters), "--encoder-seq-length", "64", "--split", "90,5,5",
+            "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "2",
+            "--num-workers", "0", "--data-cache-path", data.cache, "--seed", "7",
+            "--micro-batch-size", "2", "--global-batch-size", "4", *extra]
