@@ -49,21 +49,26 @@ def build_parser() -> argparse.ArgumentParser:
                    "enc_dec config) or a preset name from configs/model (e.g. t5-base)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the embedding to a multiple of this x tensor-parallel size")
-    g.add_argument("--attention-backend", choices=("auto", "sdpa", "eager"), default="auto")
-    g.add_argument("--label-smoothing", type=float, default=0.0)
-    g.add_argument("--checkpoint-activations", "--recompute-activations",
-                   dest="checkpoint_activations", action="store_true",
+    g.add_argument("--attention-backend", choices=("auto", "sdpa", "eager"), default="auto",
+                   help="attention kernel: auto picks sdpa on CUDA and for cross-attention")
+    g.add_argument("--label-smoothing", type=float, default=0.0,
+                   help="of the cross entropy, in [0, 1)")
+    g.add_argument("--checkpoint-activations", dest="checkpoint_activations",
+                   action="store_true",
                    help="recompute transformer blocks in backward (saves activation memory)")
     g.add_argument("--checkpoint-num-layers", type=int, default=1,
                    help="blocks per recomputed chunk")
     g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
-                   help="take the activation-checkpointing options from the DeepSpeed JSON's "
-                        "'activation_checkpointing' section (implies --checkpoint-activations)")
+                   help="CPM-2 / Megatron-DeepSpeed spelling: turns on --checkpoint-activations "
+                        "and checks the DeepSpeed JSON's 'activation_checkpointing' section "
+                        "(options our recomputation does not implement are refused)")
 
     g = parser.add_argument_group("parallelism and launch")
     g.add_argument("--tensor-model-parallel-size", "--model-parallel-size",
-                   dest="tensor_model_parallel_size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+                   dest="tensor_model_parallel_size", type=int, default=1,
+                   help="split attention heads, d_ff and the vocabulary over this many ranks")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="only 1: pipeline parallelism is not available yet")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default: nccl with CUDA, gloo on CPU; nccl without CUDA falls back to "
                         "gloo with a warning")
@@ -82,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="samples per optimizer step over all ranks (default: micro batch x "
                         "data-parallel size x DeepSpeed's gradient_accumulation_steps)")
-    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-iters", type=int, default=None, help="optimizer steps to train")
     g.add_argument("--train-samples", type=int, default=None,
                    help="instead of --train-iters: samples, rounded down to whole steps")
     g.add_argument("--eval-interval", type=int, default=1000,
@@ -96,12 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = parser.add_argument_group("optimizer and learning rate")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate")
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default="linear")
+    g.add_argument("--min-lr", type=float, default=0.0, help="the LR decays to this")
+    g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default="linear",
+                   help="after warmup (Megatron's formulas; noam as in CPM-2)")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--lr-warmup-fraction", "--warmup", dest="lr_warmup_fraction", type=float,
                    default=None, help="warmup as a fraction of the decay steps (CPM-2: --warmup)")
-    g.add_argument("--lr-warmup-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=None,
+                   help="warmup steps (linear from 0); or --lr-warmup-fraction")
     g.add_argument("--use-new-lr", "--override-opt-param-scheduler",
                    "--override-lr-scheduler", dest="lr_policy", action="store_const",
                    const="flags", default="check",
@@ -115,21 +122,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=None,
                    help=f"global gradient-norm clipping, 0 for none (default "
                         f"{DEFAULTS['clip_grad']})")
-    g.add_argument("--adam-beta1", type=float, default=None)
-    g.add_argument("--adam-beta2", type=float, default=None)
-    g.add_argument("--adam-eps", type=float, default=None)
+    g.add_argument("--adam-beta1", type=float, default=None, help="default 0.9")
+    g.add_argument("--adam-beta2", type=float, default=None, help="default 0.999")
+    g.add_argument("--adam-eps", type=float, default=None, help="default 1e-8")
 
     g = parser.add_argument_group("precision")
     g.add_argument("--fp16", action="store_true", default=None,
                    help="fp16 with dynamic loss scaling (GPU only)")
-    g.add_argument("--bf16", action="store_true", default=None)
+    g.add_argument("--bf16", action="store_true", default=None,
+                   help="bf16 weights and activations, fp32 master weights (ZeRO >= 1)")
     g.add_argument("--loss-scale", type=float, default=None,
                    help="static loss scale for --fp16 (default: dynamic)")
     g.add_argument("--initial-loss-scale", type=float, default=None,
                    help="first dynamic loss scale, a power of 2 (default 2^32)")
-    g.add_argument("--min-loss-scale", type=float, default=None)
-    g.add_argument("--loss-scale-window", type=int, default=None)
-    g.add_argument("--hysteresis", type=int, default=None)
+    g.add_argument("--min-loss-scale", type=float, default=None,
+                   help="--fp16: the dynamic scale never drops below this (DeepSpeed: 1)")
+    g.add_argument("--loss-scale-window", type=int, default=None,
+                   help="--fp16: steps without overflow before the scale grows (DeepSpeed: 1000)")
+    g.add_argument("--hysteresis", type=int, default=None,
+                   help="--fp16: overflows tolerated before the scale shrinks (DeepSpeed: 2)")
 
     g = parser.add_argument_group("DeepSpeed")
     g.add_argument("--deepspeed", action="store_true",
@@ -138,15 +149,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
                    default=None, help="DeepSpeed JSON; without it the config is made from the "
                    "flags; with it, both are cross-checked")
-    g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None)
-    g.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), default=None)
+    g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="ZeRO: 1 partitions optimizer states, 2 also gradients, 3 also "
+                        "parameters (default 0, or the JSON's)")
+    g.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), default=None,
+                   help="keep optimizer states (and the step) on cpu or nvme (ZeRO >= 1; nvme: "
+                        "ZeRO 3)")
     g.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default=None,
                    help="ZeRO-3 only")
     g.add_argument("--nvme-path", default=None, help="folder for nvme offload")
 
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--save", default=None, help="checkpoint folder to write")
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="save every this many steps (and always at the end)")
     g.add_argument("--load", default=None, help="checkpoint folder to resume from (a folder "
                    "with no checkpoint yet starts from scratch)")
     g.add_argument("--no-load-optim", action="store_true",
@@ -158,9 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "RNG and LR schedule start fresh")
 
     g = parser.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--log-interval", type=int, default=100, help="steps per log line")
     g.add_argument("--log-file", default=None, help="also append every log line here")
-    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's peak TFLOP/s for MFU (default: from a table of GPUs)")
     g.add_argument("--dry-run", action="store_true",
@@ -243,7 +259,7 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]) -> List[str]:
 
     # Required flags, all named at once.
     for flag, dest in (("--data-path", "data_path"), ("--tokenizer-model/--tokenizer-path",
-                       "tokenizer_model"), ("--model-config", "model_config"), ("--lr", "lr")):
+                       "tokenizer_model"), ("--model-config", "model_config")):
         if getattr(args, dest) is None:
             problems.append(f"{flag} is required")
     if (args.train_iters is None) == (args.train_samples is None):
@@ -257,7 +273,8 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]) -> List[str]:
             args.model = (T5Config.from_json(path) if path.suffix == ".json" or path.exists()
                           else load_preset(args.model_config))
         except (ConfigError, OSError, ValueError) as e:
-            problems.append(f"--model-config {args.model_config}: {e}")
+            where = "" if args.model_config in str(e) else f" {args.model_config}"
+            problems.append(f"--model-config{where}: {e}")
     if args.model is not None:
         problems += [f"--tensor-model-parallel-size {tp}: {p}"
                      for p in model_parallel_problems(args.model, tp)]
@@ -285,15 +302,21 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]) -> List[str]:
 
     # DeepSpeed config, batch sizes, precision, optimizer (fills the None flags).
     problems += ds_config.resolve(args)
+    if args.lr is None:  # only now: the JSON's optimizer.params.lr may have supplied it
+        problems.append("--lr is required (or optimizer.params.lr in the DeepSpeed JSON)")
 
     # Schedule.
+    too_few_samples = False
     if args.train_samples is not None and args.global_batch_size:
         args.train_iters = args.train_samples // args.global_batch_size
-        if args.train_iters == 0:
+        too_few_samples = args.train_iters == 0
+        if too_few_samples:
             problems.append(f"--train-samples {args.train_samples} is less than one global batch "
                             f"({args.global_batch_size})")
     if args.train_iters is not None and args.global_batch_size and args.data_path is not None:
         data_problems = check_data_args(args)
+        if too_few_samples:  # reported above, in terms of the flag that was given
+            data_problems = [p for p in data_problems if not p.startswith("--train-iters")]
         problems += data_problems
         if not data_problems and args.decoder_seq_length is None:
             args.decoder_seq_length = t5_config_from_args(args).lengths()[2]
@@ -326,9 +349,27 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]) -> List[str]:
         problems.append(f"--save {args.save} is a file; give a folder")
     if args.tensorboard_dir is not None and Path(args.tensorboard_dir).is_file():
         problems.append(f"--tensorboard-dir {args.tensorboard_dir} is a file")
+    if args.load is not None and not problems:
+        problems += checkpoint_problems(args)
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         problems.append("--peak-tflops must be positive")
     return problems
+
+
+def checkpoint_problems(args: argparse.Namespace) -> List[str]:
+    """A checkpoint in --load that this layout cannot read (found before any process starts)."""
+    from megatron.training import checkpointing
+
+    root = Path(args.load)
+    try:
+        iteration = checkpointing.read_tracker(root) if root.is_dir() else None
+        if iteration is None:
+            return []
+        meta = checkpointing.read_meta(root, iteration)
+        return checkpointing.layout_problems(meta["layout"], args,
+                                             args.finetune or args.no_load_optim)
+    except checkpointing.CheckpointError as e:
+        return [f"--load {args.load}: {e}"]
 
 
 def tokenizer_problems(model_path: str, extra_ids: int, config) -> List[str]:

@@ -50,8 +50,11 @@ def build_data(args: argparse.Namespace, consumed_samples: int):
             continue
         sampler = PretrainingSampler(len(dataset), consumed_samples if name == "train" else 0,
                                      args.micro_batch_size, dp_rank, dp_size, drop_last=True)
+        # Its own generator: a loader draws a seed from the default one at every iter(), which
+        # would shift the dropout masks after a resume or an evaluation.
         loaders.append(torch.utils.data.DataLoader(
             dataset, batch_sampler=sampler, collate_fn=collate_tensors,
+            generator=torch.Generator().manual_seed(args.seed),
             num_workers=args.num_workers, pin_memory=args.device_type == "cuda",
             persistent_workers=args.num_workers > 0 and name != "train"))
     return tuple(loaders)

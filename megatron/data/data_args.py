@@ -25,25 +25,30 @@ def add_data_args(parser: argparse.ArgumentParser,
                         "proportional to their token counts)")
     g.add_argument("--split", default="969,30,1",
                    help="train,valid,test proportions of each dataset's documents")
-    g.add_argument("--data-impl", default="infer", choices=IMPLS)
+    g.add_argument("--data-impl", default="infer", choices=IMPLS,
+                   help="format of the .bin/.idx files (infer reads it from the .idx)")
     g.add_argument("--data-cache-path", default=None,
                    help="where index caches go (default: PREFIX_cache/ next to the data)")
     g.add_argument("--data-cache-timeout", type=float, default=3600.0,
                    help="seconds a rank waits for another to build an index cache")
     g.add_argument("--tokenizer-model", "--tokenizer-path", dest="tokenizer_model", required=True,
                    help="SentencePiece model (CPM-2's --tokenizer-path is accepted)")
-    g.add_argument("--vocab-extra-ids", type=int, default=100)
+    g.add_argument("--vocab-extra-ids", type=int, default=100,
+                   help="sentinel tokens <extra_id_i> on top of the SentencePiece pieces")
     g.add_argument("--encoder-seq-length", "--seq-length", "--enc-seq-length",
-                   dest="encoder_seq_length", type=int, default=512)
+                   dest="encoder_seq_length", type=int, default=512,
+                   help="encoder tokens per sample")
     g.add_argument("--decoder-seq-length", "--dec-seq-length", dest="decoder_seq_length",
                    type=int, default=None,
                    help="default: the target length that span corruption gives")
     g.add_argument("--noise-density", "--mask-prob", dest="noise_density", type=float,
-                   default=0.15)
-    g.add_argument("--mean-noise-span-length", type=float, default=3.0)
+                   default=0.15, help="fraction of tokens corrupted")
+    g.add_argument("--mean-noise-span-length", type=float, default=3.0,
+                   help="mean length of a corrupted span")
     g.add_argument("--whole-word-masking", action="store_true",
                    help="noise spans never split a SentencePiece word")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=int, default=1234,
+                   help="seeds the data order, the noise and the weights")
     g.add_argument("--t5-objective", choices=OBJECTIVES, default="span-corruption",
                    help="span-corruption: T5's, on _text_document data; megatron: Megatron's "
                         "geometric n-gram masking on _text_sentence data (CPM-2 three-file data "

@@ -25,7 +25,11 @@ HF_METADATA_KEYS = frozenset({
     "task_specific_params", "tokenizer_class", "gradient_checkpointing", "classifier_dropout",
     "is_gated_act", "dense_act_fn", "is_decoder", "bos_token_id", "output_attentions",
     "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type",
+    "max_position_embeddings",  # CPM-2 writes it; T5 positions are relative buckets
 })
+
+CPM2_OFF_KEYS = {"do_dim_trick": False, "attn_scale": False}
+"""CPM-2 switches accepted at these values only (the architecture they change is not built)."""
 
 
 class ConfigError(ValueError):
@@ -69,6 +73,8 @@ class T5Config:
     init_method_std, output layers scaled by 1/sqrt(2 * layers)). None: 'cpm2' when the file
     sets init_method_std, else 'hf'."""
     init_method_std: float = 0.02
+    use_scaled_init_for_output_weights: bool = True
+    """init_method 'cpm2': divide the output projections' std by sqrt(2 * layers) (CPM-2)."""
     pad_token_id: int = 0
     eos_token_id: int = 1
     decoder_start_token_id: int = 0
@@ -168,7 +174,8 @@ class T5Config:
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = [k for k in values if k not in known and k not in HF_METADATA_KEYS]
+        unknown = [k for k in values
+                   if k not in known and k not in HF_METADATA_KEYS and k not in CPM2_OFF_KEYS]
         if unknown:
             hints = []
             for key in unknown:
@@ -177,6 +184,8 @@ class T5Config:
             raise ConfigError(f"{source}: unknown key(s) {', '.join(hints)}; known keys: "
                               f"{', '.join(sorted(known))}")
         problems = _metadata_problems(values)
+        problems += [f"{key} {values[key]!r} (CPM-2) is not supported: only {off!r}"
+                     for key, off in CPM2_OFF_KEYS.items() if values.get(key, off) != off]
         fields = {k: v for k, v in values.items() if k in known}
         if "init_method" not in fields and "init_method_std" in fields:
             fields["init_method"] = "cpm2"
@@ -212,8 +221,8 @@ class T5Config:
 
     def to_hf_dict(self) -> Dict[str, Any]:
         """The fields of a Hugging Face T5 config.json for this architecture."""
-        out = {k: v for k, v in self.to_dict().items() if k not in ("init_method",
-                                                                    "init_method_std")}
+        out = {k: v for k, v in self.to_dict().items()
+               if k not in ("init_method", "init_method_std", "use_scaled_init_for_output_weights")}
         out.update(model_type="t5", architectures=["T5ForConditionalGeneration"],
                    is_encoder_decoder=True)
         return out

@@ -61,7 +61,8 @@ class InitMethods:
     """Initial standard deviations of each kind of weight, for one stack.
 
     'hf': Hugging Face's T5 initialization (scaled by initializer_factor).
-    'cpm2': normal(init_method_std), output projections (o, wo) divided by sqrt(2 * layers).
+    'cpm2': normal(init_method_std), output projections (o, wo) divided by sqrt(2 * layers)
+        unless use_scaled_init_for_output_weights is false.
     """
 
     def __init__(self, config: T5Config, num_layers: int) -> None:
@@ -70,7 +71,7 @@ class InitMethods:
     def std(self, kind: str) -> float:
         c = self.config
         if c.init_method == "cpm2":
-            if kind in ("o", "wo"):
+            if kind in ("o", "wo") and c.use_scaled_init_for_output_weights:
                 return c.init_method_std / math.sqrt(2.0 * self.num_layers)
             return c.init_method_std
         f = c.initializer_factor

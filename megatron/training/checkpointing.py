@@ -39,8 +39,16 @@ from megatron.tensor_parallel.random import get_cuda_rng_tracker
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TEST_PAUSE_ENV = "MEGATRON_CHECKPOINT_TEST_PAUSE_S"
-"""Tests only: seconds to sleep after the engine files are written, before the rename (so a
-test can kill the process mid-save)."""
+"""Tests only: "SECONDS" or "ITERATION:SECONDS" to sleep after the engine files of a save are
+written and before the rename, so that a test can kill the process mid-save."""
+
+
+def _test_pause(iteration: int) -> float:
+    value = os.environ.get(TEST_PAUSE_ENV, "")
+    if not value:
+        return 0.0
+    at, _, seconds = value.rpartition(":")
+    return float(seconds) if not at or int(at) == iteration else 0.0
 
 
 class CheckpointError(RuntimeError):
@@ -123,7 +131,7 @@ def save_checkpoint(engine, args: argparse.Namespace, iteration: int, consumed_s
     rng_dir = root / tmp_tag / "rng"
     rng_dir.mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(args.device_type), rng_dir / f"rank_{rank:05d}.pt")
-    pause = float(os.environ.get(TEST_PAUSE_ENV, "0") or 0)
+    pause = _test_pause(iteration)
     if pause:
         time.sleep(pause)
     dist.barrier()
@@ -159,8 +167,8 @@ def read_tracker(load_dir: Path) -> Optional[int]:
         return None
     text = tracker.read_text().strip()
     if text == "release":
-        raise CheckpointError(f"{tracker} says 'release' (a converted checkpoint); pass "
-                              f"--finetune to load only its weights")
+        raise CheckpointError(f"{tracker} says 'release' (a Megatron-LM release checkpoint); "
+                              f"loading those is not available yet")
     try:
         return int(text)
     except ValueError:
@@ -177,19 +185,28 @@ def read_meta(load_dir: Path, iteration: int) -> Dict[str, Any]:
 
 
 def layout_problems(saved: Dict[str, int], args: argparse.Namespace, weights_only: bool) -> list:
+    """Why a checkpoint saved with layout `saved` cannot be loaded now (empty: it can)."""
     now = layout(args)
-    problems = []
+    changed = []
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if saved[key] != now[key]:
-            problems.append(f"{key.replace('_', '-')} {saved[key]} in the checkpoint, "
-                            f"{now[key]} now")
+            changed.append(f"--{key.replace('_', '-')} {saved[key]} in the checkpoint, "
+                           f"{now[key]} now")
     reshard_free = weights_only and saved["zero_stage"] < 3 and now["zero_stage"] < 3
     if not reshard_free:
-        for key in ("data_parallel_size", "zero_stage"):
+        for key, flag in (("data_parallel_size", "data-parallel size"),
+                          ("zero_stage", "--zero-stage")):
             if saved[key] != now[key]:
-                problems.append(f"{key.replace('_', '-')} {saved[key]} in the checkpoint, "
-                                f"{now[key]} now")
-    return problems
+                changed.append(f"{flag} {saved[key]} in the checkpoint, {now[key]} now")
+    if not changed:
+        return []
+    hint = ""
+    if not weights_only and saved["zero_stage"] < 3 and now["zero_stage"] < 3:
+        hint = ("; the weights alone of a ZeRO 0-2 checkpoint load on another data-parallel "
+                "size or stage with --no-load-optim")
+    return [f"--load {args.load}: the checkpoint was saved with another layout "
+            f"({'; '.join(changed)}); converting a checkpoint to another layout is not "
+            f"available yet{hint}"]
 
 
 def load_checkpoint(engine, args: argparse.Namespace) -> Optional[Dict[str, Any]]:
@@ -205,13 +222,8 @@ def load_checkpoint(engine, args: argparse.Namespace) -> Optional[Dict[str, Any]
     meta = read_meta(root, iteration)
     weights_only = args.finetune or args.no_load_optim
     problems = layout_problems(meta["layout"], args, weights_only)
-    if problems:
-        raise CheckpointError(
-            f"{root / tag_for(iteration)} was saved with another layout: {'; '.join(problems)}. "
-            "Converting between layouts needs data_tools/convert_checkpoint.py"
-            + ("" if weights_only or meta["layout"]["zero_stage"] == 3 else
-               "; a ZeRO 0-2 checkpoint's weights alone load on another data-parallel size "
-               "with --no-load-optim"))
+    if problems:  # validate() finds these first; a checkpoint may have appeared since
+        raise CheckpointError(problems[0])
     load_optim = not weights_only
     path, _ = engine.load_checkpoint(str(root), tag=tag_for(iteration),
                                      load_optimizer_states=load_optim,

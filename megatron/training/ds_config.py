@@ -246,11 +246,12 @@ def resolve(args: argparse.Namespace) -> List[str]:
             zero.pop(legacy, None)
             zero[key] = entry
     if args.offload_param != "none" and stage != 3:
-        problems.append(f"--offload-param {args.offload_param} needs ZeRO stage 3 (have {stage})")
+        problems.append(f"--offload-param {args.offload_param} needs --zero-stage 3 (have "
+                        f"{stage})")
     if args.offload_optimizer == "nvme" and stage != 3:
-        problems.append(f"--offload-optimizer nvme needs ZeRO stage 3 (have {stage})")
+        problems.append(f"--offload-optimizer nvme needs --zero-stage 3 (have {stage})")
     if args.offload_optimizer == "cpu" and stage == 0:
-        problems.append("--offload-optimizer cpu needs ZeRO stage 1, 2 or 3 (have 0)")
+        problems.append("--offload-optimizer cpu needs --zero-stage 1, 2 or 3 (have 0)")
     if args.nvme_path is not None and "nvme" not in (args.offload_optimizer, args.offload_param):
         problems.append("--nvme-path has effect only with --offload-optimizer/--offload-param "
                         "nvme")
@@ -274,6 +275,12 @@ def resolve(args: argparse.Namespace) -> List[str]:
         "synchronize_checkpoint_boundary": "it is not implemented by our recomputation",
         "profile": "it is not implemented by our recomputation",
     }
+    for key in ac:
+        if key not in unsupported and key != "number_checkpoints":
+            problems.append(f"activation_checkpointing.{key} in {path}: unknown key")
+    if ac.get("number_checkpoints") is not None:
+        problems.append(f"activation_checkpointing.number_checkpoints in {path}: use "
+                        f"--checkpoint-num-layers (blocks per recomputed chunk) instead")
     for key, why in unsupported.items():
         if ac.get(key):
             problems.append(f"activation_checkpointing.{key}: true in {path} is not supported: "
@@ -336,8 +343,7 @@ def deepspeed_problems(config: Dict[str, Any], user: Dict[str, Any], path: Optio
     try:
         DeepSpeedConfig(tracked, mpu=_Layout(dp, mp))
     except Exception as e:  # noqa: BLE001 - pydantic and assertion errors alike
-        text = str(e).strip().replace("\n", "; ")
-        return [f"{where}: DeepSpeed rejects it: {text}"]
+        return [f"{where}: DeepSpeed rejects it: {_describe(e)}"]
     known = tracked.seen | EXTRA_KNOWN_KEYS
     problems = []
     for key in user:
@@ -346,3 +352,21 @@ def deepspeed_problems(config: Dict[str, Any], user: Dict[str, Any], path: Optio
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             problems.append(f"{where}: unknown key {key!r}{hint}")
     return problems
+
+
+PYDANTIC_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16Config": "fp16",
+                     "DeepSpeedBF16Config": "bf16", "TensorBoardConfig": "tensorboard",
+                     "WandbConfig": "wandb", "CSVConfig": "csv_monitor", "CometConfig": "comet",
+                     "CommsLoggerConfig": "comms_logger"}
+"""The JSON section that each of DeepSpeed's pydantic config classes reads."""
+
+
+def _describe(error: Exception) -> str:
+    """DeepSpeed's error; a pydantic one as `section.key: message (got value)` per key, since
+    pydantic names the class and the key inside it, not the JSON section."""
+    title = getattr(error, "title", None)
+    if not (title and callable(getattr(error, "errors", None))):
+        return str(error).strip().replace("\n", "; ")
+    section = PYDANTIC_SECTIONS.get(title, title)
+    return "; ".join(f"{'.'.join([section, *map(str, e['loc'])])}: {e['msg']} "
+                     f"(got {repr(e.get('input'))[:80]})" for e in error.errors())

@@ -38,6 +38,8 @@ class TrainState:
     consumed_samples: int = 0
     losses: Dict[int, float] = field(default_factory=dict)
     """iteration -> global loss of that step (filled at log boundaries)."""
+    grad_norms: Dict[int, Optional[float]] = field(default_factory=dict)
+    """iteration -> global gradient norm before clipping."""
     evaluations: List[tuple] = field(default_factory=list)
     """(iteration, split, loss)."""
     exit_reason: str = ""
@@ -58,6 +60,18 @@ def _loss_scale(engine) -> float:
     if scale is None:
         scale = getattr(getattr(engine.optimizer, "loss_scaler", None), "cur_scale", None)
     return float(scale) if scale is not None else 1.0
+
+
+def _unreported_grad_norm(engine) -> Optional[float]:
+    """The clipping norm where DeepSpeed computes it without keeping it (ZeRO-0 in fp32): taken
+    over the reduced gradients before the step clips them (tensor shards counted once)."""
+    if engine.zero_optimization_stage() != 0 or engine.bfloat16_enabled() \
+            or engine.fp16_enabled():
+        return None
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    return float(clip_grad_norm_(list(engine.module.parameters()), max_norm=float("inf"),
+                                 mpu=parallel_state))
 
 
 def _grad_norm(engine) -> Optional[float]:
@@ -114,6 +128,7 @@ def train(args: argparse.Namespace, engine, schedule, train_loader: Iterable, va
         for (iteration, _, norm, skipped, step_s, wait_s), row in zip(pending, values.tolist()):
             loss = row[0] / (dp * gas)
             state.losses[iteration] = loss
+            state.grad_norms[iteration] = norm
             stats.add_step(loss_sum=loss, loss_count=1, grad_norm=norm, skipped=skipped,
                            input_tokens=int(row[1]), target_tokens=int(row[2]),
                            model_flops=flops, step_time_s=step_s, data_wait_s=wait_s)
@@ -124,20 +139,23 @@ def train(args: argparse.Namespace, engine, schedule, train_loader: Iterable, va
         set_lr(engine.optimizer, schedule.lr(state.iteration))
         step = torch.zeros(3, dtype=torch.float64, device=device)
         skipped_before = engine.skipped_steps
-        for _ in range(gas):
+        norm = None
+        for micro in range(gas):
             timer.data_start()
             batch = next(batches)
             timer.data_end()
             batch = to_device(batch, device)
             out = engine(**batch)
             engine.backward(out.loss)
+            if micro == gas - 1:
+                norm = _unreported_grad_norm(engine)
             engine.step()
             step[0] += out.loss.detach().double()
             step[1] += batch["encoder_attention_mask"].sum()
             step[2] += (batch["labels"] != -100).sum()
         state.iteration += 1
         state.consumed_samples += args.global_batch_size
-        norm = _grad_norm(engine)
+        norm = _grad_norm(engine) if norm is None else norm
         step_s, wait_s = timer.step_end()
         pending.append((state.iteration, step, norm, engine.skipped_steps > skipped_before,
                         step_s, wait_s))

@@ -17,6 +17,9 @@ def losses(result):
 def assert_same_run(got, want, rtol):
     assert sorted(got["losses"]) == sorted(want["losses"]) == [1, 2, 3, 4]
     assert losses(got) == pytest.approx(losses(want), rel=rtol)
+    norms = [got["grad_norms"][i] for i in sorted(got["grad_norms"])]
+    assert norms == pytest.approx([want["grad_norms"][i] for i in sorted(want["grad_norms"])],
+                                  rel=max(rtol, 1e-4))
     assert [e[:2] for e in got["evals"]] == [e[:2] for e in want["evals"]]
     assert [e[2] for e in got["evals"]] == pytest.approx([e[2] for e in want["evals"]], rel=rtol)
 
@@ -57,3 +60,15 @@ def test_tensor_and_data_parallel_match_one_process(train_data, single):
                                                   "2", "--zero-stage", "1")], timeout=600)
     assert all(g == got[0] for g in got)
     assert_same_run(got[0][0], single[0], rtol=2e-5)
+
+
+def test_nvme_offload_matches_one_process(train_data, single, tmp_path):
+    """ZeRO-Infinity: optimizer states and parameters swapped to files (DeepSpeed's async_io on
+    libaio), with DeepSpeedCPUAdam."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    got = run_workers(2, run_pretrain, [base_argv(
+        train_data, "--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-param", "nvme",
+        "--nvme-path", str(nvme))], timeout=1200)
+    assert_same_run(got[0][0], single[0], rtol=1e-4)
+    assert any(nvme.rglob("*.swp")) or any(nvme.rglob("*"))  # it really swapped to files

@@ -21,7 +21,8 @@ def run_pretrain(rank, world_size, argvs):
             state = pretrain(args)
         finally:
             parallel_state.destroy_model_parallel()
-        out.append({"losses": dict(state.losses), "evals": list(state.evaluations),
+        out.append({"losses": dict(state.losses), "grad_norms": dict(state.grad_norms),
+                    "evals": list(state.evaluations),
                     "iteration": state.iteration})
     return out
 

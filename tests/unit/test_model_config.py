@@ -148,3 +148,24 @@ def test_tensor_parallel_divisibility_is_checked():
     assert model_parallel_problems(config, 2) == []
     problems = model_parallel_problems(config, 4)
     assert problems == ["num_heads (6) is not divisible by the tensor-model-parallel size 4"]
+
+
+def test_cpm2_config_keys(tmp_path):
+    """CPM-2's published enc_dec config keys: metadata accepted, switches only at their off value,
+    unscaled output init honoured."""
+    import json
+
+    from megatron.model.transformer import InitMethods
+
+    base = {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_heads": 4, "num_layers": 2,
+            "num_decoder_layers": 2, "vocab_size": 300, "init_method_std": 0.02,
+            "max_position_embeddings": 1024, "do_dim_trick": False, "attn_scale": False}
+    path = tmp_path / "enc_dec.json"
+    path.write_text(json.dumps({**base, "use_scaled_init_for_output_weights": True}))
+    scaled = T5Config.from_json(path)
+    assert InitMethods(scaled, 2).std("wo") == pytest.approx(0.02 / 2.0)
+    path.write_text(json.dumps({**base, "use_scaled_init_for_output_weights": False}))
+    assert InitMethods(T5Config.from_json(path), 2).std("wo") == 0.02
+    path.write_text(json.dumps({**base, "do_dim_trick": True, "attn_scale": True}))
+    with pytest.raises(ConfigError, match="do_dim_trick True.*attn_scale True"):
+        T5Config.from_json(path)

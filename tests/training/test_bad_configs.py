@@ -1,0 +1,399 @@
+"""Command lines that cannot run are refused by `parse_args` with every problem listed at once,
+each naming the flags (and the file and JSON key) involved, before any process group exists;
+command lines whose flags and files agree resolve to the values both sides state."""
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Optional, Sequence, Tuple, Union
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.arguments import ArgumentsError, parse_args
+from megatron.pretrain_t5 import main
+from train_workers import base_argv
+
+ON_CPU = not torch.cuda.is_available()
+COPY_TOKENIZER = object()
+"""A `files` value: put a copy of the session's tokenizer at that name."""
+
+
+@dataclass
+class Case:
+    """A bad command line: base_argv(data) less `drop`, plus `extra` (argparse keeps the last
+    value of a repeated flag), run under `env`.
+
+    `model` (overrides of the tiny model config) is written to <model> and passed as
+    --model-config; `ds` (a dict, or text written as is) is written to <ds> and passed as
+    --deepspeed_config; `files` are written under <tmp> (a name ending in / is a folder).
+    Each entry of `expect` is a tuple of substrings that one problem must all contain; there must
+    be exactly one problem per entry. <tmp>, <ds>, <model> and <spm> are replaced by their paths.
+    """
+
+    extra: Sequence[str] = ()
+    drop: Sequence[str] = ()
+    env: Dict[str, str] = field(default_factory=dict)
+    model: Optional[Dict[str, object]] = None
+    ds: Optional[Union[Dict[str, object], str]] = None
+    files: Dict[str, object] = field(default_factory=dict)
+    expect: Sequence[Tuple[str, ...]] = ()
+    cpu_only: bool = False
+
+
+CASES = {
+    # Model parallelism.
+    "heads_not_divisible_by_tp": Case(
+        extra=["--tensor-model-parallel-size", "2"], env={"WORLD_SIZE": "2"},
+        model={"num_heads": 3},
+        expect=[("--tensor-model-parallel-size 2", "num_heads (3)")]),
+    "d_ff_not_divisible_by_tp": Case(
+        extra=["--tensor-model-parallel-size", "4"], env={"WORLD_SIZE": "4"},
+        model={"d_ff": 66},
+        expect=[("--tensor-model-parallel-size 4", "d_ff (66)")]),
+    "world_size_not_divisible_by_tp_x_pp": Case(
+        extra=["--tensor-model-parallel-size", "2"], env={"WORLD_SIZE": "3"},
+        expect=[("world size 3", "--tensor-model-parallel-size 2",
+                 "--pipeline-model-parallel-size 1")]),
+    "slurm_world_size_not_divisible_by_tp": Case(
+        extra=["--model-parallel-size", "4"], env={"SLURM_NTASKS": "6"},
+        expect=[("world size 6", "--tensor-model-parallel-size 4")]),
+    "pipeline_parallel_not_available": Case(
+        extra=["--pipeline-model-parallel-size", "2"], env={"WORLD_SIZE": "2"},
+        expect=[("--pipeline-model-parallel-size 2", "not available")]),
+    "layers_not_divisible_by_pp": Case(
+        extra=["--pipeline-model-parallel-size", "2"], env={"WORLD_SIZE": "2"},
+        model={"num_layers": 3},
+        expect=[("--pipeline-model-parallel-size 2", "not available"),
+                ("num_layers 3", "--pipeline-model-parallel-size 2")]),
+    # Batch sizes.
+    "global_batch_not_multiple_of_micro": Case(
+        extra=["--global-batch-size", "5"],
+        expect=[("--global-batch-size 5", "--micro-batch-size 2", "data-parallel size 1")]),
+    "global_batch_below_micro_x_dp": Case(
+        env={"WORLD_SIZE": "4"},
+        expect=[("--global-batch-size 4", "--micro-batch-size 2", "data-parallel size 4")]),
+    # Required flags, all at once.
+    "four_required_flags_missing": Case(
+        drop=["--data-path", "--tokenizer-model", "--model-config", "--lr"],
+        expect=[("--data-path", "required"), ("--tokenizer-model", "required"),
+                ("--model-config", "required"), ("--lr ", "required")]),
+    # Files.
+    "data_prefix_missing": Case(
+        extra=["--data-path", "<tmp>/nowhere_text_document"],
+        expect=[("--data-path", "<tmp>/nowhere_text_document")]),
+    "tokenizer_file_missing": Case(
+        extra=["--tokenizer-model", "<tmp>/missing.model"],
+        expect=[("--tokenizer-model", "<tmp>/missing.model", "no such file")]),
+    "tokenizer_folder_empty": Case(
+        extra=["--tokenizer-path", "<tmp>/spm"], files={"spm/": None},
+        expect=[("--tokenizer-path", "<tmp>/spm", "found 0")]),
+    "tokenizer_folder_with_two_models": Case(
+        extra=["--tokenizer-path", "<tmp>/spm"],
+        files={"spm/a.model": COPY_TOKENIZER, "spm/b.model": COPY_TOKENIZER},
+        expect=[("--tokenizer-path", "<tmp>/spm", "found 2")]),
+    "tokenizer_larger_than_vocab": Case(
+        model={"vocab_size": 4000},
+        expect=[("--tokenizer-model", "<spm>", "4100 ids", "vocab_size is 4000",
+                 "--model-config", "--vocab-extra-ids")]),
+    "model_config_unknown_key": Case(
+        model={"num_head": 4},
+        expect=[("--model-config", "<model>", "'num_head'", "did you mean 'num_heads'")]),
+    "model_config_missing": Case(
+        extra=["--model-config", "<tmp>/absent.json"],
+        expect=[("--model-config", "<tmp>/absent.json")]),
+    # The DeepSpeed JSON itself.
+    "deepspeed_json_malformed": Case(
+        ds='{\n  "train_micro_batch_size_per_gpu": 2,\n}\n',
+        expect=[("--deepspeed_config", "<ds>", "line 3 column 1")]),
+    "deepspeed_json_missing": Case(
+        extra=["--deepspeed_config", "<tmp>/absent_ds.json"],
+        expect=[("--deepspeed_config", "<tmp>/absent_ds.json", "cannot be read")]),
+    "deepspeed_json_unknown_top_level_key": Case(
+        ds={"gradient_cliping": 1.0},
+        expect=[("<ds>", "unknown key 'gradient_cliping'", "did you mean 'gradient_clipping'")]),
+    "deepspeed_json_unknown_zero_key": Case(
+        ds={"zero_optimization": {"stage": 1, "overlap_com": True}},
+        expect=[("<ds>", "DeepSpeed rejects it", "zero_optimization", "overlap_com")]),
+    # Flags against the DeepSpeed JSON.
+    "micro_batch_contradicts_json": Case(
+        ds={"train_micro_batch_size_per_gpu": 4},
+        expect=[("--micro-batch-size 2", "train_micro_batch_size_per_gpu: 4", "<ds>")]),
+    "global_batch_contradicts_json": Case(
+        ds={"train_batch_size": 8},
+        expect=[("--global-batch-size 4", "train_batch_size: 8", "<ds>")]),
+    "accumulation_contradicts_global_batch": Case(
+        ds={"gradient_accumulation_steps": 4},
+        expect=[("gradient_accumulation_steps: 4", "<ds>", "--global-batch-size 4",
+                 "--micro-batch-size 2", "= 2")]),
+    "clipping_contradicts_json": Case(
+        extra=["--clip-grad", "1.0"], ds={"gradient_clipping": 0.5},
+        expect=[("--clip-grad 1.0", "gradient_clipping: 0.5", "<ds>")]),
+    "bf16_flag_contradicts_json": Case(
+        extra=["--bf16", "--zero-stage", "1"], ds={"bf16": {"enabled": False}},
+        expect=[("--bf16", "bf16.enabled: false", "<ds>")]),
+    "zero_stage_contradicts_json": Case(
+        extra=["--zero-stage", "2"], ds={"zero_optimization": {"stage": 1}},
+        expect=[("--zero-stage 2", "zero_optimization.stage: 1", "<ds>")]),
+    # Precision.
+    "fp16_and_bf16": Case(
+        extra=["--fp16", "--bf16", "--zero-stage", "1"],
+        expect=[("--fp16", "--bf16", "exclude")]
+        + ([("--fp16", "CUDA")] if ON_CPU else [])),
+    "fp16_json_and_bf16_flag": Case(
+        extra=["--bf16", "--zero-stage", "1"], ds={"fp16": {"enabled": True}},
+        expect=[("--fp16", "--bf16", "exclude", "DeepSpeed JSON")]
+        + ([("--fp16", "CUDA")] if ON_CPU else [])),
+    "fp16_on_cpu": Case(
+        extra=["--fp16"], cpu_only=True,
+        expect=[("--fp16", "CUDA", "--bf16")]),
+    "loss_scale_without_fp16": Case(
+        extra=["--loss-scale", "128"],
+        expect=[("--loss-scale", "only with --fp16")]),
+    "bf16_with_zero_0": Case(
+        extra=["--bf16"],
+        expect=[("--bf16", "ZeRO stage 0", "--zero-stage")]),
+    # Optimizer and schedule in the JSON.
+    "optimizer_lamb": Case(
+        ds={"optimizer": {"type": "Lamb", "params": {"lr": 3e-3}}},
+        expect=[("optimizer.type 'Lamb'", "<ds>", "Adam")]),
+    "optimizer_lr_contradicts_flag": Case(
+        ds={"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}},
+        expect=[("--lr 0.003", "optimizer.params.lr: 0.0001", "<ds>")]),
+    "optimizer_beta_contradicts_flag": Case(
+        extra=["--adam-beta2", "0.999"],
+        ds={"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}},
+        expect=[("--adam-beta2 0.999", "optimizer.params.betas[1]: 0.95", "<ds>")]),
+    "scheduler_section": Case(
+        ds={"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}},
+        expect=[("scheduler", "<ds>", "--lr-decay-style", "remove the section")]),
+    # ZeRO offload.
+    "offload_param_with_zero_2": Case(
+        extra=["--offload-param", "cpu", "--zero-stage", "2"],
+        expect=[("--offload-param cpu", "--zero-stage", "have 2")]),
+    "offload_optimizer_nvme_without_path": Case(
+        extra=["--offload-optimizer", "nvme", "--zero-stage", "3"],
+        expect=[("--offload-optimizer nvme", "--nvme-path")]),
+    "offload_optimizer_cpu_with_zero_0": Case(
+        extra=["--offload-optimizer", "cpu"],
+        expect=[("--offload-optimizer cpu", "--zero-stage", "have 0")]),
+    "offload_json_with_zero_0": Case(
+        ds={"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+        expect=[("--offload-optimizer cpu", "have 0")]),
+    "nvme_path_without_nvme_offload": Case(
+        extra=["--nvme-path", "<tmp>"],
+        expect=[("--nvme-path", "only with --offload-optimizer/--offload-param nvme")]),
+    # Activation checkpointing.
+    "partition_activations": Case(
+        ds={"activation_checkpointing": {"partition_activations": True}},
+        expect=[("activation_checkpointing.partition_activations", "<ds>", "not supported")]),
+    "deepspeed_activation_checkpointing_without_json": Case(
+        extra=["--deepspeed-activation-checkpointing"],
+        expect=[("--deepspeed-activation-checkpointing", "--deepspeed_config")]),
+    # Checkpoints.
+    "save_interval_without_save": Case(
+        extra=["--save-interval", "10"],
+        expect=[("--save-interval", "--save ")]),
+    "no_load_optim_without_load": Case(
+        extra=["--no-load-optim"], expect=[("--no-load-optim", "--load")]),
+    "finetune_without_load": Case(
+        extra=["--finetune"], expect=[("--finetune", "--load")]),
+    "use_new_lr_without_load": Case(
+        extra=["--use-new-lr"], expect=[("--use-new-lr", "--load")]),
+    "load_is_a_file": Case(
+        extra=["--load", "<tmp>/ckpt"], files={"ckpt": "not a folder"},
+        expect=[("--load", "<tmp>/ckpt", "is a file")]),
+    # Schedule.
+    "train_iters_and_train_samples": Case(
+        extra=["--train-samples", "16"],
+        expect=[("--train-iters", "--train-samples", "exactly one")]),
+    "neither_train_iters_nor_samples": Case(
+        drop=["--train-iters"],
+        expect=[("--train-iters", "--train-samples", "exactly one")]),
+    "train_samples_below_one_batch": Case(
+        drop=["--train-iters"], extra=["--train-samples", "3"],
+        expect=[("--train-samples 3", "global batch (4)")]),
+    "warmup_iters_and_fraction": Case(
+        extra=["--lr-warmup-fraction", "0.1"],
+        expect=[("--lr-warmup-iters", "--lr-warmup-fraction", "not both")]),
+    "min_lr_above_lr": Case(
+        extra=["--min-lr", "0.01"],
+        expect=[("--min-lr", "0.01", "--lr", "0.003")]),
+    "warmup_fraction_above_one": Case(
+        drop=["--lr-warmup-iters"], extra=["--warmup", "1.5"],
+        expect=[("--lr-warmup-fraction", "1.5")]),
+}
+
+
+def fill(text: str, paths: Dict[str, str]) -> str:
+    for name, path in paths.items():
+        text = text.replace(f"<{name}>", path)
+    return text
+
+
+def without(argv, flags):
+    """argv less each flag in `flags` and the values after it."""
+    out, skipping = [], False
+    for token in argv:
+        if token.startswith("--"):
+            skipping = token in flags
+        if not skipping:
+            out.append(token)
+    return out
+
+
+def build(case: Case, data, tmp_path):
+    """(argv, paths) for `case`, with its files written under tmp_path."""
+    paths = {"tmp": str(tmp_path), "spm": data.spm, "ds": str(tmp_path / "ds.json"),
+             "model": str(tmp_path / "model.json")}
+    extra = list(case.extra)
+    if case.model is not None:
+        tiny = json.loads(Path(data.tiny).read_text(encoding="utf-8"))
+        (tmp_path / "model.json").write_text(json.dumps({**tiny, **case.model}))
+        extra += ["--model-config", "<model>"]
+    if case.ds is not None:
+        text = case.ds if isinstance(case.ds, str) else json.dumps(case.ds)
+        (tmp_path / "ds.json").write_text(text)
+        extra += ["--deepspeed_config", "<ds>"]
+    for name, content in case.files.items():
+        target = tmp_path / name
+        if name.endswith("/"):
+            target.mkdir(parents=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if content is COPY_TOKENIZER:
+            shutil.copy(data.spm, target)
+        else:
+            target.write_text(content)
+    argv = without(base_argv(data), case.drop) + [fill(a, paths) for a in extra]
+    return argv, paths
+
+
+def problems_of(argv, env):
+    with pytest.raises(ArgumentsError) as info:
+        parse_args(argv, env=env)
+    assert not dist.is_initialized()
+    return info.value.problems
+
+
+def test_base_command_line_is_valid(train_data):
+    args = parse_args(base_argv(train_data), env={})
+    assert (args.micro_batch_size, args.global_batch_size, args.gradient_accumulation_steps) == \
+        (2, 4, 2)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.skipif(CASES[name].cpu_only and not ON_CPU,
+                                                reason="a CUDA device is present"))
+    for name in sorted(CASES)])
+def test_bad_config_is_refused_naming_what_to_fix(name, train_data, tmp_path):
+    case = CASES[name]
+    argv, paths = build(case, train_data, tmp_path)
+    problems = problems_of(argv, case.env)
+    for together in case.expect:
+        wanted = [fill(s, paths) for s in together]
+        assert any(all(w in p for w in wanted) for p in problems), (wanted, problems)
+    assert len(problems) == len(case.expect), problems
+
+
+def test_unrelated_problems_are_reported_together(train_data, tmp_path):
+    argv = base_argv(train_data, "--tensor-model-parallel-size", "2", "--save-interval", "5",
+                     "--finetune", "--loss-scale", "8", "--min-lr", "1.0",
+                     "--tokenizer-model", str(tmp_path / "none.model"))
+    problems = problems_of(argv, {"WORLD_SIZE": "3"})
+    text = "\n".join(problems)
+    for wanted in ("world size 3", "--save-interval", "--finetune", "--loss-scale",
+                   "--min-lr", str(tmp_path / "none.model")):
+        assert wanted in text, (wanted, problems)
+    assert len(problems) >= 6
+
+
+def test_main_prints_every_problem_and_returns_2(train_data, tmp_path, capsys, monkeypatch):
+    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    argv = without(base_argv(train_data, "--save-interval", "5", "--no-load-optim",
+                             "--loss-scale", "8"), ["--lr"])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the command line cannot run:\n")
+    for wanted in ("--lr is required", "--save-interval needs --save", "--no-load-optim needs "
+                   "--load", "--loss-scale has effect only with --fp16"):
+        assert f"  - {wanted}" in err, err
+    assert not dist.is_initialized()
+
+
+def test_unknown_lr_decay_style_exits_2(train_data, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(base_argv(train_data, "--lr-decay-style", "exponential"))
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--lr-decay-style" in err and "exponential" in err
+    assert not dist.is_initialized()
+
+
+# Agreeing values pass, and one side fills what the other leaves out.
+
+def write_json(path, value):
+    path.write_text(json.dumps(value))
+    return str(path)
+
+
+def test_json_equal_to_flags_passes(train_data, tmp_path):
+    ds = write_json(tmp_path / "ds.json", {
+        "train_micro_batch_size_per_gpu": 2, "train_batch_size": 4,
+        "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95]}}})
+    args = parse_args(base_argv(train_data, "--bf16", "--zero-stage", "1", "--clip-grad", "1",
+                                "--adam-beta2", "0.95", "--deepspeed_config", ds), env={})
+    assert (args.micro_batch_size, args.gradient_accumulation_steps, args.zero_stage,
+            args.precision) == (2, 2, 1, "bf16")
+    assert not dist.is_initialized()
+
+
+def test_json_supplies_what_the_flags_leave_out(train_data, tmp_path):
+    ds = write_json(tmp_path / "ds.json", {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5, "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.8, 0.95],
+                                                  "eps": 1e-6, "weight_decay": 0.1}}})
+    argv = without(base_argv(train_data), ["--micro-batch-size", "--global-batch-size", "--lr"])
+    args = parse_args(argv + ["--deepspeed_config", ds], env={"WORLD_SIZE": "2"})
+    assert (args.precision, args.zero_stage) == ("bf16", 1)
+    assert (args.micro_batch_size, args.data_parallel_size, args.gradient_accumulation_steps,
+            args.global_batch_size) == (2, 2, 2, 8)
+    assert (args.lr, args.adam_beta1, args.adam_beta2, args.adam_eps, args.weight_decay,
+            args.clip_grad) == (1e-3, 0.8, 0.95, 1e-6, 0.1, 0.5)
+    assert args.lr_schedule.max_lr == 1e-3
+    assert args.ds_config["train_batch_size"] == 8
+    assert args.ds_config["bf16"]["enabled"] and not args.ds_config["fp16"]["enabled"]
+    assert not dist.is_initialized()
+
+
+def test_tokenizer_folder_with_one_model_is_used(train_data, tmp_path):
+    folder = tmp_path / "spm"
+    folder.mkdir()
+    shutil.copy(train_data.spm, folder / "t5.model")
+    args = parse_args(base_argv(train_data, "--tokenizer-path", str(folder)), env={})
+    assert args.tokenizer_model == str(folder / "t5.model")
+
+
+def test_cpm2_command_line(train_data, tmp_path):
+    folder = tmp_path / "spm"
+    folder.mkdir()
+    shutil.copy(train_data.spm, folder / "vocab.model")
+    argv = ["--data-path", train_data.prefix, "--tokenizer-path", str(folder),
+            "--model-config", train_data.tiny, "--data-cache-path", train_data.cache,
+            "--split", "90,5,5", "--deepspeed", "--lr", "1e-3", "--train-iters", "200",
+            "--batch-size", "2", "--model-parallel-size", "1", "--warmup", "0.01",
+            "--enc-seq-length", "64", "--dec-seq-length", "32"]
+    args = parse_args(argv, env={})
+    assert (args.micro_batch_size, args.global_batch_size, args.tensor_model_parallel_size) == \
+        (2, 2, 1)
+    assert args.lr_warmup_fraction == 0.01 and args.lr_schedule.warmup_steps == 2
+    assert (args.encoder_seq_length, args.decoder_seq_length) == (64, 32)
+    assert args.tokenizer_model == str(folder / "vocab.model")
+    assert not dist.is_initialized()

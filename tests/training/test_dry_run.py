@@ -1,0 +1,32 @@
+"""`--dry-run`: validation, parameter counts and the memory estimate, without a process group;
+the launcher's local-rank spellings."""
+
+import torch
+
+from megatron.arguments import parse_args
+from megatron.model import T5Config, T5Model
+from megatron.pretrain_t5 import main
+from train_workers import base_argv
+
+
+def test_dry_run_prints_counts_and_estimate(train_data, capsys):
+    assert main(base_argv(train_data, "--dry-run", "--zero-stage", "2")) == 0
+    out = capsys.readouterr().out
+    model = T5Model(T5Config.from_json(train_data.tiny), device="meta")
+    count = sum(p.numel() for p in model.parameters())
+    assert f"{count:,} in the model" in out
+    assert "memory per rank (estimate)" in out and "ZeRO 2" in out
+    assert not torch.distributed.is_initialized()
+
+
+def test_dry_run_plans_for_another_world_size(train_data, capsys):
+    argv = base_argv(train_data, "--dry-run", "--tensor-model-parallel-size", "2",
+                     "--global-batch-size", "16")
+    args = parse_args(argv, env={"WORLD_SIZE": "8"})
+    assert (args.data_parallel_size, args.gradient_accumulation_steps) == (4, 2)
+
+
+def test_local_rank_spellings(train_data):
+    for flag in ("--local_rank=1", "--local-rank=1", "--local_rank", "--local-rank"):
+        extra = [flag] if "=" in flag else [flag, "1"]
+        assert parse_args(base_argv(train_data, *extra), env={}).local_rank == 1

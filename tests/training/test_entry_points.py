@@ -1,0 +1,129 @@
+"""The entry point as users start it: the CPM-2 seed command line under
+torch.distributed.launch (unchanged but for paths and sizes), a save killed mid-write, and a
+checkpoint from another layout."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from train_workers import base_argv
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env():
+    out = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    out.pop("WORLD_SIZE", None)
+    return out
+
+
+def logged_losses(text: str) -> dict:
+    return {int(m.group(1)): m.group(2)
+            for m in re.finditer(r"iteration +(\d+)/ *\d+ \|.*?loss: (\S+) \|", text)}
+
+
+def test_cpm2_command_line_runs_and_resumes(train_data, tmp_path):
+    """The 11B CPM-2 line of the training issue, with a tiny model, tiny data, 2 processes."""
+    (tmp_path / "bpe_cn").mkdir()
+    shutil.copy(train_data.spm, tmp_path / "bpe_cn" / "spm.model")
+    for suffix in (".bin", ".idx"):
+        shutil.copy(train_data.prefix + suffix, tmp_path / f"mix_cpm2_t5_document{suffix}")
+    (tmp_path / "enc_dec_tiny_config.json").write_text(json.dumps({
+        "d_model": 32, "num_heads": 4, "d_kv": 8, "d_ff": 64, "num_layers": 2,
+        "num_decoder_layers": 2, "dropout_rate": 0.1, "layer_norm_epsilon": 1e-6,
+        "init_method_std": 0.02, "vocab_size": 4100, "feed_forward_proj": "gated-gelu"}))
+    ds = json.loads((REPO / "configs/deepspeed/cpm2_11b_zero3_fp32.json").read_text())
+    ds["train_micro_batch_size_per_gpu"] = 2
+    (tmp_path / "ds_cpm2_tiny_fp32.json").write_text(json.dumps(ds))
+
+    def line(iters):
+        return [sys.executable, "-m", "torch.distributed.launch", "--nnodes", "1",
+                "--node_rank", "0", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                "--master_port", str(free_port()), str(REPO / "pretrain_enc_dec.py"),
+                "--use-new-lr", "--min-lr", "0.0000006",
+                "--model-config", "enc_dec_tiny_config.json", "--model-parallel-size", "1",
+                "--batch-size", "2", "--enc-seq-length", "64", "--dec-seq-length", "32",
+                "--train-iters", str(iters), "--save", "ckpt/", "--log-file", "log.txt",
+                "--load", "ckpt/", "--data-path", "mix_cpm2_t5_document", "--data-impl", "mmap",
+                "--split", "950,30,20", "--distributed-backend", "nccl", "--lr", "0.000002",
+                "--no-load-optim", "--lr-decay-style", "linear", "--weight-decay", "1e-2",
+                "--clip-grad", "1.0", "--warmup", "0.01", "--tokenizer-path", "bpe_cn",
+                "--save-interval", "3", "--eval-interval", "3", "--eval-iters", "2",
+                "--log-interval", "1", "--checkpoint-activations",
+                "--deepspeed-activation-checkpointing", "--deepspeed", "--deepspeed_config",
+                "ds_cpm2_tiny_fp32.json"]
+
+    first = subprocess.run(line(4), cwd=tmp_path, env=env(), capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "no checkpoint in ckpt/: starting from scratch" in first.stdout
+    assert "--distributed-backend nccl: no CUDA device here; using gloo" in first.stdout
+    assert sorted(logged_losses(first.stdout)) == [1, 2, 3, 4]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "4\n"
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("iter_*")) == [
+        "iter_0000003", "iter_0000004"]
+    log = (tmp_path / "log.txt").read_text()
+    assert "validation loss at iteration 3" in log and "test loss at iteration 4" in log
+    second = subprocess.run(line(6), cwd=tmp_path, env=env(), capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resumed from ckpt/ at iteration 4 (16 samples consumed)" in second.stdout
+    assert sorted(logged_losses(second.stdout)) == [5, 6]
+
+
+def test_killed_save_leaves_previous_checkpoint(train_data, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    argv = [sys.executable, "-m", "megatron.pretrain_t5",
+            *base_argv(train_data, "--save", str(ckpt), "--log-interval", "1")]
+    proc = subprocess.Popen(argv + ["--save-interval", "2"], cwd=tmp_path,
+                            env={**env(), "MEGATRON_CHECKPOINT_TEST_PAUSE_S": "4:600"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not (ckpt / "iter_0000004.tmp" / "rng").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # mid-save: engine files written, not yet renamed
+    killed_output = proc.communicate()[0]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2\n"
+    assert not (ckpt / "iter_0000004").exists()
+
+    resumed = subprocess.run(argv + ["--load", str(ckpt)], cwd=tmp_path, env=env(),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "at iteration 2" in resumed.stdout
+    before, after = logged_losses(killed_output), logged_losses(resumed.stdout)
+    assert sorted(after) == [3, 4] and all(after[i] == before[i] for i in (3, 4))
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4\n"
+    assert not list(ckpt.glob("*.tmp"))
+
+    # The same checkpoint on another layout is refused before any process group starts.
+    from megatron.arguments import ArgumentsError, parse_args
+
+    for flags, env_, reason in (
+            (["--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "2"},
+             "--tensor-model-parallel-size 1 in the checkpoint, 2 now"),
+            (["--zero-stage", "3"], {}, "--zero-stage 0 in the checkpoint, 3 now"),
+            ([], {"WORLD_SIZE": "2"}, "data-parallel size 1 in the checkpoint, 2 now")):
+        with pytest.raises(ArgumentsError) as refused:
+            parse_args(argv[3:] + ["--load", str(ckpt), *flags], env=env_)
+        assert reason in str(refused.value) and str(ckpt) in str(refused.value)
+    # ... but the weights of a ZeRO 0-2 checkpoint load on another data-parallel size
+    args = parse_args(argv[3:] + ["--load", str(ckpt), "--no-load-optim"], env={"WORLD_SIZE": "2"})
+    assert args.data_parallel_size == 2
