@@ -342,6 +342,10 @@ class T5Block(nn.Module):
                                    "attention bias")
             mask = carry.decoder_mask if self.is_decoder else carry.encoder_mask
             position_bias = attention.compute_bias(hidden.shape[1], hidden.shape[1]) + mask
+            if hidden.dtype in (torch.float16, torch.bfloat16):
+                # Once per stack: converted in every layer, each copy would be kept for backward.
+                position_bias = position_bias.to(hidden.dtype).clamp(
+                    min=torch.finfo(hidden.dtype).min)
         hidden = _clamp_fp16(self.layer[0](hidden, position_bias))
         if self.is_decoder:
             hidden = _clamp_fp16(self.layer[1](hidden, carry.encoder_output, carry.encoder_mask))

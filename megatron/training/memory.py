@@ -15,6 +15,14 @@ Offloading moves master, moments and the gradient partition (stages 2, 3; stage 
 `buffers` are DeepSpeed's transient ones (`ZeroBuckets`); a 16-bit step also converts the
 gradient partition to fp32, at a time when no activations are alive.
 
+`device_type='cuda'` sums everything as alive at once (an upper bound on max_memory_allocated).
+`device_type='cpu'` is a CPU run's resident memory, calibrated against bench/bench_training.py:
+what is offloaded to cpu shares the same memory; `torch.empty` maps pages lazily, so a bucket
+costs only the pages DeepSpeed writes (at most the model's gradients); gradients of stages 0-2
+are freed by every step, so with one micro-batch per step they never meet the activations; and
+fp32 ZeRO-3 keeps a 4-byte clone / N (stage3.py compares the partition's torch.device with a
+device-name string, never equal, so it clones; the same code runs on CUDA).
+
 Activations are the tensors autograd saves in forward, counted from what our layers save
 (megatron/model/transformer.py, dropout.py, cross_entropy.py) and checked against a measurement
 in tests/unit/test_memory_estimate.py. Backward's transient gradients are left out, except the
@@ -33,6 +41,7 @@ from megatron.model.t5 import model_parallel_problems
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 ATTENTION_KERNELS = ("fused", "eager")
+DEVICE_TYPES = ("cuda", "cpu")
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,8 @@ class MemoryEstimate:
     """Bytes per rank. parameters, gradients, optimizer_states (master weights + moments) and
     buffers are what stays on the device; offloaded is what moved to cpu/nvme. activations is
     the peak of one micro-batch, activations_saved what forward leaves saved for backward.
-    total: the device peak."""
+    total: the device peak (device_type 'cpu': the resident peak, with what is offloaded to
+    cpu)."""
 
     parameters: int
     gradients: int
@@ -156,18 +166,23 @@ class _Shape:
     def attention(self, q: int, k: int, is_self: bool) -> int:
         """q, k, v and the context (eager: reshaped copies; fused: the kernel's inputs/output),
         plus the score-sized tensors: eager keeps the fp32 softmax and what bmm reads (dropped
-        probabilities + bool mask, or a 16-bit copy); fused keeps the logsumexp. In 16 bits the
-        self-attention bias is cast per layer (saved by clamp; and by sdpa when fused)."""
+        probabilities + bool mask, or a 16-bit copy); fused keeps the logsumexp. (In 16 bits the
+        self-attention bias is cast once per stack: `bias_cast`.)"""
         out = self.a * self.b * self.inner * 2 * (q + k)
         scores = self.b * self.heads * q * k
         cast = self.a != 4
         if self.kernel == "eager":
             out += scores * (4 + (1 + self.a if self.dropout else (self.a if cast else 0)))
-            out += scores * self.a if is_self and cast else 0
         else:
             out += 4 * self.b * self.heads * q
-            out += 2 * scores * self.a if is_self and cast else 0
         return out
+
+    def bias_cast(self, q: int) -> int:
+        """16 bits: block 0 casts the fp32 bias + mask once per stack; clamp saves its input and,
+        fused, sdpa saves the result that every layer shares."""
+        if self.a == 4:
+            return 0
+        return (1 if self.kernel == "eager" else 2) * self.a * self.b * self.heads * q * q
 
     def feed_forward(self, tokens: int) -> int:
         """The activation's output (and input unless relu), the gate, wo's input (the dropped
@@ -186,11 +201,13 @@ class _Shape:
 
 
 def _validate(tp, dp, zero_stage, precision, offload_optimizer, offload_param, sizes,
-              checkpoint_num_layers, attention_kernel) -> List[str]:
+              checkpoint_num_layers, attention_kernel, device_type) -> List[str]:
     out = [f"{name} must be a positive integer, not {value!r}" for name, value in
            (("tensor_parallel_size", tp), ("data_parallel_size", dp), *sizes.items(),
             ("checkpoint_num_layers", checkpoint_num_layers)) if not isinstance(value, int)
            or value < 1]
+    if device_type not in DEVICE_TYPES:
+        out.append(f"device_type must be 'cuda' or 'cpu', not {device_type!r}")
     if zero_stage not in (0, 1, 2, 3):
         out.append(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage!r}")
     if precision not in PRECISIONS:
@@ -216,7 +233,8 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
                     encoder_seq_length: int = 512, decoder_seq_length: int = 114,
                     checkpoint_activations: bool = False, checkpoint_num_layers: int = 1,
                     make_vocab_size_divisible_by: int = 128, attention_kernel: str = "fused",
-                    buckets: ZeroBuckets = ZeroBuckets()) -> MemoryEstimate:
+                    buckets: ZeroBuckets = ZeroBuckets(), device_type: str = "cuda",
+                    gradient_accumulation_steps: int = 1) -> MemoryEstimate:
     """Per-rank memory of training `config` with DeepSpeed ZeRO and Adam(W).
 
     Args:
@@ -226,18 +244,24 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
         micro_batch_size, encoder_seq_length, decoder_seq_length: one micro-batch.
         checkpoint_activations, checkpoint_num_layers: as T5Model's.
         attention_kernel: 'fused' (sdpa's flash / memory-efficient kernels: the model's 'auto' on
-            CUDA) or 'eager' (probabilities kept: attention_backend 'eager', torch's math path).
+            CUDA) or 'eager' (probabilities kept: attention_backend 'eager', torch's math path,
+            and what 'auto' runs for self-attention on CPU).
         buckets: DeepSpeed's bucket sizes.
+        device_type: 'cuda' (device memory, everything alive at once) or 'cpu' (the resident
+            memory a CPU run adds to its interpreter and libraries; see the module docstring).
+        gradient_accumulation_steps: micro-batches per step; with 'cpu' and more than one,
+            stage 0-2 gradients live through the forward ('cuda' always counts them).
 
     Raises:
         ValueError: an argument out of range or a combination DeepSpeed does not run.
         ConfigError: the config does not split over tensor_parallel_size.
     """
     sizes = {"micro_batch_size": micro_batch_size, "encoder_seq_length": encoder_seq_length,
-             "decoder_seq_length": decoder_seq_length}
+             "decoder_seq_length": decoder_seq_length,
+             "gradient_accumulation_steps": gradient_accumulation_steps}
     problems = _validate(tensor_parallel_size, data_parallel_size, zero_stage, precision,
                          offload_optimizer, offload_param, sizes, checkpoint_num_layers,
-                         attention_kernel)
+                         attention_kernel, device_type)
     if problems:
         raise ValueError("cannot estimate memory: " + "; ".join(problems))
     numels = parameter_numels(config, tensor_parallel_size, make_vocab_size_divisible_by)
@@ -251,10 +275,20 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
     vocab = config.padded_vocab_size(make_vocab_size_divisible_by, tp) // tp
     saved, activations = _activations(shape, tp, vocab, encoder_seq_length, decoder_seq_length,
                                       checkpoint_activations, checkpoint_num_layers)
+    if device_type == "cpu":
+        return _host_estimate(list(numels.values()), data_parallel_size, zero_stage, precision,
+                              offload_optimizer, offload_param, buckets, saved, activations,
+                              gradient_accumulation_steps)
     return MemoryEstimate(parameters=params, gradients=grads, optimizer_states=optimizer,
                           activations=activations, activations_saved=saved, buffers=buffers,
                           total=params + grads + optimizer + buffers + max(activations, step),
                           offloaded=offloaded)
+
+
+def optimizer_bytes(stage: int, precision: str, numel: int) -> int:
+    """Master weights and Adam's moments of `numel` elements (see the table above)."""
+    master = 0 if precision == "fp32" and stage in (0, 3) else 4
+    return (master + 8) * numel
 
 
 def _model_states(numels, dp, stage, precision, offload_optimizer, offload_param, buckets):
@@ -264,10 +298,9 @@ def _model_states(numels, dp, stage, precision, offload_optimizer, offload_param
     persistent = sum(n for n in numels if n <= buckets.stage3_param_persistence_threshold)
     shard = lambda n: math.ceil(n / dp)  # noqa: E731
     pb = 4 if precision == "fp32" else 2  # params and grads (DeepSpeed accumulates in this dtype)
-    master = 0 if precision == "fp32" and stage in (0, 3) else 4
     params = pb * (persistent + shard(psi - persistent) if stage == 3 else psi)
     grads = pb * (shard(psi) if stage >= 2 else psi)
-    optimizer = (master + 8) * (shard(psi) if stage >= 1 else psi)
+    optimizer = optimizer_bytes(stage, precision, shard(psi) if stage >= 1 else psi)
     offloaded = 0
     if offload_optimizer != "none":  # the host also takes the gradient partition, fp32 < stage 3
         offloaded += optimizer + (4 if stage < 3 else pb) * shard(psi)
@@ -288,6 +321,51 @@ def _model_states(numels, dp, stage, precision, offload_optimizer, offload_param
     return params, grads, optimizer, buffers, step, offloaded
 
 
+def _host_estimate(numels, dp, stage, precision, offload_optimizer, offload_param, buckets,
+                   saved, activations, accumulation) -> MemoryEstimate:
+    """estimate_memory for device_type 'cpu': the resident peak of a CPU run, phase by phase."""
+    params, grads, optimizer, _, step, offloaded = _model_states(
+        numels, dp, stage, precision, offload_optimizer, offload_param, buckets)
+    psi = sum(numels)
+    persistent = sum(n for n in numels if n <= buckets.stage3_param_persistence_threshold)
+    shard = math.ceil(psi / dp)
+    pb = 4 if precision == "fp32" else 2
+    clone = 4 * shard if stage == 3 and precision == "fp32" else 0  # see the module docstring
+    if offload_optimizer == "none":
+        optimizer += clone
+    else:
+        offloaded += clone
+    # what _model_states moved off the device, by destination; nvme is not memory
+    moved_optimizer = (optimizer_bytes(stage, precision, shard) + clone
+                       + (4 if stage < 3 else pb) * shard) if offload_optimizer != "none" else 0
+    moved_params = pb * math.ceil((psi - persistent) / dp) if offload_param != "none" else 0
+    in_ram = (moved_optimizer if offload_optimizer == "cpu" else 0) + \
+        (moved_params if offload_param == "cpu" else 0)
+    # A bucket's pages are written only as gradients arrive: at most the model's gradients.
+    overlap = stage == 3 if buckets.overlap_comm is None else buckets.overlap_comm
+    if stage == 0:
+        bucket = pb * min(buckets.reduce_bucket_size, psi) if dp > 1 else 0
+    elif not buckets.contiguous_gradients:
+        bucket = 0
+    else:
+        copies = 2 if overlap and stage < 3 else 1
+        bucket = pb * min(copies * buckets.reduce_bucket_size, psi)
+    resident = params + optimizer + in_ram
+    if stage == 3:
+        # the bucket is made once and kept; gathered parameters live from forward to backward
+        gathered = pb * min(buckets.stage3_max_live_parameters, psi - persistent)
+        resident += grads + bucket
+        phases = (activations + gathered, step)
+        buffers = bucket + gathered
+    else:
+        # forward and the start of backward; the end of backward; the optimizer step
+        phases = (activations + (grads if accumulation > 1 else 0), grads + bucket, grads + step)
+        buffers = bucket
+    return MemoryEstimate(parameters=params, gradients=grads, optimizer_states=optimizer,
+                          activations=activations, activations_saved=saved, buffers=buffers,
+                          total=resident + max(phases), offloaded=offloaded)
+
+
 def _activations(s: _Shape, tp: int, vocab: int, e: int, d: int, checkpoint: bool,
                  chunk: int):
     """(saved after forward, peak) bytes of one micro-batch; vocab: padded columns per rank."""
@@ -302,7 +380,7 @@ def _activations(s: _Shape, tp: int, vocab: int, e: int, d: int, checkpoint: boo
     if not checkpoint:
         # + the relative-position buckets: one int64 [q, k] per stack
         saved = outer + 8 * (e * e + d * d) + c.num_layers * s.encoder_block(e) + \
-            c.num_decoder_layers * s.decoder_block(d, e)
+            c.num_decoder_layers * s.decoder_block(d, e) + s.bias_cast(e) + s.bias_cast(d)
         if s.kernel == "fused" and a == 4:  # sdpa saves the shared fp32 bias
             saved += 4 * b * s.heads * (e * e + d * d)
         recompute = 0
@@ -310,12 +388,15 @@ def _activations(s: _Shape, tp: int, vocab: int, e: int, d: int, checkpoint: boo
         enc_chunks, dec_chunks = -(-c.num_layers // chunk), -(-c.num_decoder_layers // chunk)
         # each chunk saves its input carry: hidden; position bias and masks once per stack
         saved = outer + a * b * D * (e * enc_chunks + d * dec_chunks) + 4 * (b * e + d * d)
-        saved += 4 * b * s.heads * ((enc_chunks > 1) * e * e + (dec_chunks > 1) * d * d)
+        bias_bytes = 4 if a == 4 else a  # the carried bias is already cast in 16 bits
+        saved += bias_bytes * b * s.heads * ((enc_chunks > 1) * e * e + (dec_chunks > 1) * d * d)
         saved += 8 * b * d * (tp > 1)  # the decoder ids, saved apart from the local ids
         # one chunk's blocks (the first with its buckets), less its input, saved already
         recompute = max(
-            min(chunk, c.num_layers) * s.encoder_block(e) + 8 * e * e - a * b * e * D,
-            min(chunk, c.num_decoder_layers) * s.decoder_block(d, e) + 8 * d * d - a * b * d * D)
+            min(chunk, c.num_layers) * s.encoder_block(e) + 8 * e * e - a * b * e * D
+            + s.bias_cast(e),
+            min(chunk, c.num_decoder_layers) * s.decoder_block(d, e) + 8 * d * d - a * b * d * D
+            + s.bias_cast(d))
     logits = a * b * d * vocab  # held by T5Output through backward
     logits_grad = b * d * vocab * (4 + (a if a != 4 else 0))  # padded in fp32, then cast
     # backward starts with the logits' gradient; a recompute comes after the head is freed
