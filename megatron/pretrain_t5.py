@@ -97,6 +97,7 @@ def pretrain(args: argparse.Namespace):
     from megatron.training.loop import TrainState, evaluate, train
     from megatron.training.lr_schedule import resolve_with_checkpoint
     from megatron.training.metrics import MetricsWriter
+    from megatron.training.signals import StopSignals
 
     rank = dist.get_rank()
     writer = MetricsWriter(args.log_file, args.tensorboard_dir, enabled=rank == 0,
@@ -139,7 +140,9 @@ def pretrain(args: argparse.Namespace):
             writer.write_text(f"saved checkpoint {path}")
 
         if state.iteration < args.train_iters:
-            state = train(args, engine, schedule, train_loader, valid_loader, writer, state, save)
+            with StopSignals() as signals:
+                state = train(args, engine, schedule, train_loader, valid_loader, writer, state,
+                              save, signals)
         if not state.exit_reason:
             for split, loader in (("valid", valid_loader), ("test", test_loader)):
                 loss = evaluate(engine, args, loader)

@@ -103,8 +103,8 @@ def evaluate(engine, args: argparse.Namespace, loader: Optional[Iterable]) -> Op
 
 
 def train(args: argparse.Namespace, engine, schedule, train_loader: Iterable, valid_loader,
-          writer: MetricsWriter, state: TrainState,
-          save: Callable[[TrainState], None]) -> TrainState:
+          writer: MetricsWriter, state: TrainState, save: Callable[[TrainState], None],
+          signals=None) -> TrainState:
     """Run steps from state.iteration to args.train_iters (or an exit condition)."""
     device = _device(args)
     gas = args.gradient_accumulation_steps
@@ -172,7 +172,7 @@ def train(args: argparse.Namespace, engine, schedule, train_loader: Iterable, va
                 state.evaluations.append((state.iteration, "valid", loss))
                 writer.write_eval(state.iteration, "valid", loss)
             timer.reset()
-        exit_now = _exit_requested(args, state, start_time, device)
+        exit_now = _exit_requested(args, state, start_time, device, signals)
         saved = False
         if args.save and (last or exit_now or (args.save_interval and
                                                state.iteration % args.save_interval == 0)):
@@ -189,19 +189,28 @@ def train(args: argparse.Namespace, engine, schedule, train_loader: Iterable, va
     return state
 
 
-def _exit_requested(args, state: TrainState, start_time: float, device) -> bool:
-    if args.exit_interval and state.iteration % args.exit_interval == 0 \
-            and state.iteration < args.train_iters:
+def _exit_requested(args, state: TrainState, start_time: float, device, signals) -> bool:
+    """Whether to stop after this step: --exit-interval, or (agreed by all ranks through one
+    all-reduce, so that they save and leave together) --exit-duration-in-mins or a stop
+    signal received by any rank."""
+    if state.iteration >= args.train_iters:
+        return False
+    if args.exit_interval and state.iteration % args.exit_interval == 0:
         state.exit_reason = f"--exit-interval {args.exit_interval}"
         return True
-    if args.exit_duration_in_mins is not None:
-        # Every rank must agree, or some would leave the next collective hanging.
-        over = torch.tensor([float(time.monotonic() - start_time >
-                                   args.exit_duration_in_mins * 60)], device=device)
-        dist.all_reduce(over, op=dist.ReduceOp.MAX)
-        if over.item() > 0 and state.iteration < args.train_iters:
-            state.exit_reason = f"--exit-duration-in-mins {args.exit_duration_in_mins}"
-            return True
+    timed_out = args.exit_duration_in_mins is not None and \
+        time.monotonic() - start_time > args.exit_duration_in_mins * 60
+    signum = signals.received if signals is not None and signals.received is not None else 0
+    flags = torch.tensor([float(timed_out), float(signum)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if flags[1].item() > 0:
+        import signal
+
+        state.exit_reason = f"signal {signal.Signals(int(flags[1].item())).name}"
+        return True
+    if flags[0].item() > 0:
+        state.exit_reason = f"--exit-duration-in-mins {args.exit_duration_in_mins}"
+        return True
     return False
 
 

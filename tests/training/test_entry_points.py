@@ -127,3 +127,46 @@ def test_killed_save_leaves_previous_checkpoint(train_data, tmp_path):
     # ... but the weights of a ZeRO 0-2 checkpoint load on another data-parallel size
     args = parse_args(argv[3:] + ["--load", str(ckpt), "--no-load-optim"], env={"WORLD_SIZE": "2"})
     assert args.data_parallel_size == 2
+
+
+def _children(pid: int) -> list:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _rank_of(pid: int) -> int:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(e for e in environ if e.startswith(b"RANK=")).split(b"=")[1])
+
+
+def test_stop_signal_to_one_rank_saves_and_resumes(train_data, tmp_path):
+    """SIGUSR1 to rank 1 only: all ranks agree at the step boundary, save, exit 0; the same
+    command line with --load continues from there."""
+    ckpt = tmp_path / "ckpt"
+    flags = base_argv(train_data, "--save", str(ckpt), "--load", str(ckpt), "--log-interval",
+                      "1", iters=400)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), "-m", "megatron.pretrain_t5", *flags]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if re.search(r"iteration +2/", line):
+            rank1 = next(p for p in _children(proc.pid) if _rank_of(p) == 1)
+            os.kill(rank1, signal.SIGUSR1)
+            break
+    output = "".join(lines) + proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output[-3000:]
+    stopped = re.search(r"exiting at iteration (\d+): signal SIGUSR1 \(checkpoint saved\)", output)
+    assert stopped, output[-3000:]
+    iteration = int(stopped.group(1))
+    assert 2 <= iteration < 400
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == f"{iteration}\n"
+    resumed = subprocess.run(cmd[:6] + [str(free_port())] + cmd[7:] + ["--exit-interval",
+                                                                       str(iteration + 2)],
+                             cwd=tmp_path, env=env(), capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"at iteration {iteration} " in resumed.stdout
+    assert sorted(logged_losses(resumed.stdout)) == [iteration + 1, iteration + 2]
