@@ -73,7 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: nccl with CUDA, gloo on CPU; nccl without CUDA falls back to "
                         "gloo with a warning")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
-                   help="how long a collective may wait before the job fails")
+                   help="how long a collective (and a training step) may wait before the job "
+                        "fails")
+    g.add_argument("--data-timeout-minutes", type=float, default=10.0,
+                   help="how long a rank may wait for one batch from the data loader")
+    g.add_argument("--checkpoint-timeout-minutes", type=float, default=30.0,
+                   help="how long saving or loading a checkpoint may take")
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help="set by torch.distributed.launch and the deepspeed launcher; LOCAL_RANK "
                         "in the environment is used otherwise")
@@ -329,8 +334,10 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]) -> List[str]:
         problems.append("--num-workers must be >= 0")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
         problems.append("--exit-duration-in-mins must be positive")
-    if args.distributed_timeout_minutes <= 0:
-        problems.append("--distributed-timeout-minutes must be positive")
+    for flag in ("distributed_timeout_minutes", "data_timeout_minutes",
+                 "checkpoint_timeout_minutes"):
+        if getattr(args, flag) <= 0:
+            problems.append(f"--{flag.replace('_', '-')} must be positive")
 
     # Checkpoints.
     if args.save_interval is not None and args.save is None:

@@ -70,9 +70,12 @@ def initialize_distributed(args: argparse.Namespace) -> bool:
         os.environ.update(distributed_env(os.environ, args.local_rank))
         if args.device_type == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-        deepspeed.init_distributed(
-            dist_backend=args.distributed_backend, auto_mpi_discovery=False,
-            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+        # The backend's own timeout is a backstop: the watchdog (same limit) fires first and
+        # says what the rank waited for.
+        minutes = 2 * args.distributed_timeout_minutes + 1
+        deepspeed.init_distributed(dist_backend=args.distributed_backend,
+                                   auto_mpi_discovery=False,
+                                   timeout=datetime.timedelta(minutes=minutes))
         created = True
     else:
         # Already joined (tests, or a caller that made its own group): DeepSpeed adopts it.

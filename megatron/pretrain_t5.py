@@ -98,10 +98,12 @@ def pretrain(args: argparse.Namespace):
     from megatron.training.lr_schedule import resolve_with_checkpoint
     from megatron.training.metrics import MetricsWriter
     from megatron.training.signals import StopSignals
+    from megatron.training.watchdog import Watchdog
 
     rank = dist.get_rank()
     writer = MetricsWriter(args.log_file, args.tensorboard_dir, enabled=rank == 0,
                            train_iters=args.train_iters)
+    watchdog = Watchdog(rank)
     try:
         for warning in args.warnings:
             writer.write_text(f"warning: {warning}")
@@ -114,7 +116,9 @@ def pretrain(args: argparse.Namespace):
         schedule = args.lr_schedule
         state = TrainState()
         if args.load is not None:
-            meta = load_checkpoint(engine, args)
+            with watchdog.watch(f"checkpoint I/O: loading {args.load}",
+                                60 * args.checkpoint_timeout_minutes):
+                meta = load_checkpoint(engine, args)
             if meta is None:
                 writer.write_text(f"no checkpoint in {args.load}: starting from scratch")
             elif args.finetune:
@@ -130,7 +134,9 @@ def pretrain(args: argparse.Namespace):
                     raise CheckpointError(f"--load {args.load}: {e}") from None
                 writer.write_text(f"resumed from {args.load} at iteration {state.iteration} "
                                   f"({state.consumed_samples} samples consumed)")
-        train_loader, valid_loader, test_loader = build_data(args, state.consumed_samples)
+        with watchdog.watch("data: building the datasets (index caches; another rank may be "
+                            "building them)", args.data_cache_timeout + 60):
+            train_loader, valid_loader, test_loader = build_data(args, state.consumed_samples)
         if train_loader is None:
             raise RuntimeError("the train split is empty: check --split and --data-path")
 
@@ -142,15 +148,16 @@ def pretrain(args: argparse.Namespace):
         if state.iteration < args.train_iters:
             with StopSignals() as signals:
                 state = train(args, engine, schedule, train_loader, valid_loader, writer, state,
-                              save, signals)
+                              save, signals, watchdog)
         if not state.exit_reason:
             for split, loader in (("valid", valid_loader), ("test", test_loader)):
-                loss = evaluate(engine, args, loader)
+                loss = evaluate(engine, args, loader, watchdog)
                 if loss is not None:
                     state.evaluations.append((state.iteration, split, loss))
                     writer.write_eval(state.iteration, split, loss)
         return state
     finally:
+        watchdog.close()
         writer.close()
 
 

@@ -27,6 +27,7 @@ from megatron import parallel_state
 from megatron.model.flops import training_step_flops
 from megatron.training.engine import set_lr
 from megatron.training.metrics import IntervalStats, MetricsWriter, Timer, peak_tflops
+from megatron.training.watchdog import NoWatchdog
 
 BATCH_KEYS = ("encoder_input_ids", "decoder_input_ids", "encoder_attention_mask",
               "decoder_attention_mask", "labels")
@@ -81,31 +82,43 @@ def _grad_norm(engine) -> Optional[float]:
     return float(norm.item() if torch.is_tensor(norm) else norm)
 
 
-def evaluate(engine, args: argparse.Namespace, loader: Optional[Iterable]) -> Optional[float]:
+def evaluate(engine, args: argparse.Namespace, loader: Optional[Iterable],
+             watchdog=None) -> Optional[float]:
     """Token-weighted mean loss over `eval_iters` global batches of `loader` (all ranks)."""
     if loader is None or args.eval_iters == 0:
         return None
+    watchdog = watchdog or NoWatchdog()
+    collective_s, data_s = 60 * args.distributed_timeout_minutes, 60 * args.data_timeout_minutes
     device = _device(args)
     total = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, tokens]
     limit = args.eval_iters * args.gradient_accumulation_steps
+    batches = iter(loader)
     engine.eval()
     with torch.no_grad():
-        for i, batch in enumerate(loader):
-            if i == limit:
+        for _ in range(limit):
+            with watchdog.watch("data: the next evaluation batch from the data loader", data_s):
+                batch = next(batches, None)
+            if batch is None:
                 break
-            batch = to_device(batch, device)
-            out = engine(**batch)
-            total[0] += out.token_losses.double().sum()
-            total[1] += (batch["labels"] != -100).sum()
+            with watchdog.watch("an evaluation step (collectives with the other ranks)",
+                                collective_s):
+                batch = to_device(batch, device)
+                out = engine(**batch)
+                total[0] += out.token_losses.double().sum()
+                total[1] += (batch["labels"] != -100).sum()
     engine.train()
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    with watchdog.watch("collective: the all-reduce of the evaluation loss", collective_s):
+        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
     return float(total[0] / total[1]) if total[1] > 0 else None
 
 
 def train(args: argparse.Namespace, engine, schedule, train_loader: Iterable, valid_loader,
           writer: MetricsWriter, state: TrainState, save: Callable[[TrainState], None],
-          signals=None) -> TrainState:
+          signals=None, watchdog=None) -> TrainState:
     """Run steps from state.iteration to args.train_iters (or an exit condition)."""
+    watchdog = watchdog or NoWatchdog()
+    collective_s = 60 * args.distributed_timeout_minutes
+    data_s = 60 * args.data_timeout_minutes
     device = _device(args)
     gas = args.gradient_accumulation_steps
     model = engine.module
@@ -123,7 +136,8 @@ def train(args: argparse.Namespace, engine, schedule, train_loader: Iterable, va
         if not pending:
             return
         values = torch.stack([p[1] for p in pending])
-        dist.all_reduce(values, group=dp_group)
+        with watchdog.watch("collective: the all-reduce of the step losses", collective_s):
+            dist.all_reduce(values, group=dp_group)
         dp = parallel_state.get_data_parallel_world_size()
         for (iteration, _, norm, skipped, step_s, wait_s), row in zip(pending, values.tolist()):
             loss = row[0] / (dp * gas)
@@ -142,14 +156,17 @@ def train(args: argparse.Namespace, engine, schedule, train_loader: Iterable, va
         norm = None
         for micro in range(gas):
             timer.data_start()
-            batch = next(batches)
+            with watchdog.watch("data: the next training batch from the data loader", data_s):
+                batch = next(batches)
             timer.data_end()
-            batch = to_device(batch, device)
-            out = engine(**batch)
-            engine.backward(out.loss)
-            if micro == gas - 1:
-                norm = _unreported_grad_norm(engine)
-            engine.step()
+            with watchdog.watch("the training step (forward, backward, optimizer; collectives "
+                                "with the other ranks)", collective_s):
+                batch = to_device(batch, device)
+                out = engine(**batch)
+                engine.backward(out.loss)
+                if micro == gas - 1:
+                    norm = _unreported_grad_norm(engine)
+                engine.step()
             step[0] += out.loss.detach().double()
             step[1] += batch["encoder_attention_mask"].sum()
             step[2] += (batch["labels"] != -100).sum()
@@ -167,17 +184,21 @@ def train(args: argparse.Namespace, engine, schedule, train_loader: Iterable, va
                                        schedule.lr(state.iteration - 1), _loss_scale(engine),
                                        dist.get_world_size(), peak))
         if args.eval_interval and state.iteration % args.eval_interval == 0 and not last:
-            loss = evaluate(engine, args, valid_loader)
+            loss = evaluate(engine, args, valid_loader, watchdog)
             if loss is not None:
                 state.evaluations.append((state.iteration, "valid", loss))
                 writer.write_eval(state.iteration, "valid", loss)
             timer.reset()
-        exit_now = _exit_requested(args, state, start_time, device, signals)
+        with watchdog.watch("collective: the all-reduce that agrees on stopping",
+                            collective_s):
+            exit_now = _exit_requested(args, state, start_time, device, signals)
         saved = False
         if args.save and (last or exit_now or (args.save_interval and
                                                state.iteration % args.save_interval == 0)):
             flush_logs()
-            save(state)
+            with watchdog.watch(f"checkpoint I/O: saving iteration {state.iteration} to "
+                                f"{args.save}", 60 * args.checkpoint_timeout_minutes):
+                save(state)
             saved = True
             timer.reset()
         if exit_now:

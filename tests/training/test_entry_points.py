@@ -2,6 +2,7 @@
 torch.distributed.launch (unchanged but for paths and sizes), a save killed mid-write, and a
 checkpoint from another layout."""
 
+import contextlib
 import json
 import os
 import re
@@ -129,6 +130,22 @@ def test_killed_save_leaves_previous_checkpoint(train_data, tmp_path):
     assert args.data_parallel_size == 2
 
 
+@contextlib.contextmanager
+def launched(cmd, cwd):
+    """torchrun in its own session, killed with its workers whatever the test's outcome."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in _children(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+
+
 def _children(pid: int) -> list:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
@@ -147,16 +164,15 @@ def test_stop_signal_to_one_rank_saves_and_resumes(train_data, tmp_path):
                       "1", iters=400)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(free_port()), "-m", "megatron.pretrain_t5", *flags]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if re.search(r"iteration +2/", line):
-            rank1 = next(p for p in _children(proc.pid) if _rank_of(p) == 1)
-            os.kill(rank1, signal.SIGUSR1)
-            break
-    output = "".join(lines) + proc.communicate(timeout=300)[0]
+    with launched(cmd, tmp_path) as proc:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(r"iteration +2/", line):
+                rank1 = next(p for p in _children(proc.pid) if _rank_of(p) == 1)
+                os.kill(rank1, signal.SIGUSR1)
+                break
+        output = "".join(lines) + proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, output[-3000:]
     stopped = re.search(r"exiting at iteration (\d+): signal SIGUSR1 \(checkpoint saved\)", output)
     assert stopped, output[-3000:]
@@ -170,3 +186,27 @@ def test_stop_signal_to_one_rank_saves_and_resumes(train_data, tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"at iteration {iteration} " in resumed.stdout
     assert sorted(logged_losses(resumed.stdout)) == [iteration + 1, iteration + 2]
+
+
+def test_a_stopped_rank_ends_the_job_within_the_timeout(train_data, tmp_path):
+    """Rank 1 frozen (SIGSTOP) mid-run: rank 0's watchdog names the collective it waited for,
+    prints its stacks and exits; torchrun then takes the job down, non-zero, in bounded time."""
+    flags = base_argv(train_data, "--log-interval", "1", "--distributed-timeout-minutes", "0.1",
+                      iters=400)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), "-m", "megatron.pretrain_t5", *flags]
+    with launched(cmd, tmp_path) as proc:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(r"iteration +2/", line):
+                rank1 = next(p for p in _children(proc.pid) if _rank_of(p) == 1)
+                os.kill(rank1, signal.SIGSTOP)
+                stopped_at = time.monotonic()
+                break
+        output = "".join(lines) + proc.communicate(timeout=240)[0]
+    assert proc.returncode != 0
+    assert time.monotonic() - stopped_at < 90, output[-3000:]
+    assert re.search(r"rank 0: no progress for 6 s while waiting for (collective|the training "
+                     r"step)", output), output[-3000:]
+    assert "Most recent call first" in output or "File \"" in output  # faulthandler's stacks

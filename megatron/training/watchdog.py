@@ -1,0 +1,85 @@
+"""End a rank that stops making progress, saying what it waited for.
+
+A dead or stopped peer leaves the others blocked in a collective; a stuck shared file system
+blocks the data loader or a checkpoint write; none of these raise. The loop wraps each phase in
+`watchdog.watch(what, seconds)`; a background thread checks the deadline once a second and, when
+one passes, prints which rank waited for what and for how long, every thread's Python stack
+(faulthandler), and ends the process with EXIT_HANG, so that the launcher (torchrun, srun
+--kill-on-bad-exit) takes the whole job down instead of letting it idle until the time limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import sys
+import threading
+import time
+from typing import Iterator, Optional
+
+EXIT_HANG = 3
+
+
+class Watchdog:
+    def __init__(self, rank: int, poll_s: float = 1.0) -> None:
+        self.rank = rank
+        self.poll_s = poll_s
+        self._what: Optional[str] = None
+        self._deadline = float("inf")
+        self._timeout = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def watch(self, what: str, timeout_s: Optional[float]) -> Iterator[None]:
+        """Within the block, `what` must finish in `timeout_s` seconds (None: no limit)."""
+        with self._lock:
+            outer = (self._what, self._deadline, self._timeout)
+            if timeout_s is not None:
+                self._what, self._timeout = what, timeout_s
+                self._deadline = time.monotonic() + timeout_s
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._what, self._deadline, self._timeout = outer
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            with self._lock:
+                expired = time.monotonic() > self._deadline
+                what, timeout = self._what, self._timeout
+            if expired:
+                self._expire(what, timeout)
+
+    def _expire(self, what: str, timeout: float) -> None:
+        # Whatever happens to the output (a closed pipe, a full disk), the process must end.
+        try:
+            sys.stderr.write(f"\nrank {self.rank}: no progress for {timeout:g} s while waiting "
+                             f"for {what}; ending this process (exit {EXIT_HANG}). Python "
+                             f"stacks:\n")
+            sys.stderr.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            sys.stderr.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+        finally:
+            os._exit(EXIT_HANG)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class NoWatchdog:
+    """The same interface, watching nothing (for callers that embed the loop)."""
+
+    @contextlib.contextmanager
+    def watch(self, what: str, timeout_s: Optional[float]) -> Iterator[None]:
+        yield
+
+    def close(self) -> None:
+        pass
