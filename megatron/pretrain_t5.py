@@ -10,6 +10,7 @@ condition after saving), 2 bad command line, 1 a failure while running.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -89,8 +90,12 @@ def dry_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def pretrain(args: argparse.Namespace):
-    """Train with validated args on an initialized process group; returns the TrainState."""
+def pretrain(args: argparse.Namespace, signals=None):
+    """Train with validated args on an initialized process group; returns the TrainState.
+
+    signals: a StopSignals already installed by the caller (main installs one before anything
+    slow starts, so that a signal during start-up stops the run at its first step boundary).
+    """
     from megatron.initialize import set_seeds
     from megatron.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
     from megatron.training.engine import build_model, count_parameters, initialize_engine
@@ -146,7 +151,9 @@ def pretrain(args: argparse.Namespace):
             writer.write_text(f"saved checkpoint {path}")
 
         if state.iteration < args.train_iters:
-            with StopSignals() as signals:
+            with contextlib.ExitStack() as stack:
+                if signals is None:
+                    signals = stack.enter_context(StopSignals())
                 state = train(args, engine, schedule, train_loader, valid_loader, writer, state,
                               save, signals, watchdog)
         if not state.exit_reason:
@@ -162,21 +169,30 @@ def pretrain(args: argparse.Namespace):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    try:
-        args = parse_args(argv)
-    except ArgumentsError as e:
-        print(f"error: the command line cannot run:\n{e}", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        return dry_run(args)
-    from megatron.initialize import initialize_distributed
+    from megatron.training.signals import StopSignals
 
+    # Before anything slow: a stop signal during start-up ends the run at its first step.
+    with StopSignals() as signals:
+        try:
+            args = parse_args(argv)
+        except ArgumentsError as e:
+            print(f"error: the command line cannot run:\n{e}", file=sys.stderr)
+            return 2
+        if args.dry_run:
+            return dry_run(args)
+        return run(args, signals)
+
+
+def run(args: argparse.Namespace, signals) -> int:
+    """Join the job, train, leave the process group (without it, gloo jobs abort at interpreter
+    exit now and then)."""
+    from megatron.initialize import initialize_distributed
     from megatron.training.checkpointing import CheckpointError
 
     created = initialize_distributed(args)
     finished = False
     try:
-        pretrain(args)
+        pretrain(args, signals)
         finished = True
     except CheckpointError as e:
         print(f"error (rank {dist.get_rank()}): {e}", file=sys.stderr)
@@ -186,7 +202,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if created and dist.is_initialized():
             if finished:  # a failed rank's peers may be gone: no barrier then
                 dist.barrier()
-            # Without it, gloo jobs abort at interpreter exit now and then.
             dist.destroy_process_group()
     return 0
 

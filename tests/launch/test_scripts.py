@@ -1,0 +1,117 @@
+"""The launch scripts without Slurm: syntax, their checks of the environment, the GPU examples'
+flags (validated by the entry point's --dry-run for the cluster sizes they are written for) and
+torchrun.sh running the tiny example, SIGUSR1 included."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted([REPO / "launch/torchrun.sh", REPO / "launch/slurm/pretrain_t5.sbatch",
+                  REPO / "launch/slurm/srun_per_device.sh",
+                  *(REPO / "launch/examples").glob("*.sh")])
+DRY_RUN = f"{sys.executable} -m megatron.pretrain_t5 --dry-run"
+
+
+def bash(script: Path, *args: str, env=None, timeout: float = 120) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("SLURM_", "DATA", "TOKENIZER", "MODEL_CONFIG", "OUT",
+                                  "NNODES", "MASTER_", "RDZV_", "LAUNCHER", "WORLD_SIZE"))}
+    return subprocess.run(["bash", str(script), *args], env={**clean, **(env or {})}, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_syntax_and_executable(script):
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert os.access(script, os.X_OK), f"{script} is not executable"
+
+
+@pytest.mark.parametrize("name", ["tiny_cpu.sh", "t5_base.sh", "t5_v1_1_xl_tp_zero3.sh",
+                                  "cpm2_11b_fp32_zero3.sh"])
+def test_examples_name_missing_settings(name, tmp_path):
+    proc = bash(REPO / "launch/examples" / name)
+    assert proc.returncode == 2
+    assert "error: set DATA" in proc.stderr and "OUT" in proc.stderr
+    proc = bash(REPO / "launch/examples" / name, env={
+        "DATA": str(tmp_path / "nothing"), "TOKENIZER": str(tmp_path / "no.model"),
+        "MODEL_CONFIG": str(tmp_path / "no.json"), "OUT": str(tmp_path / "out")})
+    assert proc.returncode == 2
+    assert str(tmp_path) in proc.stderr and "not found" in proc.stderr
+
+
+@pytest.mark.parametrize("name, world_size, expect", [
+    ("t5_base.sh", 8, "TP 1 x PP 1 x DP 8"),
+    ("t5_base.sh", 64, "TP 1 x PP 1 x DP 64"),
+    ("t5_v1_1_xl_tp_zero3.sh", 64, "TP 2 x PP 1 x DP 32"),
+    ("cpm2_11b_fp32_zero3.sh", 64, "TP 1 x PP 1 x DP 64"),
+])
+def test_gpu_examples_pass_the_dry_run(name, world_size, expect, tiny_data, tmp_path):
+    proc = bash(REPO / "launch/examples" / name, env={
+        "DATA": tiny_data.prefix, "TOKENIZER": tiny_data.spm, "OUT": str(tmp_path / "out"),
+        "LAUNCHER": DRY_RUN, "WORLD_SIZE": str(world_size)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"valid for {world_size} processes ({expect})" in proc.stdout
+
+
+def test_torchrun_sh_refuses_incomplete_settings():
+    proc = bash(REPO / "launch/torchrun.sh")
+    assert proc.returncode == 2 and "usage" in proc.stderr
+    proc = bash(REPO / "launch/torchrun.sh", "--help", env={"NNODES": "2", "NPROC_PER_NODE": "1"})
+    assert proc.returncode == 2 and "needs MASTER_ADDR" in proc.stderr
+    proc = bash(REPO / "launch/torchrun.sh", "--help", env={"RDZV_ENDPOINT": "h:29400",
+                                                             "NPROC_PER_NODE": "1"})
+    assert proc.returncode == 2 and "RDZV_ID" in proc.stderr
+
+
+def test_sbatch_script_refuses_to_run_outside_slurm():
+    proc = bash(REPO / "launch/slurm/pretrain_t5.sbatch", "--help")
+    assert proc.returncode == 2 and "not inside a Slurm job" in proc.stderr
+    proc = bash(REPO / "launch/slurm/pretrain_t5.sbatch", "--help", env={"REPO": "/nonexistent"})
+    assert proc.returncode == 2 and "set REPO" in proc.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_sh_trains_and_survives_sigusr1(tiny_data, tmp_path):
+    """Two processes through launch/torchrun.sh; SIGUSR1 to torchrun itself does not kill it (its
+    default action would, orphaning the workers), so Slurm's preemption warning reaches the
+    trainer with torchrun still in charge. Then a plain run of the example finishes."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "WORLD_SIZE"))}
+    env.update(DATA=tiny_data.prefix, TOKENIZER=tiny_data.spm, MODEL_CONFIG=tiny_data.config,
+               NPROC_PER_NODE="2", PYTHON=sys.executable, MASTER_PORT="29517")
+    long = subprocess.Popen(
+        ["bash", str(REPO / "launch/examples/tiny_cpu.sh"), "--eval-interval", "0",
+         "--save-interval", "1000000"],
+        env={**env, "OUT": str(tmp_path / "long"), "ITERS": "1000000"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log = tmp_path / "long/log.txt"
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and "iteration        2/" in log.read_text()):
+            assert long.poll() is None and time.monotonic() < deadline, long.stdout.read()
+            time.sleep(0.5)
+        os.kill(long.pid, signal.SIGUSR1)  # tiny_cpu.sh and torchrun.sh exec: this is torchrun
+        time.sleep(3)
+        assert long.poll() is None, f"torchrun died of SIGUSR1:\n{long.stdout.read()}"
+    finally:
+        if long.poll() is None:
+            long.send_signal(signal.SIGTERM)  # torchrun passes it on to its workers
+            try:
+                long.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(long.pid, signal.SIGKILL)
+                long.wait(10)
+
+    env.update(OUT=str(tmp_path / "short"), ITERS="4", MASTER_PORT="29518")
+    proc = subprocess.run(["bash", str(REPO / "launch/examples/tiny_cpu.sh")], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "short/ckpt/latest_checkpointed_iteration.txt").read_text().strip() == "4"
