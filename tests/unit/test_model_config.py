@@ -16,7 +16,7 @@ PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.json"))
 def test_all_presets_exist():
     assert PRESETS == sorted([
         "t5-small", "t5-base", "t5-large", "t5-3b", "t5-11b", "t5-v1_1-small", "t5-v1_1-base",
-        "t5-v1_1-large", "t5-v1_1-xl", "t5-v1_1-xxl", "cpm2-11b"])
+        "t5-v1_1-large", "t5-v1_1-xl", "t5-v1_1-xxl", "cpm2-11b", "t5-demo"])
 
 
 @pytest.mark.parametrize("name", PRESETS)
