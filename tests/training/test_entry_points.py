@@ -156,31 +156,40 @@ def _rank_of(pid: int) -> int:
     return int(next(e for e in environ if e.startswith(b"RANK=")).split(b"=")[1])
 
 
+def torchrun(flags):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--master_port", str(free_port()), "-m", "megatron.pretrain_t5", *flags]
+
+
+def signal_rank1_at_iteration_2(flags, cwd, sig, timeout):
+    """Run 2 ranks with torchrun, send `sig` to rank 1 once iteration 2 is logged; return
+    (exit status, all output, seconds from the signal to the end)."""
+    with launched(torchrun(flags), cwd) as proc:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(r"iteration +2/", line):
+                os.kill(next(p for p in _children(proc.pid) if _rank_of(p) == 1), sig)
+                sent = time.monotonic()
+                break
+        output = "".join(lines) + proc.communicate(timeout=timeout)[0]
+    return proc.returncode, output, time.monotonic() - sent
+
+
 def test_stop_signal_to_one_rank_saves_and_resumes(train_data, tmp_path):
     """SIGUSR1 to rank 1 only: all ranks agree at the step boundary, save, exit 0; the same
     command line with --load continues from there."""
     ckpt = tmp_path / "ckpt"
     flags = base_argv(train_data, "--save", str(ckpt), "--load", str(ckpt), "--log-interval",
                       "1", iters=400)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), "-m", "megatron.pretrain_t5", *flags]
-    with launched(cmd, tmp_path) as proc:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if re.search(r"iteration +2/", line):
-                rank1 = next(p for p in _children(proc.pid) if _rank_of(p) == 1)
-                os.kill(rank1, signal.SIGUSR1)
-                break
-        output = "".join(lines) + proc.communicate(timeout=300)[0]
-    assert proc.returncode == 0, output[-3000:]
+    status, output, _ = signal_rank1_at_iteration_2(flags, tmp_path, signal.SIGUSR1, 300)
+    assert status == 0, output[-3000:]
     stopped = re.search(r"exiting at iteration (\d+): signal SIGUSR1 \(checkpoint saved\)", output)
     assert stopped, output[-3000:]
     iteration = int(stopped.group(1))
     assert 2 <= iteration < 400
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == f"{iteration}\n"
-    resumed = subprocess.run(cmd[:6] + [str(free_port())] + cmd[7:] + ["--exit-interval",
-                                                                       str(iteration + 2)],
+    resumed = subprocess.run(torchrun(flags + ["--exit-interval", str(iteration + 2)]),
                              cwd=tmp_path, env=env(), capture_output=True, text=True,
                              timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -193,20 +202,9 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout(train_data, tmp_path):
     prints its stacks and exits; torchrun then takes the job down, non-zero, in bounded time."""
     flags = base_argv(train_data, "--log-interval", "1", "--distributed-timeout-minutes", "0.1",
                       iters=400)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), "-m", "megatron.pretrain_t5", *flags]
-    with launched(cmd, tmp_path) as proc:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if re.search(r"iteration +2/", line):
-                rank1 = next(p for p in _children(proc.pid) if _rank_of(p) == 1)
-                os.kill(rank1, signal.SIGSTOP)
-                stopped_at = time.monotonic()
-                break
-        output = "".join(lines) + proc.communicate(timeout=240)[0]
-    assert proc.returncode != 0
-    assert time.monotonic() - stopped_at < 90, output[-3000:]
+    status, output, seconds = signal_rank1_at_iteration_2(flags, tmp_path, signal.SIGSTOP, 240)
+    assert status != 0
+    assert seconds < 90, output[-3000:]
     assert re.search(r"rank 0: no progress for 6 s while waiting for (collective|the training "
                      r"step)", output), output[-3000:]
     assert "Most recent call first" in output or "File \"" in output  # faulthandler's stacks
