@@ -16,16 +16,11 @@
 # position but starts the Adam states fresh. `WORLD_SIZE=64 LAUNCHER="python -m
 # megatron.pretrain_t5 --dry-run"` prints about 36 GiB per GPU.
 set -euo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+SCRIPT_ARGS=("$@")
+# shellcheck source=launch/examples/common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-missing=()
-for var in DATA TOKENIZER OUT; do
-    [ -n "${!var:-}" ] || missing+=("$var")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    echo "error: set ${missing[*]} (see the header of $0)" >&2
-    exit 2
-fi
+require_env DATA TOKENIZER OUT
 if [ ! -e "$TOKENIZER" ]; then
     echo "error: $TOKENIZER not found (a SentencePiece .model or a folder holding one)" >&2
     exit 2
@@ -49,9 +44,4 @@ flags=(
     --checkpoint-activations --deepspeed-activation-checkpointing
     --deepspeed --deepspeed_config "$REPO/configs/deepspeed/cpm2_11b_zero3_fp32.json"
 )
-if [ -n "${LAUNCHER:-}" ]; then
-    read -r -a launcher <<<"$LAUNCHER"
-else
-    launcher=("$REPO/launch/torchrun.sh")
-fi
-exec "${launcher[@]}" "${flags[@]}" "$@"
+launch "${flags[@]}"

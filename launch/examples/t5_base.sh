@@ -16,19 +16,12 @@
 # WORLD_SIZE=32 launch/examples/t5_base.sh` checks the flags and files and prints the memory per
 # GPU without starting anything.
 set -euo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+SCRIPT_ARGS=("$@")
+# shellcheck source=launch/examples/common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-missing=()
-for var in DATA TOKENIZER OUT; do
-    [ -n "${!var:-}" ] || missing+=("$var")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    echo "error: set ${missing[*]} (see the header of $0)" >&2
-    exit 2
-fi
-for file in "$DATA.bin" "$DATA.idx" "$TOKENIZER"; do
-    [ -f "$file" ] || { echo "error: $file not found" >&2; exit 2; }
-done
+require_env DATA TOKENIZER OUT
+require_files "$DATA.bin" "$DATA.idx" "$TOKENIZER"
 mkdir -p "$OUT"
 
 flags=(
@@ -43,9 +36,4 @@ flags=(
     --eval-interval 5000 --eval-iters 20 --log-interval 100
     --log-file "$OUT/log.txt" --tensorboard-dir "$OUT/tensorboard"
 )
-if [ -n "${LAUNCHER:-}" ]; then
-    read -r -a launcher <<<"$LAUNCHER"
-else
-    launcher=("$REPO/launch/torchrun.sh")
-fi
-exec "${launcher[@]}" "${flags[@]}" "$@"
+launch "${flags[@]}"

@@ -15,20 +15,13 @@
 # word-split), torchrun.sh's NPROC_PER_NODE, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT.
 # More flags after the script name override these.
 set -euo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+SCRIPT_ARGS=("$@")
+# shellcheck source=launch/examples/common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 DS_CONFIG=${DS_CONFIG:-$REPO/configs/deepspeed/zero3_bf16.json}
 
-missing=()
-for var in DATA TOKENIZER OUT; do
-    [ -n "${!var:-}" ] || missing+=("$var")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    echo "error: set ${missing[*]} (see the header of $0)" >&2
-    exit 2
-fi
-for file in "$DATA.bin" "$DATA.idx" "$TOKENIZER" "$DS_CONFIG"; do
-    [ -f "$file" ] || { echo "error: $file not found" >&2; exit 2; }
-done
+require_env DATA TOKENIZER OUT
+require_files "$DATA.bin" "$DATA.idx" "$TOKENIZER" "$DS_CONFIG"
 mkdir -p "$OUT"
 
 flags=(
@@ -42,9 +35,4 @@ flags=(
     --eval-interval 1000 --eval-iters 10 --log-interval 10
     --log-file "$OUT/log.txt" --tensorboard-dir "$OUT/tensorboard"
 )
-if [ -n "${LAUNCHER:-}" ]; then
-    read -r -a launcher <<<"$LAUNCHER"
-else
-    launcher=("$REPO/launch/torchrun.sh")
-fi
-exec "${launcher[@]}" "${flags[@]}" "$@"
+launch "${flags[@]}"

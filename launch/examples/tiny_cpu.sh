@@ -13,19 +13,11 @@
 # the flags (default launch/torchrun.sh; e.g. "sbatch launch/slurm/pretrain_t5.sbatch" or
 # launch/slurm/srun_per_device.sh; word-split).
 set -euo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-
-missing=()
-for var in DATA TOKENIZER MODEL_CONFIG OUT; do
-    [ -n "${!var:-}" ] || missing+=("$var")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    echo "error: set ${missing[*]} (see the header of $0)" >&2
-    exit 2
-fi
-for file in "$DATA.bin" "$DATA.idx" "$TOKENIZER" "$MODEL_CONFIG"; do
-    [ -f "$file" ] || { echo "error: $file not found" >&2; exit 2; }
-done
+SCRIPT_ARGS=("$@")
+# shellcheck source=launch/examples/common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+require_env DATA TOKENIZER MODEL_CONFIG OUT
+require_files "$DATA.bin" "$DATA.idx" "$TOKENIZER" "$MODEL_CONFIG"
 mkdir -p "$OUT"
 export NPROC_PER_NODE=${NPROC_PER_NODE:-2}
 
@@ -38,9 +30,4 @@ flags=(
     --eval-interval 4 --eval-iters 1 --log-interval 1 --log-file "$OUT/log.txt"
     --save "$OUT/ckpt" --load "$OUT/ckpt" --save-interval 4
 )
-if [ -n "${LAUNCHER:-}" ]; then
-    read -r -a launcher <<<"$LAUNCHER"
-else
-    launcher=("$REPO/launch/torchrun.sh")
-fi
-exec "${launcher[@]}" "${flags[@]}" "$@"
+launch "${flags[@]}"
