@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -90,11 +91,12 @@ def dry_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def pretrain(args: argparse.Namespace, signals=None):
+def pretrain(args: argparse.Namespace, signals=None, watchdog=None):
     """Train with validated args on an initialized process group; returns the TrainState.
 
     signals: a StopSignals already installed by the caller (main installs one before anything
     slow starts, so that a signal during start-up stops the run at its first step boundary).
+    watchdog: the caller's (main starts one before the process group); else one of its own.
     """
     from megatron.initialize import set_seeds
     from megatron.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
@@ -108,16 +110,22 @@ def pretrain(args: argparse.Namespace, signals=None):
     rank = dist.get_rank()
     writer = MetricsWriter(args.log_file, args.tensorboard_dir, enabled=rank == 0,
                            train_iters=args.train_iters)
-    watchdog = Watchdog(rank)
+    own_watchdog = watchdog is None
+    watchdog = watchdog or Watchdog(rank)
+    collective_s = 60 * args.distributed_timeout_minutes
     try:
         for warning in args.warnings:
             writer.write_text(f"warning: {warning}")
         writer.write_text("flags: " + json.dumps(args_to_dict(args), sort_keys=True))
         writer.write_text("deepspeed config: " + json.dumps(args.ds_config, sort_keys=True))
         set_seeds(args.seed, args.device_type)
-        model = build_model(args)
+        with watchdog.watch("building the model (ZeRO-3 partitions it with the other ranks)",
+                            collective_s):
+            model = build_model(args)
         writer.write_text(f"parameters on tensor rank 0: {count_parameters(model):,}")
-        engine, _ = initialize_engine(args, model)
+        with watchdog.watch("engine setup (DeepSpeed broadcasts and partitions the weights "
+                            "with the other ranks)", collective_s):
+            engine, _ = initialize_engine(args, model)
         schedule = args.lr_schedule
         state = TrainState()
         if args.load is not None:
@@ -164,7 +172,8 @@ def pretrain(args: argparse.Namespace, signals=None):
                     writer.write_eval(state.iteration, split, loss)
         return state
     finally:
-        watchdog.close()
+        if own_watchdog:
+            watchdog.close()
         writer.close()
 
 
@@ -186,13 +195,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def run(args: argparse.Namespace, signals) -> int:
     """Join the job, train, leave the process group (without it, gloo jobs abort at interpreter
     exit now and then)."""
-    from megatron.initialize import initialize_distributed
+    from megatron.initialize import distributed_env, initialize_distributed
     from megatron.training.checkpointing import CheckpointError
+    from megatron.training.watchdog import Watchdog
 
-    created = initialize_distributed(args)
+    launch = distributed_env(os.environ, args.local_rank)
+    watchdog = Watchdog(int(launch["RANK"]))
+    try:
+        with watchdog.watch(f"process-group start: rendezvous with {launch['MASTER_ADDR']}:"
+                            f"{launch['MASTER_PORT']} and connections to the other ranks (on "
+                            f"hosts with several interfaces, set GLOO_SOCKET_IFNAME or "
+                            f"NCCL_SOCKET_IFNAME)",
+                            # + 5 minutes: DeepSpeed may compile its communication op first
+                            60 * args.distributed_timeout_minutes + 300):
+            created = initialize_distributed(args)
+        return _train(args, signals, watchdog, created, CheckpointError)
+    finally:
+        watchdog.close()
+
+
+def _train(args, signals, watchdog, created: bool, CheckpointError) -> int:
     finished = False
     try:
-        pretrain(args, signals)
+        pretrain(args, signals, watchdog)
         finished = True
     except CheckpointError as e:
         print(f"error (rank {dist.get_rank()}): {e}", file=sys.stderr)
@@ -201,7 +226,9 @@ def run(args: argparse.Namespace, signals) -> int:
         parallel_state.destroy_model_parallel()
         if created and dist.is_initialized():
             if finished:  # a failed rank's peers may be gone: no barrier then
-                dist.barrier()
+                with watchdog.watch("collective: the barrier before leaving",
+                                    60 * args.distributed_timeout_minutes):
+                    dist.barrier()
             dist.destroy_process_group()
     return 0
 

@@ -43,6 +43,14 @@ class Watchdog:
                 self._deadline = time.monotonic() + timeout_s
         try:
             yield
+        except Exception as e:  # say which phase failed: a backend error names only a peer
+            if not getattr(e, "_phase_reported", False):
+                sys.stderr.write(f"rank {self.rank}: failed while waiting for {what}: "
+                                 f"{type(e).__name__}: {e}\n")
+                sys.stderr.flush()
+                with contextlib.suppress(AttributeError):
+                    e._phase_reported = True
+            raise
         finally:
             with self._lock:
                 self._what, self._deadline, self._timeout = outer

@@ -284,3 +284,96 @@ def slurm_cluster(tmp_path_factory):
         yield cluster
     finally:
         cluster.stop()
+
+
+@dataclass
+class TwoHosts:
+    """Two network namespaces joined by a veth pair: host i is `names[i]`, reached at
+    `addrs[i]` through its interface `ifnames[i]`. The file system is shared; only the network
+    is separate, so the repository and the virtual environment have the same paths on both."""
+    names: tuple
+    ifnames: tuple
+    addrs: tuple
+    procs: list = field(default_factory=list)
+
+    def run(self, host: int, cmd, env: Optional[Dict[str, str]] = None,
+            **popen_kwargs) -> subprocess.Popen:
+        """Start `cmd` inside host `host`'s namespace in a session of its own (`ip netns exec`
+        execs the command, so the Popen's pid is the command's). gloo would take the interface
+        of the hostname (127.0.0.1 here), which the other host cannot reach: name the veth."""
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": self.ifnames[host],
+               "TP_SOCKET_IFNAME": self.ifnames[host], **(env or {})}
+        popen_kwargs.setdefault("start_new_session", True)
+        proc = subprocess.Popen(["ip", "netns", "exec", self.names[host], *cmd], env=env,
+                                **popen_kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def pids(self, host: int) -> list:
+        """Every process in host `host`'s namespace (torchrun's workers included)."""
+        out = subprocess.run(["ip", "netns", "pids", self.names[host]], capture_output=True,
+                             text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def kill_all(self) -> None:
+        """SIGKILL everything in both namespaces and reap what we started."""
+        deadline = time.monotonic() + 30
+        for host in (0, 1):
+            while (pids := self.pids(host)) and time.monotonic() < deadline:
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(0.1)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            try:
+                proc.communicate(timeout=10)
+            except (subprocess.TimeoutExpired, ValueError):
+                pass
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([_which("ip") or "ip", *args], capture_output=True, text=True)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two "hosts" on this machine: namespaces t5a-<pid> and t5b-<pid>, a veth pair with
+    10.X.Y.1/24 and 10.X.Y.2/24 (X.Y from the pid), lo and the veths up. At the end every
+    process in them is killed and they are deleted, whatever the test's outcome. Needs root
+    (CAP_SYS_ADMIN, CAP_NET_ADMIN) and iproute2; without them the test fails, saying which."""
+    if _which("ip") is None:
+        pytest.fail("the two-host tests need `ip` (Debian package iproute2)", pytrace=False)
+    pid = os.getpid()
+    hosts = TwoHosts(names=(f"t5a-{pid}", f"t5b-{pid}"), ifnames=(f"t5va{pid}", f"t5vb{pid}"),
+                     addrs=tuple(f"10.{(pid >> 8) % 256}.{pid % 256}.{i}" for i in (1, 2)))
+    created = []
+    try:
+        steps = [("netns", "add", hosts.names[0]), ("netns", "add", hosts.names[1]),
+                 ("link", "add", hosts.ifnames[0], "type", "veth", "peer", "name",
+                  hosts.ifnames[1])]
+        for i in (0, 1):
+            steps += [("link", "set", hosts.ifnames[i], "netns", hosts.names[i]),
+                      ("-n", hosts.names[i], "addr", "add", f"{hosts.addrs[i]}/24", "dev",
+                       hosts.ifnames[i]),
+                      ("-n", hosts.names[i], "link", "set", "lo", "up"),
+                      ("-n", hosts.names[i], "link", "set", hosts.ifnames[i], "up")]
+        for step in steps:
+            proc = _ip(*step)
+            if proc.returncode != 0:
+                pytest.fail(f"could not set up the two network namespaces: `ip {' '.join(step)}`"
+                            f" exited {proc.returncode}: {proc.stderr.strip()} (the two-host "
+                            f"tests need root with CAP_SYS_ADMIN, CAP_NET_ADMIN and veth "
+                            f"support)", pytrace=False)
+            if step[:2] == ("netns", "add"):
+                created.append(step[2])
+        yield hosts
+    finally:
+        if created:
+            hosts.kill_all()
+        for name in created:  # deleting a namespace also deletes its end of the veth pair
+            _ip("netns", "del", name)
+        _ip("link", "del", hosts.ifnames[0])  # in case it never left the root namespace

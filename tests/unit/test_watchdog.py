@@ -43,3 +43,21 @@ def test_deadlines_met_and_restored():
         assert w._what is None
     finally:
         w.close()
+
+
+def test_a_failing_phase_is_named_once(capsys):
+    w = Watchdog(rank=2, poll_s=0.01)
+    try:
+        try:
+            with w.watch("the outer phase", 5):
+                with w.watch("collective: an all-reduce", 5):
+                    raise RuntimeError("Connection closed by peer [10.0.0.2]:1234")
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("the error must propagate")
+    finally:
+        w.close()
+    err = capsys.readouterr().err
+    assert err.count("rank 2: failed while waiting for") == 1
+    assert "collective: an all-reduce: RuntimeError: Connection closed by peer" in err
