@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the device's peak TFLOP/s for MFU (default: from a table of GPUs)")
     g.add_argument("--dry-run", action="store_true",
                    help="validate, print parameter counts and a memory estimate per rank, exit")
+    g.add_argument("--dry-run-device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="the device the --dry-run estimate is for (auto: this machine's; plan "
+                        "a GPU cluster from a login node with cuda)")
     return parser
 
 
@@ -358,6 +361,8 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]) -> List[str]:
         problems.append(f"--tensorboard-dir {args.tensorboard_dir} is a file")
     if args.load is not None and not problems:
         problems += checkpoint_problems(args)
+    if args.dry_run_device != "auto" and not args.dry_run:
+        problems.append("--dry-run-device has effect only with --dry-run")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         problems.append("--peak-tflops must be positive")
     return problems

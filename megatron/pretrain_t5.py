@@ -64,9 +64,10 @@ def build_data(args: argparse.Namespace, consumed_samples: int):
 
 def dry_run(args: argparse.Namespace) -> int:
     """Print what one rank would hold; nothing is allocated."""
-    from megatron.training.memory import count_parameters, estimate_memory
+    from megatron.training.memory import ZeroBuckets, count_parameters, estimate_memory
 
     tp = args.tensor_model_parallel_size
+    device = args.device_type if args.dry_run_device == "auto" else args.dry_run_device
     total = args.model.num_parameters(args.make_vocab_size_divisible_by, tp)
     per_rank = count_parameters(args.model, tp, args.make_vocab_size_divisible_by)
     estimate = estimate_memory(
@@ -77,7 +78,11 @@ def dry_run(args: argparse.Namespace) -> int:
         decoder_seq_length=args.decoder_seq_length,
         checkpoint_activations=args.checkpoint_activations,
         checkpoint_num_layers=args.checkpoint_num_layers,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        attention_kernel="fused" if device == "cuda" else "eager",
+        buckets=ZeroBuckets.from_zero_config(args.ds_config.get("zero_optimization", {})),
+        device_type=device,
+        gradient_accumulation_steps=args.gradient_accumulation_steps)
     print(f"dry run: the flags and files are valid for {args.world_size} processes "
           f"(TP {tp} x PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size})")
     print(f"parameters: {total:,} in the model (padded vocabulary), {per_rank:,} per tensor "
@@ -85,7 +90,7 @@ def dry_run(args: argparse.Namespace) -> int:
     print(f"batch: micro {args.micro_batch_size} x DP {args.data_parallel_size} x accumulation "
           f"{args.gradient_accumulation_steps} = global {args.global_batch_size}; "
           f"{args.train_iters} steps; precision {args.precision}; ZeRO {args.zero_stage}")
-    print("memory per rank (estimate):")
+    print(f"memory per rank, estimated for {device} (--dry-run-device):")
     for line in estimate.table():
         print("  " + line)
     return 0
