@@ -1,29 +1,26 @@
 """Two-process CPU training under each ZeRO stage: steady-state steps/s, peak memory per rank,
-and the `--dry-run` memory estimate against the measured peak.
+and the memory estimate against the measured peak.
 
-    python bench/bench_training.py [--steps 12] [--skip 2] [--work DIR] [--no-write]
+    python bench/bench_training.py [--steps 12] [--skip 2] [--retries 1] [--work DIR] [--no-rerun]
+                                   [--no-write]
 
-Data: the shared English corpora (about 3.6 MB), a SentencePiece tokenizer of 8000 pieces
-(+100 sentinels) and their .bin/.idx, made once under --work (default bench/work/training).
-Model: d_model 512, 8 heads x 64, d_ff 1024 gated-gelu, 4 + 4 layers, untied, vocabulary 8100
-(padded to 8192), 31.6 M parameters; encoder 256 / decoder 58 tokens (span corruption), micro
-batch 4 per rank, fp32, AdamW. Each configuration is one `torchrun --nproc_per_node 2` run
-with gloo, one thread per rank (torchrun's default).
+Data: the shared English corpora (3.6 MB), a SentencePiece tokenizer of 8000 pieces (+100
+sentinels) and their .bin/.idx, made once under --work (default bench/work/training, ignored by
+git). Model: d_model 512, 8 heads x 64, d_ff 1024 gated-gelu, 4 + 4 layers, untied, vocabulary
+8100 (padded to 8192), 33.6 M parameters; encoder 256 / decoder 58 tokens (span corruption),
+micro batch 4 per rank, fp32, AdamW. Each configuration is `torchrun --nproc_per_node 2` with
+gloo and one thread per rank (torchrun's default); ZeRO 0 runs again at the end as a drift check.
 
-Speed: the mean of rank 0's logged ` step: X s` (--log-interval 1) after the first --skip
-steps, and its ratio to ZeRO 0 run by this script just before. ZeRO 0 is run again at the end:
-the two ZeRO 0 rows show how far this machine drifted during the bench.
+Speed: the mean of rank 0's logged ` step: X s` (--log-interval 1) after the first --skip steps,
+as a ratio to ZeRO 0's. The host may be shared: each timed run records how many cores other jobs
+kept busy meanwhile, and a disturbed run is run again (--retries).
 
-Memory: each rank's VmHWM (the kernel's high-water mark of its resident set) read from
-/proc/<pid>/status every 0.1 s while it runs; the mark only rises, so the last read misses at
-most the final 0.1 s (interpreter teardown). It is checked against rank 0's own `mem:` field
-(getrusage's ru_maxrss). Resident memory includes what the estimate does not model (the
-interpreter, torch, DeepSpeed, gloo, the tokenizer, the data): the baseline is the peak of
-the same command with a tiny model (d_model 64, 1 + 1 layers, the same vocabulary, batch and
-lengths, 3 steps), less the tiny model's own estimate. The estimate comes from
-`megatron.training.memory.estimate_memory` called with what the flags resolve to (as
-`--dry-run` does, with WORLD_SIZE=2), once as `--dry-run` prints it and once for this run's
-host (device_type 'cpu'; attention 'eager', what the model's 'auto' runs on CPU).
+Memory: each rank's VmHWM (the kernel's high-water mark of its resident set), read from
+/proc/<pid>/status every 0.05 s; the mark never falls, so only the last 0.05 s (teardown) can be
+missed; rank 0's own ru_maxrss (the `mem:` field) is the cross-check. For the estimate, each
+configuration runs 2 more steps with glibc's mmap threshold fixed (`ALLOCATOR_NEUTRAL`) and the
+same command with a tiny model gives the baseline the estimate does not model (interpreter,
+torch, DeepSpeed, gloo, data); the report explains the columns. Results go to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -32,13 +29,12 @@ import argparse
 import json
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -54,6 +50,8 @@ TINY = dict(MODEL, d_model=64, d_kv=32, d_ff=128, num_layers=1, num_decoder_laye
 CORPORA = ("en_wikitext2.jsonl", "en_shakespeare.jsonl")
 MICRO_BATCH, ENC_LEN = 4, 256
 GIB = 2 ** 30
+CONTENTION = 0.3
+"""Cores other jobs may keep busy during a timed run before it is run again (--retries)."""
 
 CONFIGS = [
     ("ZeRO 0", ["--zero-stage", "0"]),
@@ -113,26 +111,58 @@ def train_flags(paths: Dict[str, Path], model: str, steps: int, extra: Sequence[
 
 
 # One run ------------------------------------------------------------------------------------
+ALLOCATOR_NEUTRAL = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+"""glibc then maps every block of 128 KiB or more on its own and unmaps it when freed, so the
+resident set follows the live tensors; by default it raises that threshold as blocks are freed
+and keeps freed memory in its heaps, and the resident set creeps up step after step."""
+
+
 @dataclass
 class Run:
     step_s: Dict[int, float] = field(default_factory=dict)
     """iteration -> rank 0's logged step time."""
+    logged_at: Dict[int, float] = field(default_factory=dict)
+    """iteration -> when its log line arrived (perf_counter)."""
     logged_mem: float = 0.0
-    """rank 0's last `mem:` field (ru_maxrss), bytes."""
+    """rank 0's last `mem:` field (its ru_maxrss), bytes."""
     hwm: Dict[int, int] = field(default_factory=dict)
     """rank -> peak resident bytes (VmHWM)."""
+    rss: List[tuple] = field(default_factory=list)
+    """(time, rank, VmRSS bytes) samples."""
     wall_s: float = 0.0
+    others_cpu: float = 0.0
+    """CPU time the rest of the machine used meanwhile, in cores (busy time in /proc/stat less
+    this process and its children's): other jobs on the host slow the run."""
+
+    def between_steps(self) -> int:
+        """The lowest resident set during step 2 (at its start no activations exist yet), the
+        higher of the two ranks."""
+        start, end = self.logged_at[1], self.logged_at[2]
+        return max(min(r for t, rank, r in self.rss if rank == k and start <= t <= end)
+                   for k in (0, 1))
 
 
-def _vm_hwm(pid: int) -> Optional[int]:
+def _status(pid: int) -> Optional[Dict[str, int]]:
     try:
         with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+            return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
+                    if line.startswith(("VmHWM:", "VmRSS:"))}
+    except (OSError, ValueError):
         return None
-    return None
+
+
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (all but idle and iowait) since boot."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    import resource
+
+    return sum(getattr(resource.getrusage(who), kind) for who in
+               (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for kind in ("ru_utime", "ru_stime"))
 
 
 def _rank_of(pid: int) -> Optional[int]:
@@ -146,141 +176,352 @@ def _rank_of(pid: int) -> Optional[int]:
     return None
 
 
-def run_torchrun(flags: Sequence[str], log: Path, env: Optional[Dict[str, str]] = None) -> Run:
-    """`torchrun --nproc_per_node 2 -m megatron.pretrain_t5 FLAGS`, its output in `log`; `env`
-    is added to the environment."""
+def run_torchrun(flags: Sequence[str], log: Path, env: Optional[Dict[str, str]] = None,
+                 interval: float = 0.05) -> Run:
+    """`torchrun --nproc_per_node 2 -m megatron.pretrain_t5 FLAGS` with `env` added; its output
+    goes to `log`. The ranks are torchrun's children, told apart by RANK in their environment."""
     import psutil
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(29500 + os.getpid() % 1000), "-m", "megatron.pretrain_t5",
            *flags]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     run, ranks = Run(), {}
-    start = time.perf_counter()
+    start, busy, own = time.perf_counter(), _busy_seconds(), _own_seconds()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=full_env, text=True)
+    launcher = psutil.Process(proc.pid)
+
+    def sample():
+        while proc.poll() is None:
+            try:
+                children = launcher.children()
+            except psutil.NoSuchProcess:
+                break
+            now = time.perf_counter()
+            for child in children:
+                if ranks.get(child.pid) is None:
+                    ranks[child.pid] = _rank_of(child.pid)
+                status, rank = _status(child.pid), ranks[child.pid]
+                if status and rank is not None and "VmHWM" in status:
+                    run.hwm[rank] = max(run.hwm.get(rank, 0), status["VmHWM"])
+                    run.rss.append((now, rank, status["VmRSS"]))
+            time.sleep(interval)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    lines = []
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
-        launcher = psutil.Process(proc.pid)
-
-        def sample():
-            while proc.poll() is None:
-                try:
-                    children = launcher.children()
-                except psutil.NoSuchProcess:
-                    break
-                for child in children:
-                    if child.pid not in ranks:
-                        ranks[child.pid] = _rank_of(child.pid)
-                    hwm = _vm_hwm(child.pid)
-                    rank = ranks[child.pid]
-                    if hwm is not None and rank is not None:
-                        run.hwm[rank] = max(run.hwm.get(rank, 0), hwm)
-                time.sleep(0.1)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        proc.wait()
-        sampler.join()
+        for line in proc.stdout:
+            out.write(line)
+            lines.append(line)
+            match = STEP_RE.match(line)
+            if match:
+                iteration = int(match.group(1))
+                run.logged_at[iteration] = time.perf_counter()
+                run.step_s[iteration] = float(match.group(3))
+                run.logged_mem = float(match.group(2)) * GIB
+    proc.wait()
+    sampler.join()
     run.wall_s = time.perf_counter() - start
-    text = log.read_text()
+    run.others_cpu = max(0.0, (_busy_seconds() - busy) - (_own_seconds() - own)) / run.wall_s
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed (exit {proc.returncode}); its output: {log}\n"
-                 + "\n".join(text.splitlines()[-30:]))
-    for match in STEP_RE.finditer(text):
-        run.step_s[int(match.group(1))] = float(match.group(3))
-        run.logged_mem = float(match.group(2)) * GIB
+                 + "".join(lines[-30:]))
     if sorted(run.hwm) != [0, 1]:
         sys.exit(f"could not read the peak memory of both ranks (got ranks {sorted(run.hwm)})")
     return run
 
 
-# The estimate -------------------------------------------------------------------------------
+# The estimates ------------------------------------------------------------------------------
+def dry_run_total(args: argparse.Namespace, device: str) -> float:
+    """'total on device' in bytes as `--dry-run --dry-run-device DEVICE` prints it."""
+    import contextlib
+    import io
+
+    from megatron.pretrain_t5 import dry_run
+
+    args.dry_run_device = device
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        dry_run(args)
+    match = re.search(r"total on device\s+([\d.]+) GiB", printed.getvalue())
+    if match is None:
+        sys.exit(f"no 'total on device' line in the dry run's output:\n{printed.getvalue()}")
+    return float(match.group(1)) * GIB
+
+
 def estimates(flags: Sequence[str]):
-    """(as --dry-run prints it, for this host) for `flags`, resolved as for 2 processes."""
+    """(the CPU estimate, `--dry-run`'s total for this machine, for cuda, resolved args) for
+    `flags`, resolved for 2 processes (WORLD_SIZE=2). The estimate is `estimate_memory` asked
+    for device_type 'cpu' with the eager attention that 'auto' runs on CPU, DeepSpeed's buckets
+    from the resolved config and the accumulation steps: what `--dry-run` prints on a CPU
+    machine, with the fields it does not print (`between_steps`)."""
     from megatron.arguments import parse_args
     from megatron.training.memory import ZeroBuckets, estimate_memory
 
     args = parse_args(list(flags), env={"WORLD_SIZE": "2"})
-    kw = dict(tensor_parallel_size=args.tensor_model_parallel_size,
-              data_parallel_size=args.data_parallel_size, zero_stage=args.zero_stage,
-              precision=args.precision, offload_optimizer=args.offload_optimizer,
-              offload_param=args.offload_param, micro_batch_size=args.micro_batch_size,
-              encoder_seq_length=args.encoder_seq_length,
-              decoder_seq_length=args.decoder_seq_length,
-              checkpoint_activations=args.checkpoint_activations,
-              checkpoint_num_layers=args.checkpoint_num_layers,
-              make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
-    dry = estimate_memory(args.model, **kw)  # what pretrain_t5.dry_run passes
-    host = estimate_memory(args.model, **kw, attention_kernel="eager",
-                           buckets=ZeroBuckets.from_zero_config(
-                               args.ds_config["zero_optimization"]))
-    return dry, host, args.decoder_seq_length
-
-
-def model_states(est) -> int:
-    return est.parameters + est.gradients + est.optimizer_states + est.buffers + est.offloaded
+    cpu = estimate_memory(
+        args.model, tensor_parallel_size=args.tensor_model_parallel_size,
+        data_parallel_size=args.data_parallel_size, zero_stage=args.zero_stage,
+        precision=args.precision, offload_optimizer=args.offload_optimizer,
+        offload_param=args.offload_param, micro_batch_size=args.micro_batch_size,
+        encoder_seq_length=args.encoder_seq_length, decoder_seq_length=args.decoder_seq_length,
+        checkpoint_activations=args.checkpoint_activations,
+        checkpoint_num_layers=args.checkpoint_num_layers,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        attention_kernel="eager", device_type="cpu",
+        buckets=ZeroBuckets.from_zero_config(args.ds_config["zero_optimization"]),
+        gradient_accumulation_steps=args.gradient_accumulation_steps)
+    return cpu, dry_run_total(args, "auto"), dry_run_total(args, "cuda"), args
 
 
 # Main ---------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One configuration's figures (bytes, seconds), as saved in WORK/results.json."""
+
+    name: str
+    speed: float
+    steps: List[float]
+    hwm: Dict[int, int]
+    logged_mem: float
+    others_cpu: float
+    repeats: int
+    decoder_seq_length: int
+    estimate: int
+    estimate_between: int
+    dry_run: float
+    dry_run_cuda: float
+    memory_peak: int = 0
+    memory_between: int = 0
+    tiny_peak: int = 0
+    tiny_between: int = 0
+    tiny_estimate: int = 0
+    tiny_estimate_between: int = 0
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.3f}"
+
+
+def measure(name: str, extra: Sequence[str], paths, args, index: int, timed_only: bool) -> Row:
+    flags = train_flags(paths, "model", args.steps, extra)
+    cpu, dry, dry_cuda, resolved = estimates(flags)
+    timed = run_torchrun(flags, args.work / f"run{index}.log")
+    repeats = 0
+    while timed.others_cpu > CONTENTION and repeats < args.retries:
+        repeats += 1
+        print(f"{name}: other jobs kept {timed.others_cpu:.2f} cores busy; running it again",
+              flush=True)
+        again = run_torchrun(flags, args.work / f"run{index}.log")
+        timed = again if again.others_cpu < timed.others_cpu else timed
+    times = [t for it, t in sorted(timed.step_s.items()) if it > args.skip]
+    if len(times) != args.steps - args.skip:
+        sys.exit(f"{name}: expected {args.steps} logged steps, found {len(timed.step_s)} "
+                 f"(see {args.work / f'run{index}.log'})")
+    row = Row(name=name, speed=1 / statistics.mean(times), steps=times, hwm=timed.hwm,
+              logged_mem=timed.logged_mem, others_cpu=timed.others_cpu, repeats=repeats,
+              decoder_seq_length=resolved.decoder_seq_length, estimate=cpu.total,
+              estimate_between=cpu.between_steps, dry_run=dry, dry_run_cuda=dry_cuda)
+    if timed_only:
+        return row
+    # Memory against the estimate: the peak comes in step 2 (ZeRO-3 prefetches from then on).
+    memory = run_torchrun(train_flags(paths, "model", 2, extra),
+                          args.work / f"run{index}_memory.log", ALLOCATOR_NEUTRAL)
+    tiny_flags = train_flags(paths, "tiny", 2, extra)
+    tiny_cpu = estimates(tiny_flags)[0]
+    tiny = run_torchrun(tiny_flags, args.work / f"run{index}_tiny.log", ALLOCATOR_NEUTRAL)
+    row.memory_peak, row.memory_between = max(memory.hwm.values()), memory.between_steps()
+    row.tiny_peak, row.tiny_between = max(tiny.hwm.values()), tiny.between_steps()
+    row.tiny_estimate, row.tiny_estimate_between = tiny_cpu.total, tiny_cpu.between_steps
+    return row
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the speed")
+    parser.add_argument("--retries", type=int, default=1,
+                        help=f"run a timed run again (keeping the less disturbed one) while other "
+                             f"jobs kept more than {CONTENTION} cores busy during it")
     parser.add_argument("--work", type=Path, default=WORK / "training",
-                        help="data, model JSONs and the runs' logs")
-    parser.add_argument("--only", nargs="+", default=None,
-                        help="run only configurations whose name contains one of these")
+                        help="data, model JSONs, the runs' logs and results.json")
+    parser.add_argument("--no-rerun", action="store_true",
+                        help="do not run ZeRO 0 again at the end (the drift check)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite the report from WORK/results.json without running")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     if args.steps <= args.skip:
         sys.exit("--steps must exceed --skip")
-    started = time.perf_counter()
-    paths = prepare_data(args.work)
-
-    configs = list(CONFIGS)
-    if native_bf16():
-        configs.append(BF16)
-        bf16_note = "bf16 ZeRO 1 is timed: this CPU has bf16 instructions."
+    saved = args.work / "results.json"
+    if args.report_only:
+        if not saved.exists():
+            sys.exit(f"{saved} does not exist: run the bench first")
+        data = json.loads(saved.read_text())
+        rows = [Row(**dict(r, hwm={int(k): v for k, v in r["hwm"].items()}))
+                for r in data["rows"]]
+        args.steps, args.skip, args.retries, args.no_rerun = (data["args"][k] for k in (
+            "steps", "skip", "retries", "no_rerun"))
+        wall = data["wall_s"]
     else:
-        bf16_note = ("bf16 ZeRO 1 is not run: this CPU has neither avx512_bf16 nor amx_bf16, so "
-                     "torch emulates bf16 GEMMs (tens of times slower than fp32, see the model "
-                     "section) and a timing would measure the emulation.")
-    configs.append(("ZeRO 0 (again, last)", CONFIGS[0][1]))
-    if args.only:
-        configs = [c for c in configs if any(o in c[0] for o in args.only)]
-
-    rows, checks, peer = [], [], None
-    for i, (name, extra) in enumerate(configs):
-        flags = train_flags(paths, "model", args.steps, extra)
-        dry, host, dec_len = estimates(flags)
-        tiny_flags = train_flags(paths, "tiny", 3, extra)
-        _, tiny_host, _ = estimates(tiny_flags)
-        big = run_torchrun(flags, args.work / f"run{i}.log")
-        tiny = run_torchrun(tiny_flags, args.work / f"run{i}_tiny.log")
-        times = [t for it, t in sorted(big.step_s.items()) if it > args.skip]
-        if len(times) != args.steps - args.skip:
-            sys.exit(f"{name}: expected {args.steps} logged steps, found {len(big.step_s)} "
-                     f"(see {args.work / f'run{i}.log'})")
-        speed = 1 / statistics.mean(times)
-        if name == "ZeRO 0":
-            peer = speed
-        peak = max(big.hwm.values())
-        baseline = max(tiny.hwm.values()) - (tiny_host.total + tiny_host.offloaded)
-        measured = peak - baseline
-        host_total = host.total + host.offloaded
-        row = dict(name=name, speed=speed, spread=(min(times), max(times)), hwm=big.hwm,
-                   logged=big.logged_mem, baseline=baseline, measured=measured,
-                   dry=dry.total, dry_states=model_states(dry), host=host_total,
-                   host_states=model_states(host), wall=big.wall_s + tiny.wall_s)
-        rows.append(row)
-        print(f"{name}: {speed:.3f} steps/s (steps {min(times):.2f}-{max(times):.2f} s), "
-              f"peak rank0 {big.hwm[0] / GIB:.3f} rank1 {big.hwm[1] / GIB:.3f} GiB "
-              f"(logged {big.logged_mem / GIB:.2f}), tiny {tiny.hwm[0] / GIB:.3f}/"
-              f"{tiny.hwm[1] / GIB:.3f}, baseline {baseline / GIB:.3f}, measured "
-              f"{measured / GIB:.3f}, estimate dry-run {dry.total / GIB:.3f} host "
-              f"{host_total / GIB:.3f} GiB; {row['wall']:.0f} s", flush=True)
-        checks.append(abs(big.logged_mem - big.hwm[0]) / big.hwm[0])
-    print(f"total {time.perf_counter() - started:.0f} s")
+        started = time.perf_counter()
+        paths = prepare_data(args.work)
+        configs = list(CONFIGS) + ([BF16] if native_bf16() else [])
+        if not args.no_rerun:
+            configs.append((RERUN, CONFIGS[0][1]))
+        rows = []
+        for index, (name, extra) in enumerate(configs):
+            row = measure(name, extra, paths, args, index, timed_only=name == RERUN)
+            rows.append(row)
+            line = (f"{name}: {row.speed:.3f} steps/s (steps {min(row.steps):.2f}-"
+                    f"{max(row.steps):.2f} s, others {row.others_cpu:.2f} cores), peak RSS "
+                    f"{gib(row.hwm[0])} / {gib(row.hwm[1])} GiB")
+            if row.memory_peak:
+                line += (f"; allocator-neutral peak {gib(row.memory_peak)}, tiny "
+                         f"{gib(row.tiny_peak)}, estimate {gib(row.estimate)}")
+            print(line + f"; {time.perf_counter() - started:.0f} s so far", flush=True)
+        wall = time.perf_counter() - started
+        saved.write_text(json.dumps({"rows": [asdict(r) for r in rows], "wall_s": wall, "args": {
+            k: getattr(args, k) for k in ("steps", "skip", "retries", "no_rerun")}}, indent=1))
+    body = report(rows, args, wall)
+    print(body)
+    if not args.no_write:
+        write_section("training", body)
     return 0
+
+
+RERUN = "ZeRO 0 (again, last)"
+
+
+def report(rows: List[Row], args, wall: float) -> str:
+    import torch
+
+    peer = rows[0].speed
+    speed_rows, memory_rows, ratios, logged_gap, gaps = [], [], [], [], []
+    for r in rows:
+        logged_gap.append(abs(r.logged_mem - r.hwm[0]) / r.hwm[0])
+        speed_rows.append(
+            f"| {r.name} | {r.speed:.3f} | {min(r.steps):.2f}-{max(r.steps):.2f} | "
+            f"{r.speed / peer:.2f} | {gib(r.hwm[0])} | {gib(r.hwm[1])} | {r.others_cpu:.2f} |")
+        if not r.memory_peak:
+            continue
+        # the baseline: what a run holds besides the estimate's terms, from the tiny model
+        baseline = r.tiny_peak - r.tiny_estimate
+        measured = r.memory_peak - baseline
+        states = r.memory_between - (r.tiny_between - r.tiny_estimate_between)
+        ratios.append(r.estimate / measured)
+        if abs(r.estimate_between / states - 1) > 0.1:
+            gaps.append((r.name, states - r.estimate_between))
+        memory_rows.append(
+            f"| {r.name} | {gib(r.memory_peak)} | {gib(baseline)} | {gib(measured)} | "
+            f"{gib(r.estimate)} | **{r.estimate / measured:.2f}** | {gib(states)} | "
+            f"{gib(r.estimate_between)} | {r.estimate_between / states:.2f} | "
+            f"{gib(r.dry_run_cuda)} | {r.dry_run_cuda / measured:.2f} |")
+    rerun = [r for r in rows if r.name == RERUN]
+    drift = (f"ZeRO 0 run again at the end went at {rerun[0].speed / peer:.2f}x its first run: "
+             "read the ratios with that margin." if rerun else "")
+    dry_same = all(abs(r.dry_run - r.estimate) < 0.0015 * GIB for r in rows)
+    dry_note = ("`--dry-run` on this machine prints the estimate column (checked for every row)."
+                if dry_same else "**`--dry-run` on this machine prints something else than the "
+                "estimate column**: " + ", ".join(f"{r.name} {gib(r.dry_run)}" for r in rows)
+                + " GiB.")
+    if native_bf16():
+        bf16_note = "bf16 ZeRO 1 is run: this CPU has bf16 instructions."
+    else:
+        bf16_note = ("bf16 ZeRO 1 is not run: this CPU has neither avx512_bf16 nor amx_bf16 "
+                     "(/proc/cpuinfo), so torch emulates bf16 GEMMs, tens of times slower than "
+                     "fp32 (see the model section), and a timing would measure the emulation.")
+    command = "python bench/bench_training.py" + (
+        f" --steps {args.steps}" if args.steps != 12 else "") + (
+        f" --skip {args.skip}" if args.skip != 2 else "") + (
+        f" --retries {args.retries}" if args.retries != 1 else "") + (
+        " --no-rerun" if args.no_rerun else "")
+    return f"""## training (ZeRO stages on CPU)
+
+Command: `{command}` ({wall / 60:.1f} min)
+Machine: {machine_line()}, torch {torch.__version__}, DeepSpeed {_deepspeed_version()}; two
+processes under `torchrun --nproc_per_node 2`, gloo, one thread each. Model: d_model 512, 8 heads
+x 64, d_ff 1024 gated-gelu, 4 + 4 layers, untied, vocabulary 8100 padded to 8192
+({_count()} parameters); encoder {ENC_LEN} / decoder {rows[0].decoder_seq_length} tokens, micro
+batch 4 per rank (global 8), fp32, AdamW, dropout 0. Data: the shared English corpora (3.6 MB),
+SentencePiece 8000 pieces + 100 sentinels.
+
+Speed: mean of rank 0's logged step time over steps {args.skip + 1}-{args.steps} (the first
+{args.skip} left out); the ratio is to ZeRO 0, run first. Peak RSS: each rank's VmHWM (read from
+/proc every 0.05 s; rank 0's own ru_maxrss in its log line agrees within
+{100 * max(logged_gap):.1f}%), with glibc's default allocator, over the {args.steps} steps.
+
+| configuration | steps/s | step (s) min-max | vs ZeRO 0 | peak RSS rank 0 (GiB) | rank 1 (GiB) | others' CPU (cores) |
+| --- | ---: | ---: | ---: | ---: | ---: | ---: |
+{chr(10).join(speed_rows)}
+
+{drift} This 2-core host is shared and its speed drifts by tens of percent within minutes, also
+with nothing else running; the step-time range shows the spread inside each run, and "others'
+CPU" the cores that other jobs kept busy during it (busy time in /proc/stat less this bench's
+own). {_repeats(rows, args)} {bf16_note}
+
+Estimate against measurement. Each configuration runs again for 2 steps (ZeRO-3's prefetching
+starts in step 2, where the peak comes) with `MALLOC_MMAP_THRESHOLD_=131072`, which keeps glibc
+from holding freed blocks, so the resident set follows the live tensors as the estimate does (by
+default it creeps up step after step: compare the table above). **baseline**: what a run holds
+besides the estimate's terms (interpreter, torch, DeepSpeed, gloo, tokenizer, data), taken as
+the peak of the same command with a tiny model (d_model 64, 1 + 1 layers, same vocabulary,
+batch and lengths) less that model's own estimate. **measured** = peak - baseline. **estimate**:
+`estimate_memory(..., device_type="cpu", attention_kernel="eager")` with the resolved flags;
+{dry_note} **between steps**: the lowest resident set in step 2 (model states and kept buffers
+only), less the tiny run's, against the estimate's `between_steps`. **cuda**: what
+`--dry-run --dry-run-device cuda` prints for the same flags, for contrast: everything alive at
+once and DeepSpeed's 500 M-element reduce buckets allocated whole ({_bucket_gib()} GiB in fp32
+for ZeRO 1-3), where a CPU run holds only the bucket pages it writes.
+
+| configuration | peak (GiB) | baseline | measured | estimate | estimate / measured | between steps, measured | estimated | ratio | cuda | cuda / measured |
+| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+{chr(10).join(memory_rows)}
+
+Estimate / measured over the configurations: {min(ratios):.2f}-{max(ratios):.2f} (goal: within
+20%). {_gaps(gaps)}
+"""
+
+
+def _repeats(rows: List[Row], args) -> str:
+    again = [r.name for r in rows if r.repeats]
+    if not again:
+        return "No run was disturbed enough to be repeated."
+    return (f"Run again because other jobs kept more than {CONTENTION} cores busy (the less "
+            f"disturbed run kept, at most {args.retries} repeat(s)): {', '.join(again)}.")
+
+
+def _gaps(gaps: List[tuple]) -> str:
+    if not gaps:
+        return "Between steps, every configuration is within 10% of the estimate."
+    listed = "; ".join(f"{name}: {gib(gap)} GiB" for name, gap in gaps)
+    text = f"Resident between steps beyond the estimate by more than 10%: {listed}."
+    if any(name == CONFIGS[5][0] for name, _ in gaps):
+        text += (f" With {CONFIGS[5][0]}, no tensor reachable from the engine, its optimizer or "
+                 "the parameters accounts for it (checked by walking them after a step): memory "
+                 "held inside DeepSpeed's or gloo's native code, left out of the estimate.")
+    return text
+
+
+def _deepspeed_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
+
+
+def _count() -> str:
+    from megatron.model.config import T5Config
+    from megatron.training.memory import count_parameters
+
+    return f"{count_parameters(T5Config(**MODEL), 1, 128) / 1e6:.1f} M"
+
+
+def _bucket_gib() -> str:
+    from megatron.training.memory import ZeroBuckets
+
+    return f"{4 * ZeroBuckets().reduce_bucket_size / GIB:.2f}"
 
 
 if __name__ == "__main__":

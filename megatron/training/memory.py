@@ -21,7 +21,8 @@ what is offloaded to cpu shares the same memory; `torch.empty` maps pages lazily
 costs only the pages DeepSpeed writes (at most the model's gradients); gradients of stages 0-2
 are freed by every step, so with one micro-batch per step they never meet the activations; and
 fp32 ZeRO-3 keeps a 4-byte clone / N (stage3.py compares the partition's torch.device with a
-device-name string, never equal, so it clones; the same code runs on CUDA).
+device-name string, never equal, so it clones; the same code runs on CUDA). ZeRO 1-2 offload's
+staging buffers and ZeRO-3's prefetch bucket are counted as measured there.
 
 Activations are the tensors autograd saves in forward, counted from what our layers save
 (megatron/model/transformer.py, dropout.py, cross_entropy.py) and checked against a measurement
@@ -85,6 +86,9 @@ class MemoryEstimate:
     buffers: int
     total: int
     offloaded: int
+    between_steps: int = 0
+    """What stays allocated from one step to the next (model states, kept buffers; 'cpu': with
+    what is offloaded to cpu); not in `table`."""
 
     def table(self) -> List[str]:
         """Printable lines, one per field."""
@@ -282,7 +286,7 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
     return MemoryEstimate(parameters=params, gradients=grads, optimizer_states=optimizer,
                           activations=activations, activations_saved=saved, buffers=buffers,
                           total=params + grads + optimizer + buffers + max(activations, step),
-                          offloaded=offloaded)
+                          offloaded=offloaded, between_steps=params + grads + optimizer + buffers)
 
 
 def optimizer_bytes(stage: int, precision: str, numel: int) -> int:
@@ -350,20 +354,28 @@ def _host_estimate(numels, dp, stage, precision, offload_optimizer, offload_para
     else:
         copies = 2 if overlap and stage < 3 else 1
         bucket = pb * min(copies * buckets.reduce_bucket_size, psi)
-    resident = params + optimizer + in_ram
+    # ZeRO 1-2 offload stages the host step: the 16-bit partition it copies back, and two
+    # gradient buffers of the largest parameter's size (one each side)
+    staging = pb * shard + 2 * pb * max(numels) if offload_optimizer != "none" and stage < 3 \
+        else 0
+    resident = params + optimizer + in_ram + staging
     if stage == 3:
-        # the bucket is made once and kept; gathered parameters live from forward to backward
-        gathered = pb * min(buckets.stage3_max_live_parameters, psi - persistent)
+        # the bucket is made once and kept; gathered parameters live from forward to backward,
+        # and a prefetching all-gather holds its bucket a second time for a moment (measured:
+        # the peak falls by that much with a small stage3_prefetch_bucket_size)
+        gathered = pb * (min(buckets.stage3_max_live_parameters, psi - persistent)
+                         + min(buckets.stage3_prefetch_bucket_size, psi - persistent))
         resident += grads + bucket
         phases = (activations + gathered, step)
         buffers = bucket + gathered
     else:
         # forward and the start of backward; the end of backward; the optimizer step
         phases = (activations + (grads if accumulation > 1 else 0), grads + bucket, grads + step)
-        buffers = bucket
+        buffers = bucket + staging
     return MemoryEstimate(parameters=params, gradients=grads, optimizer_states=optimizer,
                           activations=activations, activations_saved=saved, buffers=buffers,
-                          total=resident + max(phases), offloaded=offloaded)
+                          total=resident + max(phases), offloaded=offloaded,
+                          between_steps=resident)
 
 
 def _activations(s: _Shape, tp: int, vocab: int, e: int, d: int, checkpoint: bool,
