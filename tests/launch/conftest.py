@@ -9,7 +9,6 @@ packages fail the tests rather than skip them, so that a broken setup cannot pas
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -26,36 +25,14 @@ from typing import Dict, Optional
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TINY_MODEL = dict(vocab_size=4100, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                  num_decoder_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
-                  tie_word_embeddings=False, dropout_rate=0.0)
 SLURM_PACKAGES = "slurmctld slurmd munge"
 SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
 
 
 @pytest.fixture(scope="session")
-def tiny_data(spm_model, corpora_dir, tmp_path_factory):
-    """Shakespeare and Chinese stories as one .bin/.idx (about 0.6 MB of text), the session's
-    tokenizer and a tiny model config: what launch/examples/tiny_cpu.sh needs."""
-    from data_tools import preprocess_data
-
-    out = tmp_path_factory.mktemp("launch_data")
-    sample = out / "corpus.jsonl"
-    with open(sample, "w", encoding="utf-8") as f:
-        for name in ("en_shakespeare.jsonl", "zh_cmrc2019_stories.jsonl"):
-            with open(corpora_dir / name, encoding="utf-8") as src:
-                for i, line in enumerate(src):
-                    if i == 150:
-                        break
-                    f.write(line)
-    rc = preprocess_data.main(["--input", str(sample), "--output-prefix", str(out / "mix"),
-                               "--tokenizer-model", str(spm_model), "--append-eod",
-                               "--workers", "1", "--no-progress"])
-    assert rc == 0
-    config = out / "tiny.json"
-    config.write_text(json.dumps(TINY_MODEL))
-    return SimpleNamespace(prefix=str(out / "mix_text_document"), spm=str(spm_model),
-                           config=str(config))
+def tiny_data(train_data):
+    """The training tests' data and tiny model, as launch/examples/tiny_cpu.sh takes them."""
+    return SimpleNamespace(prefix=train_data.prefix, spm=train_data.spm, config=train_data.tiny)
 
 
 def _which(name: str) -> Optional[str]:
