@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np

@@ -34,7 +34,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state
 from megatron.tensor_parallel.random import get_cuda_rng_tracker
 
 TRACKER = "latest_checkpointed_iteration.txt"
