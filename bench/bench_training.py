@@ -1,7 +1,7 @@
 """Two-process CPU training under each ZeRO stage: steady-state steps/s, peak memory per rank,
 and the memory estimate against the measured peak.
 
-    python bench/bench_training.py [--steps 12] [--skip 2] [--retries 1] [--work DIR] [--no-rerun]
+    python bench/bench_training.py [--steps 8] [--skip 2] [--rounds 2] [--work DIR] [--report-only]
                                    [--no-write]
 
 Data: the shared English corpora (3.6 MB), a SentencePiece tokenizer of 8000 pieces (+100
@@ -9,18 +9,20 @@ sentinels) and their .bin/.idx, made once under --work (default bench/work/train
 git). Model: d_model 512, 8 heads x 64, d_ff 1024 gated-gelu, 4 + 4 layers, untied, vocabulary
 8100 (padded to 8192), 33.6 M parameters; encoder 256 / decoder 58 tokens (span corruption),
 micro batch 4 per rank, fp32, AdamW. Each configuration is `torchrun --nproc_per_node 2` with
-gloo and one thread per rank (torchrun's default); ZeRO 0 runs again at the end as a drift check.
+gloo and one thread per rank (torchrun's default).
 
-Speed: the mean of rank 0's logged ` step: X s` (--log-interval 1) after the first --skip steps,
-as a ratio to ZeRO 0's. The host may be shared: each timed run records how many cores other jobs
-kept busy meanwhile, and a disturbed run is run again (--retries).
+Speed: the mean of rank 0's logged ` step: X s` (--log-interval 1) after the first --skip steps.
+The host may be shared and drifts: every configuration runs in --rounds rounds (all of them,
+then all again), the fastest round counts, and each run records how many cores other jobs kept
+busy meanwhile. The ratio is to ZeRO 0's fastest round.
 
 Memory: each rank's VmHWM (the kernel's high-water mark of its resident set), read from
 /proc/<pid>/status every 0.05 s; the mark never falls, so only the last 0.05 s (teardown) can be
 missed; rank 0's own ru_maxrss (the `mem:` field) is the cross-check. For the estimate, each
 configuration runs 2 more steps with glibc's mmap threshold fixed (`ALLOCATOR_NEUTRAL`) and the
 same command with a tiny model gives the baseline the estimate does not model (interpreter,
-torch, DeepSpeed, gloo, data); the report explains the columns. Results go to bench/RESULTS.md.
+torch, DeepSpeed, gloo, data); the report explains the columns. Results go to bench/RESULTS.md
+and the figures to WORK/results.json (--report-only rewrites the report from them).
 """
 
 from __future__ import annotations
@@ -50,8 +52,6 @@ TINY = dict(MODEL, d_model=64, d_kv=32, d_ff=128, num_layers=1, num_decoder_laye
 CORPORA = ("en_wikitext2.jsonl", "en_shakespeare.jsonl")
 MICRO_BATCH, ENC_LEN = 4, 256
 GIB = 2 ** 30
-CONTENTION = 0.3
-"""Cores other jobs may keep busy during a timed run before it is run again (--retries)."""
 
 CONFIGS = [
     ("ZeRO 0", ["--zero-stage", "0"]),
@@ -136,10 +136,20 @@ class Run:
 
     def between_steps(self) -> int:
         """The lowest resident set during step 2 (at its start no activations exist yet), the
-        higher of the two ranks."""
+        higher of the two ranks. A step shorter than the sampling interval (the tiny model's)
+        takes the samples within half a second of it."""
         start, end = self.logged_at[1], self.logged_at[2]
-        return max(min(r for t, rank, r in self.rss if rank == k and start <= t <= end)
-                   for k in (0, 1))
+        lows = []
+        for k in (0, 1):
+            for slack in (0.0, 0.5):
+                found = [r for t, rank, r in self.rss
+                         if rank == k and start - slack <= t <= end + slack]
+                if found:
+                    lows.append(min(found))
+                    break
+            else:
+                raise RuntimeError(f"no resident-set sample of rank {k} around step 2")
+        return max(lows)
 
 
 def _status(pid: int) -> Optional[Dict[str, int]]:
@@ -282,17 +292,21 @@ class Row:
     """One configuration's figures (bytes, seconds), as saved in WORK/results.json."""
 
     name: str
-    speed: float
-    steps: List[float]
-    hwm: Dict[int, int]
-    logged_mem: float
-    others_cpu: float
-    repeats: int
     decoder_seq_length: int
     estimate: int
     estimate_between: int
     dry_run: float
     dry_run_cuda: float
+    speeds: List[float] = field(default_factory=list)
+    """steps/s of each round."""
+    others: List[float] = field(default_factory=list)
+    """cores other jobs kept busy during each round's run."""
+    steps: List[float] = field(default_factory=list)
+    """the fastest round's timed step times."""
+    hwm: Dict[int, int] = field(default_factory=dict)
+    """rank -> peak resident bytes, the highest over the rounds."""
+    logged_gap: float = 0.0
+    """the largest relative gap between rank 0's logged ru_maxrss and its VmHWM."""
     memory_peak: int = 0
     memory_between: int = 0
     tiny_peak: int = 0
@@ -300,33 +314,40 @@ class Row:
     tiny_estimate: int = 0
     tiny_estimate_between: int = 0
 
+    @property
+    def speed(self) -> float:
+        return max(self.speeds)
+
 
 def gib(n: float) -> str:
     return f"{n / GIB:.3f}"
 
 
-def measure(name: str, extra: Sequence[str], paths, args, index: int, timed_only: bool) -> Row:
-    flags = train_flags(paths, "model", args.steps, extra)
-    cpu, dry, dry_cuda, resolved = estimates(flags)
-    timed = run_torchrun(flags, args.work / f"run{index}.log")
-    repeats = 0
-    while timed.others_cpu > CONTENTION and repeats < args.retries:
-        repeats += 1
-        print(f"{name}: other jobs kept {timed.others_cpu:.2f} cores busy; running it again",
-              flush=True)
-        again = run_torchrun(flags, args.work / f"run{index}.log")
-        timed = again if again.others_cpu < timed.others_cpu else timed
+def new_row(name: str, extra: Sequence[str], paths, args) -> Row:
+    cpu, dry, dry_cuda, resolved = estimates(train_flags(paths, "model", args.steps, extra))
+    return Row(name=name, decoder_seq_length=resolved.decoder_seq_length, estimate=cpu.total,
+               estimate_between=cpu.between_steps, dry_run=dry, dry_run_cuda=dry_cuda)
+
+
+def time_once(row: Row, extra: Sequence[str], paths, args, log: Path) -> None:
+    """One timed run of `args.steps` steps with the default allocator, added to `row`."""
+    timed = run_torchrun(train_flags(paths, "model", args.steps, extra), log)
     times = [t for it, t in sorted(timed.step_s.items()) if it > args.skip]
     if len(times) != args.steps - args.skip:
-        sys.exit(f"{name}: expected {args.steps} logged steps, found {len(timed.step_s)} "
-                 f"(see {args.work / f'run{index}.log'})")
-    row = Row(name=name, speed=1 / statistics.mean(times), steps=times, hwm=timed.hwm,
-              logged_mem=timed.logged_mem, others_cpu=timed.others_cpu, repeats=repeats,
-              decoder_seq_length=resolved.decoder_seq_length, estimate=cpu.total,
-              estimate_between=cpu.between_steps, dry_run=dry, dry_run_cuda=dry_cuda)
-    if timed_only:
-        return row
-    # Memory against the estimate: the peak comes in step 2 (ZeRO-3 prefetches from then on).
+        sys.exit(f"{row.name}: expected {args.steps} logged steps, found {len(timed.step_s)} "
+                 f"(see {log})")
+    speed = 1 / statistics.mean(times)
+    if not row.speeds or speed > row.speed:
+        row.steps = times
+    row.speeds.append(speed)
+    row.others.append(timed.others_cpu)
+    row.hwm = {k: max(v, row.hwm.get(k, 0)) for k, v in timed.hwm.items()}
+    row.logged_gap = max(row.logged_gap, abs(timed.logged_mem - timed.hwm[0]) / timed.hwm[0])
+
+
+def measure_memory(row: Row, extra: Sequence[str], paths, args, index: int) -> None:
+    """The allocator-neutral runs of the model and of the tiny model, 2 steps each: the peak
+    comes in step 2 (ZeRO-3 prefetches from then on)."""
     memory = run_torchrun(train_flags(paths, "model", 2, extra),
                           args.work / f"run{index}_memory.log", ALLOCATOR_NEUTRAL)
     tiny_flags = train_flags(paths, "tiny", 2, extra)
@@ -335,26 +356,23 @@ def measure(name: str, extra: Sequence[str], paths, args, index: int, timed_only
     row.memory_peak, row.memory_between = max(memory.hwm.values()), memory.between_steps()
     row.tiny_peak, row.tiny_between = max(tiny.hwm.values()), tiny.between_steps()
     row.tiny_estimate, row.tiny_estimate_between = tiny_cpu.total, tiny_cpu.between_steps
-    return row
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=8, help="steps of each timed run")
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the speed")
-    parser.add_argument("--retries", type=int, default=1,
-                        help=f"run a timed run again (keeping the less disturbed one) while other "
-                             f"jobs kept more than {CONTENTION} cores busy during it")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="timed runs of each configuration, one round after the other; the "
+                             "fastest counts")
     parser.add_argument("--work", type=Path, default=WORK / "training",
                         help="data, model JSONs, the runs' logs and results.json")
-    parser.add_argument("--no-rerun", action="store_true",
-                        help="do not run ZeRO 0 again at the end (the drift check)")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite the report from WORK/results.json without running")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
-    if args.steps <= args.skip:
-        sys.exit("--steps must exceed --skip")
+    if args.steps <= args.skip or args.rounds < 1:
+        sys.exit("--steps must exceed --skip, and --rounds be at least 1")
     saved = args.work / "results.json"
     if args.report_only:
         if not saved.exists():
@@ -362,29 +380,27 @@ def main(argv=None) -> int:
         data = json.loads(saved.read_text())
         rows = [Row(**dict(r, hwm={int(k): v for k, v in r["hwm"].items()}))
                 for r in data["rows"]]
-        args.steps, args.skip, args.retries, args.no_rerun = (data["args"][k] for k in (
-            "steps", "skip", "retries", "no_rerun"))
+        args.steps, args.skip, args.rounds = (data["args"][k] for k in ("steps", "skip", "rounds"))
         wall = data["wall_s"]
     else:
         started = time.perf_counter()
         paths = prepare_data(args.work)
         configs = list(CONFIGS) + ([BF16] if native_bf16() else [])
-        if not args.no_rerun:
-            configs.append((RERUN, CONFIGS[0][1]))
-        rows = []
-        for index, (name, extra) in enumerate(configs):
-            row = measure(name, extra, paths, args, index, timed_only=name == RERUN)
-            rows.append(row)
-            line = (f"{name}: {row.speed:.3f} steps/s (steps {min(row.steps):.2f}-"
-                    f"{max(row.steps):.2f} s, others {row.others_cpu:.2f} cores), peak RSS "
-                    f"{gib(row.hwm[0])} / {gib(row.hwm[1])} GiB")
-            if row.memory_peak:
-                line += (f"; allocator-neutral peak {gib(row.memory_peak)}, tiny "
-                         f"{gib(row.tiny_peak)}, estimate {gib(row.estimate)}")
-            print(line + f"; {time.perf_counter() - started:.0f} s so far", flush=True)
+        rows = [new_row(name, extra, paths, args) for name, extra in configs]
+        for round_ in range(args.rounds):
+            for index, ((name, extra), row) in enumerate(zip(configs, rows)):
+                time_once(row, extra, paths, args, args.work / f"run{index}_{round_}.log")
+                line = (f"round {round_ + 1}, {name}: {row.speeds[-1]:.3f} steps/s (others "
+                        f"{row.others[-1]:.2f} cores), peak RSS {gib(row.hwm[0])} / "
+                        f"{gib(row.hwm[1])} GiB")
+                if round_ == 0:
+                    measure_memory(row, extra, paths, args, index)
+                    line += (f"; allocator-neutral peak {gib(row.memory_peak)}, tiny "
+                             f"{gib(row.tiny_peak)}, estimate {gib(row.estimate)}")
+                print(line + f"; {time.perf_counter() - started:.0f} s so far", flush=True)
         wall = time.perf_counter() - started
         saved.write_text(json.dumps({"rows": [asdict(r) for r in rows], "wall_s": wall, "args": {
-            k: getattr(args, k) for k in ("steps", "skip", "retries", "no_rerun")}}, indent=1))
+            k: getattr(args, k) for k in ("steps", "skip", "rounds")}}, indent=1))
     body = report(rows, args, wall)
     print(body)
     if not args.no_write:
@@ -392,21 +408,17 @@ def main(argv=None) -> int:
     return 0
 
 
-RERUN = "ZeRO 0 (again, last)"
-
-
 def report(rows: List[Row], args, wall: float) -> str:
     import torch
 
     peer = rows[0].speed
-    speed_rows, memory_rows, ratios, logged_gap, gaps = [], [], [], [], []
+    speed_rows, memory_rows, ratios, gaps = [], [], [], []
     for r in rows:
-        logged_gap.append(abs(r.logged_mem - r.hwm[0]) / r.hwm[0])
         speed_rows.append(
             f"| {r.name} | {r.speed:.3f} | {min(r.steps):.2f}-{max(r.steps):.2f} | "
-            f"{r.speed / peer:.2f} | {gib(r.hwm[0])} | {gib(r.hwm[1])} | {r.others_cpu:.2f} |")
-        if not r.memory_peak:
-            continue
+            f"{' / '.join(f'{v:.3f}' for v in r.speeds)} | "
+            f"{' / '.join(f'{v:.2f}' for v in r.others)} | **{r.speed / peer:.2f}** | "
+            f"{gib(r.hwm[0])} | {gib(r.hwm[1])} |")
         # the baseline: what a run holds besides the estimate's terms, from the tiny model
         baseline = r.tiny_peak - r.tiny_estimate
         measured = r.memory_peak - baseline
@@ -419,9 +431,7 @@ def report(rows: List[Row], args, wall: float) -> str:
             f"{gib(r.estimate)} | **{r.estimate / measured:.2f}** | {gib(states)} | "
             f"{gib(r.estimate_between)} | {r.estimate_between / states:.2f} | "
             f"{gib(r.dry_run_cuda)} | {r.dry_run_cuda / measured:.2f} |")
-    rerun = [r for r in rows if r.name == RERUN]
-    drift = (f"ZeRO 0 run again at the end went at {rerun[0].speed / peer:.2f}x its first run: "
-             "read the ratios with that margin." if rerun else "")
+    spreads = [max(r.speeds) / min(r.speeds) for r in rows]
     dry_same = all(abs(r.dry_run - r.estimate) < 0.0015 * GIB for r in rows)
     dry_note = ("`--dry-run` on this machine prints the estimate column (checked for every row)."
                 if dry_same else "**`--dry-run` on this machine prints something else than the "
@@ -434,10 +444,9 @@ def report(rows: List[Row], args, wall: float) -> str:
                      "(/proc/cpuinfo), so torch emulates bf16 GEMMs, tens of times slower than "
                      "fp32 (see the model section), and a timing would measure the emulation.")
     command = "python bench/bench_training.py" + (
-        f" --steps {args.steps}" if args.steps != 12 else "") + (
+        f" --steps {args.steps}" if args.steps != 8 else "") + (
         f" --skip {args.skip}" if args.skip != 2 else "") + (
-        f" --retries {args.retries}" if args.retries != 1 else "") + (
-        " --no-rerun" if args.no_rerun else "")
+        f" --rounds {args.rounds}" if args.rounds != 2 else "")
     return f"""## training (ZeRO stages on CPU)
 
 Command: `{command}` ({wall / 60:.1f} min)
@@ -448,19 +457,22 @@ x 64, d_ff 1024 gated-gelu, 4 + 4 layers, untied, vocabulary 8100 padded to 8192
 batch 4 per rank (global 8), fp32, AdamW, dropout 0. Data: the shared English corpora (3.6 MB),
 SentencePiece 8000 pieces + 100 sentinels.
 
-Speed: mean of rank 0's logged step time over steps {args.skip + 1}-{args.steps} (the first
-{args.skip} left out); the ratio is to ZeRO 0, run first. Peak RSS: each rank's VmHWM (read from
-/proc every 0.05 s; rank 0's own ru_maxrss in its log line agrees within
-{100 * max(logged_gap):.1f}%), with glibc's default allocator, over the {args.steps} steps.
+Speed: each configuration is timed in {args.rounds} rounds (all configurations, then all again);
+a round's steps/s is the mean of rank 0's logged step time over steps {args.skip + 1}-{args.steps}
+(the first {args.skip} left out), and the fastest round counts, its ratio to ZeRO 0's fastest
+being the comparison. "others' CPU": the cores other jobs kept busy during each round's run
+(busy time in /proc/stat less this bench's own). Peak RSS: each rank's VmHWM (read from /proc
+every 0.05 s; rank 0's own ru_maxrss in its log line agrees within
+{100 * max(r.logged_gap for r in rows):.1f}%), with glibc's default allocator, the highest of the
+rounds.
 
-| configuration | steps/s | step (s) min-max | vs ZeRO 0 | peak RSS rank 0 (GiB) | rank 1 (GiB) | others' CPU (cores) |
-| --- | ---: | ---: | ---: | ---: | ---: | ---: |
+| configuration | steps/s | step (s) min-max | rounds (steps/s) | others' CPU (cores) | vs ZeRO 0 | peak RSS rank 0 (GiB) | rank 1 (GiB) |
+| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
 {chr(10).join(speed_rows)}
 
-{drift} This 2-core host is shared and its speed drifts by tens of percent within minutes, also
-with nothing else running; the step-time range shows the spread inside each run, and "others'
-CPU" the cores that other jobs kept busy during it (busy time in /proc/stat less this bench's
-own). {_repeats(rows, args)} {bf16_note}
+This 2-core host is shared and its speed drifts by tens of percent within minutes, also with
+nothing else running: the rounds of one configuration differ by up to
+{100 * (max(spreads) - 1):.0f}% here, and the ratios carry that much uncertainty. {bf16_note}
 
 Estimate against measurement. Each configuration runs again for 2 steps (ZeRO-3's prefetching
 starts in step 2, where the peak comes) with `MALLOC_MMAP_THRESHOLD_=131072`, which keeps glibc
@@ -483,14 +495,6 @@ for ZeRO 1-3), where a CPU run holds only the bucket pages it writes.
 Estimate / measured over the configurations: {min(ratios):.2f}-{max(ratios):.2f} (goal: within
 20%). {_gaps(gaps)}
 """
-
-
-def _repeats(rows: List[Row], args) -> str:
-    again = [r.name for r in rows if r.repeats]
-    if not again:
-        return "No run was disturbed enough to be repeated."
-    return (f"Run again because other jobs kept more than {CONTENTION} cores busy (the less "
-            f"disturbed run kept, at most {args.retries} repeat(s)): {', '.join(again)}.")
 
 
 def _gaps(gaps: List[tuple]) -> str:
