@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Set
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from megatron.data.data_args import add_data_args, check_data_args, t5_config_from_args
 from megatron.data.builder import parse_data_path
@@ -192,16 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Set[str]:
-    """dests of the flags that appear on the command line (abbreviations are disabled)."""
-    seen = set()
-    tokens = [a.split("=", 1)[0] for a in argv if a.startswith("-")]
-    for action in parser._actions:
-        if any(opt in tokens for opt in action.option_strings):
-            seen.add(action.dest)
-    return seen
-
-
 def world_size_from_env(env: Mapping[str, str]) -> int:
     """Processes in the job: torchrun / launchers set WORLD_SIZE, srun sets SLURM_NTASKS."""
     for key in ("WORLD_SIZE", "SLURM_NTASKS"):
@@ -218,7 +208,6 @@ def parse_args(argv: Optional[Sequence[str]] = None,
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.given = given_flags(parser, argv)
     problems = validate(args, os.environ if env is None else env)
     if problems:
         raise ArgumentsError(problems)
@@ -248,8 +237,6 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]) -> List[str]:
     from megatron.training import ds_config
 
     problems: List[str] = []
-    given = getattr(args, "given", set())
-    args.given = given
     # Launch layout.
     args.world_size = world_size_from_env(env)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -415,7 +402,7 @@ def args_to_dict(args: argparse.Namespace) -> Dict[str, object]:
     """The resolved flags as plain JSON values (for logs and checkpoints)."""
     out = {}
     for key, value in sorted(vars(args).items()):
-        if key in ("model", "lr_schedule", "ds_config", "given"):
+        if key in ("model", "lr_schedule", "ds_config"):
             continue
         if isinstance(value, (str, int, float, bool, type(None))):
             out[key] = value
