@@ -1,5 +1,5 @@
-"""Session fixtures shared by the test suite: the shared corpora, a small SentencePiece model, and
-a small preprocessed dataset with tiny model configs for the training and launch tests."""
+"""Session fixtures shared by the test suite: the real-text corpora, a small SentencePiece model,
+and a small preprocessed dataset with tiny model configs for the training and launch tests."""
 
 import json
 import os
@@ -15,16 +15,16 @@ CORPORA = ("en_wikitext2.jsonl", "en_shakespeare.jsonl", "zh_cmrc2018_wiki.jsonl
 
 @pytest.fixture(scope="session")
 def corpora_dir() -> Path:
-    """The shared real-text corpora: $T5_CORPORA_DIR, else <repo>/../shared/corpora.
+    """The real-text corpora: $T5_CORPORA_DIR, else the repository's tests/data/corpora.
 
-    Missing corpora fail the tests that need them (with where to put them) rather than skipping
-    them, so that a broken setup cannot pass as green.
+    Missing corpora fail the tests that need them rather than skipping them, so that a broken
+    setup cannot pass as green.
     """
-    path = Path(os.environ.get("T5_CORPORA_DIR") or REPO.parent / "shared" / "corpora")
+    path = Path(os.environ.get("T5_CORPORA_DIR") or REPO / "tests" / "data" / "corpora")
     missing = [name for name in CORPORA if not (path / name).is_file()]
     if missing:
-        pytest.fail(f"shared corpora not found: {path} lacks {', '.join(missing)}; set "
-                    "T5_CORPORA_DIR to the folder holding them", pytrace=False)
+        pytest.fail(f"corpora not found: {path} lacks {', '.join(missing)} (tests/data/corpora "
+                    "has them; T5_CORPORA_DIR overrides it)", pytrace=False)
     return path
 
 
