@@ -2,7 +2,7 @@
 
     python bench/bench_preprocess.py [--mb 50] [--rss-mb 50 200] [--workers 2]
 
-1. Makes an English JSONL of ~50 MB by repeating ../shared/corpora text, and a tokenizer.
+1. Makes an English JSONL of ~50 MB by repeating tests/data/corpora text, and a tokenizer.
 2. The limit: SentencePiece encoding of the same texts with 2 threads, already in memory (no I/O).
 3. Ours: `preprocess_data.py --workers 2`, end to end (process start to exit) and steady state
    (as the tool's summary reports it: from the first finished chunk to the last).
@@ -93,7 +93,7 @@ def main() -> int:
     body = f"""## Preprocessing throughput and memory
 
 Command: `python bench/bench_preprocess.py --mb {args.mb:g} --workers {args.workers}`
-Machine: {machine_line()}. Input: {mb:.1f} MB English JSONL (../shared/corpora repeated),
+Machine: {machine_line()}. Input: {mb:.1f} MB English JSONL (tests/data/corpora repeated),
 SentencePiece unigram vocab {args.vocab} (+100 sentinels), `--append-eod`, {args.workers} workers.
 
 | measure | MB/s | fraction of the tokenizer limit |

@@ -2,7 +2,7 @@
 
     python bench/bench_t5_dataset.py [--token-mb 200] [--samples 1000000]
 
-Tokens: ../shared/corpora (English and Chinese) preprocessed once with a 16k SentencePiece model
+Tokens: tests/data/corpora (English and Chinese) preprocessed once with a 16k SentencePiece model
 and `--append-eod`, then merged with itself until the .bin holds ~200 MB. The dataset is asked for
 `--samples` span-corruption samples of 512 encoder tokens (568 raw tokens each).
 Results go to bench/RESULTS.md.
@@ -97,7 +97,7 @@ def main() -> int:
 
 Command: `python bench/bench_t5_dataset.py --token-mb {args.token_mb:g} --samples {args.samples}`
 Machine: {machine_line()}. Tokens: {bin_mb:.0f} MB .bin ({ds.num_tokens / 1e6:.0f} M tokens,
-{ds.num_documents} documents: ../shared/corpora preprocessed and merged with itself);
+{ds.num_documents} documents: tests/data/corpora preprocessed and merged with itself);
 {args.samples} samples of 512 encoder / {d.decoder_length} decoder tokens ({d.raw_length} raw).
 
 | measure | value |

@@ -4,7 +4,7 @@ and the memory estimate against the measured peak.
     python bench/bench_training.py [--steps 8] [--skip 2] [--rounds 2] [--work DIR] [--report-only]
                                    [--no-write]
 
-Data: the shared English corpora (3.6 MB), a SentencePiece tokenizer of 8000 pieces (+100
+Data: the English test corpora (3.6 MB), a SentencePiece tokenizer of 8000 pieces (+100
 sentinels) and their .bin/.idx, made once under --work (default bench/work/training, ignored by
 git). Model: d_model 512, 8 heads x 64, d_ff 1024 gated-gelu, 4 + 4 layers, untied, vocabulary
 8100 (padded to 8192), 33.6 M parameters; encoder 256 / decoder 58 tokens (span corruption),
@@ -454,7 +454,7 @@ Machine: {machine_line()}, torch {torch.__version__}, DeepSpeed {_deepspeed_vers
 processes under `torchrun --nproc_per_node 2`, gloo, one thread each. Model: d_model 512, 8 heads
 x 64, d_ff 1024 gated-gelu, 4 + 4 layers, untied, vocabulary 8100 padded to 8192
 ({_count()} parameters); encoder {ENC_LEN} / decoder {rows[0].decoder_seq_length} tokens, micro
-batch 4 per rank (global 8), fp32, AdamW, dropout 0. Data: the shared English corpora (3.6 MB),
+batch 4 per rank (global 8), fp32, AdamW, dropout 0. Data: the English test corpora (3.6 MB),
 SentencePiece 8000 pieces + 100 sentinels.
 
 Speed: each configuration is timed in {args.rounds} rounds (all configurations, then all again);

@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: inputs made from ../shared/corpora, RSS sampling, RESULTS.md."""
+"""Shared pieces of the benchmarks: inputs from tests/data/corpora, RSS sampling, RESULTS.md."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ RESULTS = REPO / "bench" / "RESULTS.md"
 
 
 def corpora_dir() -> Path:
-    path = Path(os.environ.get("T5_CORPORA_DIR", REPO.parent / "shared" / "corpora"))
+    """The real-text corpora the tests use: $T5_CORPORA_DIR, else tests/data/corpora."""
+    path = Path(os.environ.get("T5_CORPORA_DIR") or REPO / "tests" / "data" / "corpora")
     if not path.is_dir():
-        sys.exit(f"shared corpora not found at {path}: set T5_CORPORA_DIR")
+        sys.exit(f"corpora not found at {path}: set T5_CORPORA_DIR")
     return path
 
 
@@ -34,7 +35,7 @@ def english_texts() -> List[str]:
 
 
 def make_english_jsonl(path: Path, target_mb: float) -> Path:
-    """An English JSONL of about `target_mb` MB, made by repeating the shared English corpora."""
+    """An English JSONL of about `target_mb` MB, made by repeating the English corpora."""
     if path.exists() and abs(path.stat().st_size / 1e6 - target_mb) < 0.05 * target_mb:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

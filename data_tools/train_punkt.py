@@ -7,7 +7,7 @@ Punkt is unsupervised: plain text of the target language is all it needs, and no
 downloaded. The package's own `megatron/data/assets/punkt_english.json` was made with
 
     python data_tools/train_punkt.py --pydoc-topics --english-abbreviations \\
-        --input ../shared/corpora/en_shakespeare.jsonl \\
+        --input tests/data/corpora/en_shakespeare.jsonl \\
         --output megatron/data/assets/punkt_english.json
 """
 
