@@ -244,17 +244,17 @@ def run_torchrun(flags: Sequence[str], log: Path, env: Optional[Dict[str, str]] 
 
 
 # The estimates ------------------------------------------------------------------------------
-def dry_run_total(args: argparse.Namespace, device: str) -> float:
+def dry_run_total(config, device: str) -> float:
     """'total on device' in bytes as `--dry-run --dry-run-device DEVICE` prints it."""
     import contextlib
+    import dataclasses
     import io
 
     from megatron.pretrain_t5 import dry_run
 
-    args.dry_run_device = device
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        dry_run(args)
+        dry_run(dataclasses.replace(config, dry_run_device=device))
     match = re.search(r"total on device\s+([\d.]+) GiB", printed.getvalue())
     if match is None:
         sys.exit(f"no 'total on device' line in the dry run's output:\n{printed.getvalue()}")
@@ -262,28 +262,17 @@ def dry_run_total(args: argparse.Namespace, device: str) -> float:
 
 
 def estimates(flags: Sequence[str]):
-    """(the CPU estimate, `--dry-run`'s total for this machine, for cuda, resolved args) for
-    `flags`, resolved for 2 processes (WORLD_SIZE=2). The estimate is `estimate_memory` asked
-    for device_type 'cpu' with the eager attention that 'auto' runs on CPU, DeepSpeed's buckets
-    from the resolved config and the accumulation steps: what `--dry-run` prints on a CPU
-    machine, with the fields it does not print (`between_steps`)."""
+    """(the CPU estimate, `--dry-run`'s total for this machine, for cuda, the run's config) for
+    `flags`, resolved for 2 processes (WORLD_SIZE=2). The estimate is `estimate_run` for the
+    CPU (the eager attention that 'auto' runs there, DeepSpeed's buckets from the resolved
+    config and the accumulation steps): what `--dry-run` prints on a CPU machine, with the
+    fields it does not print (`between_steps`)."""
     from megatron.arguments import parse_args
-    from megatron.training.memory import ZeroBuckets, estimate_memory
+    from megatron.training.memory import estimate_run
 
-    args = parse_args(list(flags), env={"WORLD_SIZE": "2"})
-    cpu = estimate_memory(
-        args.model, tensor_parallel_size=args.tensor_model_parallel_size,
-        data_parallel_size=args.data_parallel_size, zero_stage=args.zero_stage,
-        precision=args.precision, offload_optimizer=args.offload_optimizer,
-        offload_param=args.offload_param, micro_batch_size=args.micro_batch_size,
-        encoder_seq_length=args.encoder_seq_length, decoder_seq_length=args.decoder_seq_length,
-        checkpoint_activations=args.checkpoint_activations,
-        checkpoint_num_layers=args.checkpoint_num_layers,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        attention_kernel="eager", device_type="cpu",
-        buckets=ZeroBuckets.from_zero_config(args.ds_config["zero_optimization"]),
-        gradient_accumulation_steps=args.gradient_accumulation_steps)
-    return cpu, dry_run_total(args, "auto"), dry_run_total(args, "cuda"), args
+    config = parse_args(list(flags), env={"WORLD_SIZE": "2"})
+    cpu = estimate_run(config, "cpu")
+    return cpu, dry_run_total(config, "auto"), dry_run_total(config, "cuda"), config
 
 
 # Main ---------------------------------------------------------------------------------------
@@ -325,7 +314,7 @@ def gib(n: float) -> str:
 
 def new_row(name: str, extra: Sequence[str], paths, args) -> Row:
     cpu, dry, dry_cuda, resolved = estimates(train_flags(paths, "model", args.steps, extra))
-    return Row(name=name, decoder_seq_length=resolved.decoder_seq_length, estimate=cpu.total,
+    return Row(name=name, decoder_seq_length=resolved.data.decoder_seq_length, estimate=cpu.total,
                estimate_between=cpu.between_steps, dry_run=dry, dry_run_cuda=dry_cuda)
 
 
@@ -481,7 +470,7 @@ default it creeps up step after step: compare the table above). **baseline**: wh
 besides the estimate's terms (interpreter, torch, DeepSpeed, gloo, tokenizer, data), taken as
 the peak of the same command with a tiny model (d_model 64, 1 + 1 layers, same vocabulary,
 batch and lengths) less that model's own estimate. **measured** = peak - baseline. **estimate**:
-`estimate_memory(..., device_type="cpu", attention_kernel="eager")` with the resolved flags;
+`estimate_run(config, "cpu")` (eager attention, as on the CPU) with the resolved flags;
 {dry_note} **between steps**: the lowest resident set in step 2 (model states and kept buffers
 only), less the tiny run's, against the estimate's `between_steps`. **cuda**: what
 `--dry-run --dry-run-device cuda` prints for the same flags, for contrast: everything alive at

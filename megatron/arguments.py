@@ -1,8 +1,11 @@
 """Every command-line flag of `megatron.pretrain_t5`, under Megatron-LM and CPM-2 names.
 
 `parse_args(argv, env)` parses, then `validate` resolves what follows from the flags (world and
-data-parallel size, batch sizes, precision, the model config, the DeepSpeed config) and lists every
-problem at once, before any process group is created or any data is read. Flags that have no
+data-parallel size, batch sizes, precision, the model config, the DeepSpeed config) into the
+typed, frozen `megatron.config.RunConfig`, and lists every problem at once, before any process
+group is created or any data is read. Each part is checked by the module it configures
+(`model/settings.py`, `data/data_args.py`, `training/ds_config.py`, `training/lr_schedule.py`,
+`training/checkpointing.py`, `initialize.py`); this module only collects. Flags that have no
 effect in some combination are refused, never silently ignored.
 
 Flags that DeepSpeed's JSON may also set (batch sizes, clipping, precision, loss scaling, the
@@ -16,16 +19,19 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from megatron.data.data_args import add_data_args, check_data_args, t5_config_from_args
-from megatron.data.builder import parse_data_path
+from megatron.config import ParallelConfig, RunConfig, RuntimeConfig
+from megatron.data.data_args import add_data_args, resolve_data
+from megatron.initialize import choose_device
+from megatron.model.settings import resolve_model
+from megatron.training import ds_config
+from megatron.training.checkpointing import checkpoint_flag_problems, checkpoint_problems, layout
+from megatron.training.ds_config import OPTIMIZER_DEFAULTS
 from megatron.training.lr_schedule import DECAY_STYLES
-
-DEFAULTS = dict(clip_grad=1.0, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999,
-                adam_eps=1e-8, initial_loss_scale=2.0 ** 32, zero_stage=0,
-                offload_optimizer="none", offload_param="none")
-"""Defaults of the flags that the DeepSpeed JSON may also set (applied after the cross-check)."""
+from megatron.training.lr_schedule import from_args as lr_from_args
+from megatron.training.settings import BatchConfig, CheckpointConfig, LoggingConfig, \
+    OptimizerConfig
 
 
 class ArgumentsError(ValueError):
@@ -123,10 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on --load, take the LR schedule from the checkpoint")
     g.add_argument("--weight-decay", type=float, default=None,
                    help=f"AdamW weight decay, not applied to norms and biases "
-                        f"(default {DEFAULTS['weight_decay']})")
+                        f"(default {OPTIMIZER_DEFAULTS['weight_decay']})")
     g.add_argument("--clip-grad", type=float, default=None,
                    help=f"global gradient-norm clipping, 0 for none (default "
-                        f"{DEFAULTS['clip_grad']})")
+                        f"{OPTIMIZER_DEFAULTS['clip_grad']})")
     g.add_argument("--adam-beta1", type=float, default=None, help="default 0.9")
     g.add_argument("--adam-beta2", type=float, default=None, help="default 0.999")
     g.add_argument("--adam-eps", type=float, default=None, help="default 1e-8")
@@ -201,209 +207,144 @@ def world_size_from_env(env: Mapping[str, str]) -> int:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None,
-               env: Optional[Mapping[str, str]] = None) -> argparse.Namespace:
-    """Parse and validate; raises ArgumentsError listing every problem."""
+               env: Optional[Mapping[str, str]] = None) -> RunConfig:
+    """Parse and validate; the run's configuration.
+
+    Raises:
+        ArgumentsError: listing every problem of the flags and the files they name.
+    """
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    problems = validate(args, os.environ if env is None else env)
+    args = build_parser().parse_args(argv)
+    config, problems = validate(args, os.environ if env is None else env)
     if problems:
         raise ArgumentsError(problems)
-    return args
+    return config
 
 
-def resolve_tokenizer(path: str, problems: List[str]) -> Optional[str]:
-    """A SentencePiece model file; CPM-2's --tokenizer-path may name the folder holding it."""
-    p = Path(path)
-    if p.is_dir():
-        models = sorted(p.glob("*.model"))
-        if len(models) == 1:
-            return str(models[0])
-        problems.append(f"--tokenizer-path {path}: a folder must hold exactly one SentencePiece "
-                        f"*.model file; found {len(models)}")
-        return None
-    if not p.is_file():
-        problems.append(f"--tokenizer-model {path}: no such file")
-        return None
-    return str(p)
-
-
-def validate(args: argparse.Namespace, env: Mapping[str, str]) -> List[str]:
-    """Resolve the derived settings onto `args` and return every problem (empty: it can run)."""
-    from megatron.model.config import ConfigError, T5Config, load_preset
-    from megatron.model.t5 import model_parallel_problems
-    from megatron.training import ds_config
-
+def validate(args: argparse.Namespace, env: Mapping[str, str]
+             ) -> Tuple[Optional[RunConfig], List[str]]:
+    """(the run's configuration, every problem); the configuration is None unless the list is
+    empty. `args` is read, never written: what follows from the flags (sizes, the JSON's values,
+    defaults) is resolved into a copy and from there into the typed parts. Each part is checked
+    by the module it configures; this function only collects."""
     problems: List[str] = []
-    # Launch layout.
-    args.world_size = world_size_from_env(env)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    values = dict(vars(args))
+    parallel = resolve_parallel(values, env, problems)
+    for flag, dest in (("--data-path", "data_path"), ("--tokenizer-model/--tokenizer-path",
+                       "tokenizer_model"), ("--model-config", "model_config")):
+        if values[dest] is None:
+            problems.append(f"{flag} is required")
+    if (values["train_iters"] is None) == (values["train_samples"] is None):
+        problems.append("give exactly one of --train-iters and --train-samples")
+
+    device_type, backend, warnings = choose_device(values["distributed_backend"])
+    resolved, values, ds_problems = ds_config.resolve(
+        values, parallel.data_parallel_size, parallel.model_parallel_size, device_type)
+    values.update(world_size=parallel.world_size, data_parallel_size=parallel.data_parallel_size,
+                  device_type=device_type, distributed_backend=backend, warnings=warnings)
+    model, model_problems = resolve_model(values, parallel.tensor_model_parallel_size,
+                                          parallel.pipeline_model_parallel_size,
+                                          resolved.checkpoint_activations)
+    problems += model_problems + ds_problems
+    if resolved.optimizer.lr is None:  # only now: the JSON's optimizer.params.lr may supply it
+        problems.append("--lr is required (or optimizer.params.lr in the DeepSpeed JSON)")
+
+    global_batch = resolved.batch.global_batch_size
+    too_few_samples = False
+    if values["train_samples"] is not None and global_batch:
+        values["train_iters"] = values["train_samples"] // global_batch
+        too_few_samples = values["train_iters"] == 0
+        if too_few_samples:
+            problems.append(f"--train-samples {values['train_samples']} is less than one global "
+                            f"batch ({global_batch})")
+    schedule = (values["train_iters"], global_batch) \
+        if values["train_iters"] is not None and global_batch else None
+    data, data_problems = resolve_data(values, model.t5.vocab_size if model else None, schedule,
+                                       too_few_samples)
+    problems += data_problems
+    if data is not None:
+        values.update(tokenizer_model=data.tokenizer_model,
+                      decoder_seq_length=data.decoder_seq_length)
+    lr_schedule = None
+    if resolved.optimizer.lr is not None and values["train_iters"] is not None \
+            and values["train_iters"] >= 1:
+        try:
+            lr_schedule = lr_from_args(argparse.Namespace(**values), values["train_iters"])
+        except ValueError as e:
+            problems.append(str(e))
+    problems += loop_problems(values)
+    problems += checkpoint_flag_problems(values)
+    if values["dry_run_device"] != "auto" and not values["dry_run"]:
+        problems.append("--dry-run-device has effect only with --dry-run")
+    if values["peak_tflops"] is not None and values["peak_tflops"] <= 0:
+        problems.append("--peak-tflops must be positive")
+    if values["load"] is not None and not problems:
+        problems += checkpoint_problems(values["load"], layout(parallel, resolved.zero.stage),
+                                        values["finetune"] or values["no_load_optim"])
+    if problems:
+        return None, problems
+    batch = BatchConfig(resolved.batch.micro_batch_size, global_batch,
+                        resolved.batch.gradient_accumulation_steps, values["train_iters"],
+                        values["eval_interval"], values["eval_iters"])
+    optimizer = OptimizerConfig(schedule=lr_schedule, **vars(resolved.optimizer))
+    checkpoint = CheckpointConfig(values["save"], values["save_interval"], values["load"],
+                                  values["no_load_optim"], values["no_load_rng"],
+                                  values["finetune"], values["lr_policy"],
+                                  values["checkpoint_timeout_minutes"])
+    logging = LoggingConfig(values["log_interval"], values["log_file"],
+                            values["tensorboard_dir"], values["peak_tflops"])
+    runtime = RuntimeConfig(device_type, backend, values["local_rank"], values["seed"],
+                            values["distributed_timeout_minutes"],
+                            values["data_timeout_minutes"], values["data_cache_timeout"],
+                            values["exit_interval"], values["exit_duration_in_mins"],
+                            tuple(warnings))
+    return RunConfig(parallel, batch, optimizer, resolved.precision, resolved.zero, model, data,
+                     checkpoint, logging, runtime, deepspeed=resolved.json,
+                     flags=args_to_dict(values), dry_run=values["dry_run"],
+                     dry_run_device=values["dry_run_device"]), []
+
+
+def resolve_parallel(values: Dict[str, object], env: Mapping[str, str],
+                     problems: List[str]) -> ParallelConfig:
+    """World = tensor x pipeline x data parallel."""
+    world = world_size_from_env(env)
+    tp, pp = values["tensor_model_parallel_size"], values["pipeline_model_parallel_size"]
     if tp < 1 or pp < 1:
         problems.append("--tensor-model-parallel-size and --pipeline-model-parallel-size must be "
                         ">= 1")
         tp, pp = max(tp, 1), max(pp, 1)
-    if args.world_size % (tp * pp):
-        problems.append(f"world size {args.world_size} is not divisible by "
+    if world % (tp * pp):
+        problems.append(f"world size {world} is not divisible by "
                         f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}")
-    args.data_parallel_size = max(args.world_size // (tp * pp), 1)
     if pp > 1:
         problems.append(f"--pipeline-model-parallel-size {pp}: pipeline parallelism is not "
                         "available yet; use tensor parallelism and ZeRO (set it to 1)")
+    return ParallelConfig(world, tp, pp, max(world // (tp * pp), 1))
 
-    # Required flags, all named at once.
-    for flag, dest in (("--data-path", "data_path"), ("--tokenizer-model/--tokenizer-path",
-                       "tokenizer_model"), ("--model-config", "model_config")):
-        if getattr(args, dest) is None:
-            problems.append(f"{flag} is required")
-    if (args.train_iters is None) == (args.train_samples is None):
-        problems.append("give exactly one of --train-iters and --train-samples")
 
-    # Model.
-    args.model = None
-    if args.model_config is not None:
-        try:
-            path = Path(args.model_config)
-            args.model = (T5Config.from_json(path) if path.suffix == ".json" or path.exists()
-                          else load_preset(args.model_config))
-        except (ConfigError, OSError, ValueError) as e:
-            where = "" if args.model_config in str(e) else f" {args.model_config}"
-            problems.append(f"--model-config{where}: {e}")
-    if args.model is not None:
-        problems += [f"--tensor-model-parallel-size {tp}: {p}"
-                     for p in model_parallel_problems(args.model, tp)]
-        for name in ("num_layers", "num_decoder_layers"):
-            if getattr(args.model, name) % pp:
-                problems.append(f"model {name} {getattr(args.model, name)} is not divisible by "
-                                f"--pipeline-model-parallel-size {pp}")
-    if args.make_vocab_size_divisible_by < 1:
-        problems.append("--make-vocab-size-divisible-by must be >= 1")
-    if args.checkpoint_num_layers < 1:
-        problems.append("--checkpoint-num-layers must be >= 1")
-    if not 0 <= args.label_smoothing < 1:
-        problems.append("--label-smoothing must be in [0, 1)")
-
-    # Files.
-    if args.tokenizer_model is not None:
-        args.tokenizer_model = resolve_tokenizer(args.tokenizer_model, problems)
-    if args.tokenizer_model is not None and args.model is not None:
-        problems += tokenizer_problems(args.tokenizer_model, args.vocab_extra_ids, args.model)
-    if args.data_path is not None:
-        try:
-            parse_data_path(args.data_path)
-        except ValueError as e:
-            problems.append(str(e))
-
-    # DeepSpeed config, batch sizes, precision, optimizer (fills the None flags).
-    problems += ds_config.resolve(args)
-    if args.lr is None:  # only now: the JSON's optimizer.params.lr may have supplied it
-        problems.append("--lr is required (or optimizer.params.lr in the DeepSpeed JSON)")
-
-    # Schedule.
-    too_few_samples = False
-    if args.train_samples is not None and args.global_batch_size:
-        args.train_iters = args.train_samples // args.global_batch_size
-        too_few_samples = args.train_iters == 0
-        if too_few_samples:
-            problems.append(f"--train-samples {args.train_samples} is less than one global batch "
-                            f"({args.global_batch_size})")
-    if args.train_iters is not None and args.global_batch_size and args.data_path is not None:
-        data_problems = check_data_args(args)
-        if too_few_samples:  # reported above, in terms of the flag that was given
-            data_problems = [p for p in data_problems if not p.startswith("--train-iters")]
-        problems += data_problems
-        if not data_problems and args.decoder_seq_length is None:
-            args.decoder_seq_length = t5_config_from_args(args).lengths()[2]
-    if args.lr is not None:
-        problems += lr_problems(args)
+def loop_problems(values: Mapping[str, object]) -> List[str]:
+    """The loop's intervals, exit conditions, deadlines and log folder."""
+    problems = []
     for flag in ("log_interval", "save_interval", "exit_interval"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+        if values[flag] is not None and values[flag] < 1:
             problems.append(f"--{flag.replace('_', '-')} must be positive")
-    if args.num_workers < 0:
-        problems.append("--num-workers must be >= 0")
-    if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
+    if values["exit_duration_in_mins"] is not None and values["exit_duration_in_mins"] <= 0:
         problems.append("--exit-duration-in-mins must be positive")
     for flag in ("distributed_timeout_minutes", "data_timeout_minutes",
                  "checkpoint_timeout_minutes"):
-        if getattr(args, flag) <= 0:
+        if values[flag] <= 0:
             problems.append(f"--{flag.replace('_', '-')} must be positive")
-
-    # Checkpoints.
-    if args.save_interval is not None and args.save is None:
-        problems.append("--save-interval needs --save (where to write)")
-    for flag in ("no_load_optim", "no_load_rng", "finetune"):
-        if getattr(args, flag) and args.load is None:
-            problems.append(f"--{flag.replace('_', '-')} needs --load")
-    if args.lr_policy != "check" and args.load is None:
-        problems.append("--use-new-lr / --use-checkpoint-lr-scheduler need --load")
-    if args.finetune and args.lr_policy == "checkpoint":
-        problems.append("--finetune starts the LR schedule fresh; --use-checkpoint-lr-scheduler "
-                        "contradicts it")
-    if args.load is not None and Path(args.load).exists() and not Path(args.load).is_dir():
-        problems.append(f"--load {args.load} is a file; give the checkpoint folder")
-    if args.save is not None and Path(args.save).exists() and not Path(args.save).is_dir():
-        problems.append(f"--save {args.save} is a file; give a folder")
-    if args.tensorboard_dir is not None and Path(args.tensorboard_dir).is_file():
-        problems.append(f"--tensorboard-dir {args.tensorboard_dir} is a file")
-    if args.load is not None and not problems:
-        problems += checkpoint_problems(args)
-    if args.dry_run_device != "auto" and not args.dry_run:
-        problems.append("--dry-run-device has effect only with --dry-run")
-    if args.peak_tflops is not None and args.peak_tflops <= 0:
-        problems.append("--peak-tflops must be positive")
+    if values["tensorboard_dir"] is not None and Path(values["tensorboard_dir"]).is_file():
+        problems.append(f"--tensorboard-dir {values['tensorboard_dir']} is a file")
     return problems
 
 
-def checkpoint_problems(args: argparse.Namespace) -> List[str]:
-    """A checkpoint in --load that this layout cannot read (found before any process starts)."""
-    from megatron.training import checkpointing
-
-    root = Path(args.load)
-    try:
-        iteration = checkpointing.read_tracker(root) if root.is_dir() else None
-        if iteration is None:
-            return []
-        meta = checkpointing.read_meta(root, iteration)
-        return checkpointing.layout_problems(meta["layout"], args,
-                                             args.finetune or args.no_load_optim)
-    except checkpointing.CheckpointError as e:
-        return [f"--load {args.load}: {e}"]
-
-
-def tokenizer_problems(model_path: str, extra_ids: int, config) -> List[str]:
-    """The tokenizer's ids must fit the model's embedding."""
-    from megatron.data.tokenizer import T5Tokenizer
-
-    try:
-        size = len(T5Tokenizer(model_path, extra_ids=extra_ids))
-    except Exception as e:  # noqa: BLE001 - sentencepiece raises plain RuntimeErrors
-        return [f"--tokenizer-model {model_path}: cannot be loaded ({e})"]
-    if size > config.vocab_size:
-        return [f"--tokenizer-model {model_path} has {size} ids (with {extra_ids} sentinels) but "
-                f"the model's vocab_size is {config.vocab_size}; raise vocab_size in "
-                f"--model-config or lower --vocab-extra-ids"]
-    return []
-
-
-def lr_problems(args: argparse.Namespace) -> List[str]:
-    from megatron.training.lr_schedule import from_args
-
-    if args.train_iters is None or args.train_iters < 1:
-        return []
-    try:
-        args.lr_schedule = from_args(args, args.train_iters)
-    except ValueError as e:
-        return [str(e)]
-    return []
-
-
-def args_to_dict(args: argparse.Namespace) -> Dict[str, object]:
+def args_to_dict(values: Mapping[str, object]) -> Dict[str, object]:
     """The resolved flags as plain JSON values (for logs and checkpoints)."""
     out = {}
-    for key, value in sorted(vars(args).items()):
-        if key in ("model", "lr_schedule", "ds_config"):
-            continue
+    for key, value in sorted(values.items()):
         if isinstance(value, (str, int, float, bool, type(None))):
             out[key] = value
         elif isinstance(value, (list, tuple)):

@@ -11,18 +11,18 @@ world of one.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import random
 import subprocess
-from typing import Dict, MutableMapping
+from typing import Dict, List, MutableMapping, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron import parallel_state
+from megatron.config import ParallelConfig, RuntimeConfig
 from megatron.tensor_parallel.random import model_parallel_seed
 
 
@@ -57,34 +57,48 @@ def first_slurm_host(nodelist: str) -> str:
         return nodelist.split(",")[0]
 
 
-def initialize_distributed(args: argparse.Namespace) -> bool:
+def choose_device(requested_backend: Optional[str]) -> Tuple[str, str, List[str]]:
+    """(device type, process-group backend, warnings): CUDA with NCCL where a GPU is visible,
+    else the CPU with gloo; `--distributed-backend nccl` without CUDA falls back to gloo."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested_backend is None:
+        return device_type, "nccl" if device_type == "cuda" else "gloo", []
+    if requested_backend == "nccl" and device_type == "cpu":
+        return device_type, "gloo", ["--distributed-backend nccl: no CUDA device here; using gloo"]
+    return device_type, requested_backend, []
+
+
+def initialize_distributed(runtime: RuntimeConfig, parallel: ParallelConfig) -> bool:
     """Join (or reuse) the process group and build the parallel groups.
 
     Returns:
         True when this call created the process group (the caller destroys it at exit).
+    Raises:
+        RuntimeError: the launcher started another number of processes than the flags were
+            checked for.
     """
     import deepspeed
 
     created = False
     if not dist.is_initialized():
-        os.environ.update(distributed_env(os.environ, args.local_rank))
-        if args.device_type == "cuda":
+        os.environ.update(distributed_env(os.environ, runtime.local_rank))
+        if runtime.device_type == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         # The backend's own timeout is a backstop: the watchdog (same limit) fires first and
         # says what the rank waited for.
-        minutes = 2 * args.distributed_timeout_minutes + 1
-        deepspeed.init_distributed(dist_backend=args.distributed_backend,
+        minutes = 2 * runtime.distributed_timeout_minutes + 1
+        deepspeed.init_distributed(dist_backend=runtime.distributed_backend,
                                    auto_mpi_discovery=False,
                                    timeout=datetime.timedelta(minutes=minutes))
         created = True
     else:
         # Already joined (tests, or a caller that made its own group): DeepSpeed adopts it.
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
-    if dist.get_world_size() != args.world_size:
+    if dist.get_world_size() != parallel.world_size:
         raise RuntimeError(f"the launcher started {dist.get_world_size()} processes but the "
-                           f"flags were checked for {args.world_size}")
-    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size,
-                                             args.pipeline_model_parallel_size)
+                           f"flags were checked for {parallel.world_size}")
+    parallel_state.initialize_model_parallel(parallel.tensor_model_parallel_size,
+                                             parallel.pipeline_model_parallel_size)
     return created
 
 

@@ -9,7 +9,6 @@ condition after saving), 2 bad command line, 1 a failure while running.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -21,7 +20,10 @@ import torch
 import torch.distributed as dist
 
 from megatron import parallel_state
-from megatron.arguments import ArgumentsError, args_to_dict, parse_args
+from megatron.arguments import ArgumentsError, parse_args
+from megatron.config import RunConfig
+from megatron.data.data_args import DataSettings
+from megatron.training.settings import BatchConfig
 
 
 def collate_tensors(samples: List[Dict[str, np.ndarray]]) -> Dict[str, torch.Tensor]:
@@ -30,17 +32,19 @@ def collate_tensors(samples: List[Dict[str, np.ndarray]]) -> Dict[str, torch.Ten
     return {k: torch.from_numpy(v) for k, v in collate(samples).items()}
 
 
-def build_data(args: argparse.Namespace, consumed_samples: int):
+def build_data(data: DataSettings, batch: BatchConfig, device_type: str,
+               consumed_samples: int):
     """(train, valid, test) data loaders for this data-parallel rank (None for an empty split)."""
-    from megatron.data.builder import build_datasets
-    from megatron.data.data_args import data_config_from_args, sample_counts_from_args
+    from megatron.data.builder import build_datasets, split_sample_counts
     from megatron.data.samplers import PretrainingSampler
     from megatron.data.t5_dataset import T5SpecialTokens
     from megatron.data.tokenizer import T5Tokenizer
 
-    tokenizer = T5Tokenizer(args.tokenizer_model, extra_ids=args.vocab_extra_ids)
-    tokens = T5SpecialTokens.from_tokenizer(tokenizer, whole_word=args.whole_word_masking)
-    datasets = build_datasets(data_config_from_args(args), tokens, sample_counts_from_args(args))
+    tokenizer = T5Tokenizer(data.tokenizer_model, extra_ids=data.vocab_extra_ids)
+    tokens = T5SpecialTokens.from_tokenizer(tokenizer, whole_word=data.dataset.t5.whole_word)
+    counts = split_sample_counts(batch.train_iters, batch.global_batch_size, batch.eval_interval,
+                                 batch.eval_iters)
+    datasets = build_datasets(data.dataset, tokens, counts)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     loaders = []
@@ -50,61 +54,96 @@ def build_data(args: argparse.Namespace, consumed_samples: int):
             loaders.append(None)
             continue
         sampler = PretrainingSampler(len(dataset), consumed_samples if name == "train" else 0,
-                                     args.micro_batch_size, dp_rank, dp_size, drop_last=True)
+                                     batch.micro_batch_size, dp_rank, dp_size, drop_last=True)
         # Its own generator: a loader draws a seed from the default one at every iter(), which
         # would shift the dropout masks after a resume or an evaluation.
         loaders.append(torch.utils.data.DataLoader(
             dataset, batch_sampler=sampler, collate_fn=collate_tensors,
-            generator=torch.Generator().manual_seed(args.seed),
-            num_workers=args.num_workers, pin_memory=args.device_type == "cuda",
-            persistent_workers=args.num_workers > 0 and name != "train"))
+            generator=torch.Generator().manual_seed(data.seed),
+            num_workers=data.num_workers, pin_memory=device_type == "cuda",
+            persistent_workers=data.num_workers > 0 and name != "train"))
     return tuple(loaders)
 
 
-def dry_run(args: argparse.Namespace) -> int:
+def dry_run(config: RunConfig) -> int:
     """Print what one rank would hold; nothing is allocated."""
-    from megatron.training.memory import ZeroBuckets, count_parameters, estimate_memory
+    from megatron.training.memory import count_parameters, estimate_run
 
-    tp = args.tensor_model_parallel_size
-    device = args.device_type if args.dry_run_device == "auto" else args.dry_run_device
-    total = args.model.num_parameters(args.make_vocab_size_divisible_by, tp)
-    per_rank = count_parameters(args.model, tp, args.make_vocab_size_divisible_by)
-    estimate = estimate_memory(
-        args.model, tensor_parallel_size=tp, data_parallel_size=args.data_parallel_size,
-        zero_stage=args.zero_stage, precision=args.precision,
-        offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
-        micro_batch_size=args.micro_batch_size, encoder_seq_length=args.encoder_seq_length,
-        decoder_seq_length=args.decoder_seq_length,
-        checkpoint_activations=args.checkpoint_activations,
-        checkpoint_num_layers=args.checkpoint_num_layers,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        attention_kernel="fused" if device == "cuda" else "eager",
-        buckets=ZeroBuckets.from_zero_config(args.ds_config.get("zero_optimization", {})),
-        device_type=device,
-        gradient_accumulation_steps=args.gradient_accumulation_steps)
-    print(f"dry run: the flags and files are valid for {args.world_size} processes "
-          f"(TP {tp} x PP {args.pipeline_model_parallel_size} x DP {args.data_parallel_size})")
+    parallel, model, batch = config.parallel, config.model, config.batch
+    tp = parallel.tensor_model_parallel_size
+    device = config.runtime.device_type if config.dry_run_device == "auto" \
+        else config.dry_run_device
+    total = model.t5.num_parameters(model.make_vocab_size_divisible_by, tp)
+    per_rank = count_parameters(model.t5, tp, model.make_vocab_size_divisible_by)
+    estimate = estimate_run(config, device)
+    print(f"dry run: the flags and files are valid for {parallel.world_size} processes "
+          f"(TP {tp} x PP {parallel.pipeline_model_parallel_size} x DP "
+          f"{parallel.data_parallel_size})")
     print(f"parameters: {total:,} in the model (padded vocabulary), {per_rank:,} per tensor "
           f"rank")
-    print(f"batch: micro {args.micro_batch_size} x DP {args.data_parallel_size} x accumulation "
-          f"{args.gradient_accumulation_steps} = global {args.global_batch_size}; "
-          f"{args.train_iters} steps; precision {args.precision}; ZeRO {args.zero_stage}")
+    print(f"batch: micro {batch.micro_batch_size} x DP {parallel.data_parallel_size} x "
+          f"accumulation {batch.gradient_accumulation_steps} = global "
+          f"{batch.global_batch_size}; {batch.train_iters} steps; precision "
+          f"{config.precision.precision}; ZeRO {config.zero.stage}")
     print(f"memory per rank, estimated for {device} (--dry-run-device):")
     for line in estimate.table():
         print("  " + line)
     return 0
 
 
-def pretrain(args: argparse.Namespace, signals=None, watchdog=None):
-    """Train with validated args on an initialized process group; returns the TrainState.
+def build_step(config: RunConfig, watchdog, writer):
+    """The training step for this layout (today: data and tensor parallelism on DeepSpeed)."""
+    from megatron.training.engine import build_model, count_parameters, initialize_engine
+    from megatron.training.step import DataParallelStep
+
+    runtime = config.runtime
+    collective_s = 60 * runtime.distributed_timeout_minutes
+    with watchdog.watch("building the model (ZeRO-3 partitions it with the other ranks)",
+                        collective_s):
+        model = build_model(config.model, config.zero, runtime.device_type,
+                            config.deepspeed_json())
+    writer.write_text(f"parameters on tensor rank 0: {count_parameters(model):,}")
+    with watchdog.watch("engine setup (DeepSpeed broadcasts and partitions the weights "
+                        "with the other ranks)", collective_s):
+        engine, _ = initialize_engine(config.optimizer, config.zero, runtime.device_type,
+                                      config.deepspeed_json(), model)
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if runtime.device_type == "cuda" else torch.device("cpu")
+    return DataParallelStep(engine, device)
+
+
+def step_cost(config: RunConfig):
+    """Model FLOPs of a global batch and the device's peak, for the metrics line."""
+    from megatron.model.flops import training_step_flops
+    from megatron.training.loop import StepCost
+    from megatron.training.metrics import peak_tflops
+
+    model = config.model
+    vocab = model.t5.padded_vocab_size(model.make_vocab_size_divisible_by,
+                                       config.parallel.tensor_model_parallel_size)
+    flops = training_step_flops(model.t5, config.batch.global_batch_size,
+                                config.data.encoder_seq_length, config.data.decoder_seq_length,
+                                vocab).model
+    device_name = torch.cuda.get_device_name() if config.runtime.device_type == "cuda" \
+        else "cpu"
+    return StepCost(flops, peak_tflops(device_name, config.precision.precision,
+                                       config.logging.peak_tflops))
+
+
+def pretrain(config: RunConfig, signals=None, watchdog=None):
+    """Train with a validated config on an initialized process group; returns the TrainState.
 
     signals: a StopSignals already installed by the caller (main installs one before anything
     slow starts, so that a signal during start-up stops the run at its first step boundary).
     watchdog: the caller's (main starts one before the process group); else one of its own.
     """
     from megatron.initialize import set_seeds
-    from megatron.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
-    from megatron.training.engine import build_model, count_parameters, initialize_engine
+    from megatron.training.checkpointing import (
+        CheckpointError,
+        layout,
+        load_checkpoint,
+        save_checkpoint,
+    )
     from megatron.training.loop import TrainState, evaluate, train
     from megatron.training.lr_schedule import resolve_with_checkpoint
     from megatron.training.metrics import MetricsWriter
@@ -112,65 +151,62 @@ def pretrain(args: argparse.Namespace, signals=None, watchdog=None):
     from megatron.training.watchdog import Watchdog
 
     rank = dist.get_rank()
-    writer = MetricsWriter(args.log_file, args.tensorboard_dir, enabled=rank == 0,
-                           train_iters=args.train_iters)
+    runtime, ckpt, batch = config.runtime, config.checkpoint, config.batch
+    writer = MetricsWriter(config.logging.log_file, config.logging.tensorboard_dir,
+                           enabled=rank == 0, train_iters=batch.train_iters)
     own_watchdog = watchdog is None
     watchdog = watchdog or Watchdog(rank)
-    collective_s = 60 * args.distributed_timeout_minutes
+    layout_now = layout(config.parallel, config.zero.stage)
     try:
-        for warning in args.warnings:
+        for warning in runtime.warnings:
             writer.write_text(f"warning: {warning}")
-        writer.write_text("flags: " + json.dumps(args_to_dict(args), sort_keys=True))
-        writer.write_text("deepspeed config: " + json.dumps(args.ds_config, sort_keys=True))
-        set_seeds(args.seed, args.device_type)
-        with watchdog.watch("building the model (ZeRO-3 partitions it with the other ranks)",
-                            collective_s):
-            model = build_model(args)
-        writer.write_text(f"parameters on tensor rank 0: {count_parameters(model):,}")
-        with watchdog.watch("engine setup (DeepSpeed broadcasts and partitions the weights "
-                            "with the other ranks)", collective_s):
-            engine, _ = initialize_engine(args, model)
-        schedule = args.lr_schedule
+        writer.write_text("flags: " + json.dumps(config.flags, sort_keys=True))
+        writer.write_text("deepspeed config: " + json.dumps(config.deepspeed, sort_keys=True))
+        set_seeds(runtime.seed, runtime.device_type)
+        step = build_step(config, watchdog, writer)
+        schedule = config.optimizer.schedule
         state = TrainState()
-        if args.load is not None:
-            with watchdog.watch(f"checkpoint I/O: loading {args.load}",
-                                60 * args.checkpoint_timeout_minutes):
-                meta = load_checkpoint(engine, args)
+        if ckpt.load is not None:
+            with watchdog.watch(f"checkpoint I/O: loading {ckpt.load}",
+                                60 * ckpt.timeout_minutes):
+                meta = load_checkpoint(step, ckpt, layout_now, runtime.device_type)
             if meta is None:
-                writer.write_text(f"no checkpoint in {args.load}: starting from scratch")
-            elif args.finetune:
-                writer.write_text(f"loaded the weights of {args.load} iteration "
+                writer.write_text(f"no checkpoint in {ckpt.load}: starting from scratch")
+            elif ckpt.finetune:
+                writer.write_text(f"loaded the weights of {ckpt.load} iteration "
                                   f"{meta['iteration']} (--finetune)")
             else:
                 state.iteration, state.consumed_samples = meta["iteration"], \
                     meta["consumed_samples"]
                 try:
                     schedule = resolve_with_checkpoint(schedule, meta["lr_schedule"],
-                                                       args.lr_policy)
+                                                       ckpt.lr_policy)
                 except ValueError as e:
-                    raise CheckpointError(f"--load {args.load}: {e}") from None
-                writer.write_text(f"resumed from {args.load} at iteration {state.iteration} "
+                    raise CheckpointError(f"--load {ckpt.load}: {e}") from None
+                writer.write_text(f"resumed from {ckpt.load} at iteration {state.iteration} "
                                   f"({state.consumed_samples} samples consumed)")
         with watchdog.watch("data: building the datasets (index caches; another rank may be "
-                            "building them)", args.data_cache_timeout + 60):
-            train_loader, valid_loader, test_loader = build_data(args, state.consumed_samples)
+                            "building them)", runtime.data_cache_timeout_s + 60):
+            train_loader, valid_loader, test_loader = build_data(
+                config.data, batch, runtime.device_type, state.consumed_samples)
         if train_loader is None:
             raise RuntimeError("the train split is empty: check --split and --data-path")
 
         def save(s: TrainState) -> None:
-            path = save_checkpoint(engine, args, s.iteration, s.consumed_samples,
-                                   schedule.state_dict(), args_to_dict(args))
+            path = save_checkpoint(step, ckpt.save, layout_now, runtime.device_type, s.iteration,
+                                   s.consumed_samples, schedule.state_dict(), config.flags)
             writer.write_text(f"saved checkpoint {path}")
 
-        if state.iteration < args.train_iters:
+        if state.iteration < batch.train_iters:
             with contextlib.ExitStack() as stack:
                 if signals is None:
                     signals = stack.enter_context(StopSignals())
-                state = train(args, engine, schedule, train_loader, valid_loader, writer, state,
-                              save, signals, watchdog)
+                state = train(step, batch, config.logging, ckpt, runtime, step_cost(config),
+                              schedule, train_loader, valid_loader, writer, state, save,
+                              signals, watchdog)
         if not state.exit_reason:
             for split, loader in (("valid", valid_loader), ("test", test_loader)):
-                loss = evaluate(engine, args, loader, watchdog)
+                loss = evaluate(step, batch, runtime, loader, watchdog)
                 if loss is not None:
                     state.evaluations.append((state.iteration, split, loss))
                     writer.write_eval(state.iteration, split, loss)
@@ -187,23 +223,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Before anything slow: a stop signal during start-up ends the run at its first step.
     with StopSignals() as signals:
         try:
-            args = parse_args(argv)
+            config = parse_args(argv)
         except ArgumentsError as e:
             print(f"error: the command line cannot run:\n{e}", file=sys.stderr)
             return 2
-        if args.dry_run:
-            return dry_run(args)
-        return run(args, signals)
+        if config.dry_run:
+            return dry_run(config)
+        return run(config, signals)
 
 
-def run(args: argparse.Namespace, signals) -> int:
+def run(config: RunConfig, signals) -> int:
     """Join the job, train, leave the process group (without it, gloo jobs abort at interpreter
     exit now and then)."""
     from megatron.initialize import distributed_env, initialize_distributed
     from megatron.training.checkpointing import CheckpointError
     from megatron.training.watchdog import Watchdog
 
-    launch = distributed_env(os.environ, args.local_rank)
+    runtime = config.runtime
+    launch = distributed_env(os.environ, runtime.local_rank)
     watchdog = Watchdog(int(launch["RANK"]))
     try:
         with watchdog.watch(f"process-group start: rendezvous with {launch['MASTER_ADDR']}:"
@@ -211,17 +248,17 @@ def run(args: argparse.Namespace, signals) -> int:
                             f"hosts with several interfaces, set GLOO_SOCKET_IFNAME or "
                             f"NCCL_SOCKET_IFNAME)",
                             # + 5 minutes: DeepSpeed may compile its communication op first
-                            60 * args.distributed_timeout_minutes + 300):
-            created = initialize_distributed(args)
-        return _train(args, signals, watchdog, created, CheckpointError)
+                            60 * runtime.distributed_timeout_minutes + 300):
+            created = initialize_distributed(runtime, config.parallel)
+        return _train(config, signals, watchdog, created, CheckpointError)
     finally:
         watchdog.close()
 
 
-def _train(args, signals, watchdog, created: bool, CheckpointError) -> int:
+def _train(config: RunConfig, signals, watchdog, created: bool, CheckpointError) -> int:
     finished = False
     try:
-        pretrain(args, signals, watchdog)
+        pretrain(config, signals, watchdog)
         finished = True
     except CheckpointError as e:
         print(f"error (rank {dist.get_rank()}): {e}", file=sys.stderr)
@@ -231,7 +268,7 @@ def _train(args, signals, watchdog, created: bool, CheckpointError) -> int:
         if created and dist.is_initialized():
             if finished:  # a failed rank's peers may be gone: no barrier then
                 with watchdog.watch("collective: the barrier before leaving",
-                                    60 * args.distributed_timeout_minutes):
+                                    60 * config.runtime.distributed_timeout_minutes):
                     dist.barrier()
             dist.destroy_process_group()
     return 0

@@ -2,17 +2,45 @@
 
 `add_data_args(parser)` adds them; `check_data_args(args)` lists every problem at once;
 `data_config_from_args(args)` and `sample_counts_from_args(args)` turn them into what
-`megatron.data.builder.build_datasets` takes.
+`megatron.data.builder.build_datasets` takes. For training, `resolve_data(flags, ...)` returns
+the data part of the run configuration (`DataSettings`) with every problem of the data flags,
+the tokenizer and the sizes it must fit.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import List, Tuple
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, List, Mapping, Optional, Tuple
 
-from megatron.data.builder import OBJECTIVES, DataConfig, split_sample_counts
+from megatron.data.builder import OBJECTIVES, DataConfig, parse_data_path, split_sample_counts
 from megatron.data.indexed_dataset import IMPLS
 from megatron.data.t5_dataset import T5DatasetConfig
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """The datasets (`DataConfig`, with the resolved sequence lengths) and how they are read."""
+
+    dataset: DataConfig
+    tokenizer_model: str = ""
+    vocab_extra_ids: int = 100
+    num_workers: int = 1
+    """Data-loader worker processes."""
+
+    @property
+    def encoder_seq_length(self) -> int:
+        return self.dataset.t5.encoder_seq_length
+
+    @property
+    def decoder_seq_length(self) -> int:
+        return self.dataset.t5.decoder_seq_length
+
+    @property
+    def seed(self) -> int:
+        return self.dataset.t5.seed
 
 
 def add_data_args(parser: argparse.ArgumentParser,
@@ -114,3 +142,76 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
 def sample_counts_from_args(args: argparse.Namespace) -> Tuple[int, int, int]:
     return split_sample_counts(args.train_iters, args.global_batch_size, args.eval_interval,
                                args.eval_iters)
+
+
+def resolve_tokenizer(path: str, problems: List[str]) -> Optional[str]:
+    """A SentencePiece model file; CPM-2's --tokenizer-path may name the folder holding it."""
+    p = Path(path)
+    if p.is_dir():
+        models = sorted(p.glob("*.model"))
+        if len(models) == 1:
+            return str(models[0])
+        problems.append(f"--tokenizer-path {path}: a folder must hold exactly one SentencePiece "
+                        f"*.model file; found {len(models)}")
+        return None
+    if not p.is_file():
+        problems.append(f"--tokenizer-model {path}: no such file")
+        return None
+    return str(p)
+
+
+def tokenizer_problems(model_path: str, extra_ids: int, vocab_size: int) -> List[str]:
+    """The tokenizer's ids must fit the model's embedding of `vocab_size` rows."""
+    from megatron.data.tokenizer import T5Tokenizer
+
+    try:
+        size = len(T5Tokenizer(model_path, extra_ids=extra_ids))
+    except Exception as e:  # noqa: BLE001 - sentencepiece raises plain RuntimeErrors
+        return [f"--tokenizer-model {model_path}: cannot be loaded ({e})"]
+    if size > vocab_size:
+        return [f"--tokenizer-model {model_path} has {size} ids (with {extra_ids} sentinels) but "
+                f"the model's vocab_size is {vocab_size}; raise vocab_size in "
+                f"--model-config or lower --vocab-extra-ids"]
+    return []
+
+
+def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
+                 schedule: Optional[Tuple[int, int]], too_few_samples: bool
+                 ) -> Tuple[Optional[DataSettings], List[str]]:
+    """The data part of a training run from its flags (`vars(namespace)`, not modified).
+
+    vocab_size: the model's (None: unknown, the tokenizer is not sized against it).
+    schedule: (train_iters, global_batch_size) once both are known, else None (the sample
+        counts and lengths are not checked).
+    too_few_samples: --train-samples gave no whole step (reported by the caller, so the
+        data's "--train-iters must be positive" is left out).
+    Returns (settings, problems); settings is None when the flags cannot run.
+    """
+    problems: List[str] = []
+    tokenizer = None
+    if flags["tokenizer_model"] is not None:
+        tokenizer = resolve_tokenizer(flags["tokenizer_model"], problems)
+    if tokenizer is not None and vocab_size is not None:
+        problems += tokenizer_problems(tokenizer, flags["vocab_extra_ids"], vocab_size)
+    if flags["data_path"] is not None:
+        try:
+            parse_data_path(flags["data_path"])
+        except ValueError as e:
+            problems.append(str(e))
+    if flags["num_workers"] < 0:
+        problems.append("--num-workers must be >= 0")
+    if schedule is None or flags["data_path"] is None:
+        return None, problems
+    view = argparse.Namespace(**{**flags, "train_iters": schedule[0],
+                                 "global_batch_size": schedule[1]})
+    data_problems = check_data_args(view)
+    if too_few_samples:  # reported by the caller, in terms of the flag that was given
+        data_problems = [p for p in data_problems if not p.startswith("--train-iters")]
+    problems += data_problems
+    if data_problems or tokenizer is None:
+        return None, problems
+    t5 = t5_config_from_args(view)
+    t5 = dataclasses.replace(t5, decoder_seq_length=t5.lengths()[2])
+    dataset = dataclasses.replace(data_config_from_args(view), t5=t5)
+    return DataSettings(dataset, tokenizer, flags["vocab_extra_ids"],
+                        flags["num_workers"]), problems

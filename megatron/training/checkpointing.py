@@ -21,20 +21,20 @@ DeepSpeed and restores our own state from JSON and `weights_only` tensor files.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.training.settings import CheckpointConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TEST_PAUSE_ENV = "MEGATRON_CHECKPOINT_TEST_PAUSE_S"
@@ -107,16 +107,56 @@ def set_rng_state(state: Dict[str, Any], device_type: str) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def layout(args: argparse.Namespace) -> Dict[str, int]:
-    return {"tensor_model_parallel_size": args.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-            "data_parallel_size": args.data_parallel_size, "zero_stage": args.zero_stage}
+def layout(parallel, zero_stage: int) -> Dict[str, int]:
+    """What a checkpoint's files depend on: the parallel sizes and the ZeRO stage."""
+    return {"tensor_model_parallel_size": parallel.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
+            "data_parallel_size": parallel.data_parallel_size, "zero_stage": zero_stage}
 
 
-def save_checkpoint(engine, args: argparse.Namespace, iteration: int, consumed_samples: int,
-                    lr_state: Dict[str, Any], resolved_flags: Dict[str, Any]) -> Path:
-    """Write checkpoint `iteration` under args.save (collective: every rank calls it)."""
-    root = Path(args.save)
+def checkpoint_flag_problems(values: Dict[str, Any]) -> List[str]:
+    """The checkpoint flags (`vars(namespace)`): combinations and folders."""
+    problems = []
+    if values["save_interval"] is not None and values["save"] is None:
+        problems.append("--save-interval needs --save (where to write)")
+    for flag in ("no_load_optim", "no_load_rng", "finetune"):
+        if values[flag] and values["load"] is None:
+            problems.append(f"--{flag.replace('_', '-')} needs --load")
+    if values["lr_policy"] != "check" and values["load"] is None:
+        problems.append("--use-new-lr / --use-checkpoint-lr-scheduler need --load")
+    if values["finetune"] and values["lr_policy"] == "checkpoint":
+        problems.append("--finetune starts the LR schedule fresh; --use-checkpoint-lr-scheduler "
+                        "contradicts it")
+    load, save = values["load"], values["save"]
+    if load is not None and Path(load).exists() and not Path(load).is_dir():
+        problems.append(f"--load {load} is a file; give the checkpoint folder")
+    if save is not None and Path(save).exists() and not Path(save).is_dir():
+        problems.append(f"--save {save} is a file; give a folder")
+    return problems
+
+
+def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool) -> List[str]:
+    """A checkpoint in `load` that a run of layout `now` cannot read (found before any process
+    starts); empty when the folder holds none yet."""
+    root = Path(load)
+    try:
+        iteration = read_tracker(root) if root.is_dir() else None
+        if iteration is None:
+            return []
+        meta = read_meta(root, iteration)
+        return layout_problems(meta["layout"], now, load, weights_only)
+    except CheckpointError as e:
+        return [f"--load {load}: {e}"]
+
+
+def save_checkpoint(step, save_dir: str, layout_now: Dict[str, int], device_type: str,
+                    iteration: int, consumed_samples: int, lr_state: Dict[str, Any],
+                    resolved_flags: Dict[str, Any]) -> Path:
+    """Write checkpoint `iteration` under `save_dir` (collective: every rank calls it).
+
+    step: the training step (`megatron.training.step.TrainStep`), which writes the engine's
+    files into a folder it is given."""
+    root = Path(save_dir)
     rank = dist.get_rank()
     tag = tag_for(iteration)
     tmp_tag = tag + ".tmp"
@@ -125,11 +165,10 @@ def save_checkpoint(engine, args: argparse.Namespace, iteration: int, consumed_s
         for stale in root.glob("iter_*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
-    engine.save_checkpoint(str(root), tag=tmp_tag, client_state={"iteration": iteration},
-                           save_latest=False)
+    step.save(root, tmp_tag, iteration)
     rng_dir = root / tmp_tag / "rng"
     rng_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(args.device_type), rng_dir / f"rank_{rank:05d}.pt")
+    torch.save(rng_state(device_type), rng_dir / f"rank_{rank:05d}.pt")
     pause = _test_pause(iteration)
     if pause:
         time.sleep(pause)
@@ -139,7 +178,7 @@ def save_checkpoint(engine, args: argparse.Namespace, iteration: int, consumed_s
     dist.barrier()
     if rank == 0:
         meta = {"iteration": iteration, "consumed_samples": consumed_samples,
-                "layout": layout(args), "world_size": dist.get_world_size(),
+                "layout": layout_now, "world_size": dist.get_world_size(),
                 "lr_schedule": lr_state, "flags": resolved_flags,
                 "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
         write_atomic(root / tmp_tag / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
@@ -183,9 +222,10 @@ def read_meta(load_dir: Path, iteration: int) -> Dict[str, Any]:
                               f"incomplete") from None
 
 
-def layout_problems(saved: Dict[str, int], args: argparse.Namespace, weights_only: bool) -> list:
-    """Why a checkpoint saved with layout `saved` cannot be loaded now (empty: it can)."""
-    now = layout(args)
+def layout_problems(saved: Dict[str, int], now: Dict[str, int], load: str,
+                    weights_only: bool) -> List[str]:
+    """Why a checkpoint in `load` saved with layout `saved` cannot be loaded by a run of layout
+    `now` (empty: it can)."""
     changed = []
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if saved[key] != now[key]:
@@ -203,37 +243,33 @@ def layout_problems(saved: Dict[str, int], args: argparse.Namespace, weights_onl
     if not weights_only and saved["zero_stage"] < 3 and now["zero_stage"] < 3:
         hint = ("; the weights alone of a ZeRO 0-2 checkpoint load on another data-parallel "
                 "size or stage with --no-load-optim")
-    return [f"--load {args.load}: the checkpoint was saved with another layout "
+    return [f"--load {load}: the checkpoint was saved with another layout "
             f"({'; '.join(changed)}); converting a checkpoint to another layout is not "
             f"available yet{hint}"]
 
 
-def load_checkpoint(engine, args: argparse.Namespace) -> Optional[Dict[str, Any]]:
-    """Restore from args.load; returns the checkpoint's meta.json (None: nothing to load).
+def load_checkpoint(step, config: CheckpointConfig, layout_now: Dict[str, int],
+                    device_type: str) -> Optional[Dict[str, Any]]:
+    """Restore from config.load; returns the checkpoint's meta.json (None: nothing to load).
 
+    step: the training step (`megatron.training.step.TrainStep`), which reads the engine's files.
     Raises:
         CheckpointError: a damaged checkpoint or one from another layout.
     """
-    root = Path(args.load)
+    root = Path(config.load)
     iteration = read_tracker(root) if root.is_dir() else None
     if iteration is None:
         return None
     meta = read_meta(root, iteration)
-    weights_only = args.finetune or args.no_load_optim
-    problems = layout_problems(meta["layout"], args, weights_only)
+    problems = layout_problems(meta["layout"], layout_now, config.load, config.weights_only)
     if problems:  # validate() finds these first; a checkpoint may have appeared since
         raise CheckpointError(problems[0])
-    load_optim = not weights_only
-    path, _ = engine.load_checkpoint(str(root), tag=tag_for(iteration),
-                                     load_optimizer_states=load_optim,
-                                     load_lr_scheduler_states=False,
-                                     load_module_only=not load_optim)
-    if path is None:
+    if not step.load(root, tag_for(iteration), weights_only=config.weights_only):
         raise CheckpointError(f"DeepSpeed could not load {root / tag_for(iteration)}")
-    if not (args.finetune or args.no_load_rng):
+    if not (config.finetune or config.no_load_rng):
         rng_file = root / tag_for(iteration) / "rng" / f"rank_{dist.get_rank():05d}.pt"
         if not rng_file.is_file():
             raise CheckpointError(f"{rng_file} is missing; pass --no-load-rng to start the "
                                   f"random generators afresh")
-        set_rng_state(torch.load(rng_file, weights_only=True), args.device_type)
+        set_rng_state(torch.load(rng_file, weights_only=True), device_type)
     return meta

@@ -11,35 +11,39 @@
 
 from __future__ import annotations
 
-import argparse
 from typing import Dict, List
 
 import torch
 
 from megatron import parallel_state
+from megatron.model.settings import ModelConfig
 from megatron.model.t5 import T5Model
+from megatron.training.settings import OptimizerConfig, ZeroConfig
 
 NO_DECAY_MARKERS = ("layer_norm", "bias", "relative_attention_bias")
 
 
-def build_model(args: argparse.Namespace) -> T5Model:
-    """The model for this rank (weights identical on every data-parallel rank)."""
+def build_model(model: ModelConfig, zero: ZeroConfig, device_type: str,
+                ds_json: Dict) -> T5Model:
+    """The model for this rank (weights identical on every data-parallel rank).
+
+    ds_json: DeepSpeed's config, read by zero.Init under ZeRO-3."""
     import deepspeed
 
     def make(device=None):
-        return T5Model(args.model, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                       attention_backend=args.attention_backend,
-                       checkpoint_activations=args.checkpoint_activations,
-                       checkpoint_num_layers=args.checkpoint_num_layers,
-                       label_smoothing=args.label_smoothing, device=device)
+        return T5Model(model.t5, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
+                       attention_backend=model.attention_backend,
+                       checkpoint_activations=model.checkpoint_activations,
+                       checkpoint_num_layers=model.checkpoint_num_layers,
+                       label_smoothing=model.label_smoothing, device=device)
 
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device_type == "cuda" \
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
-    if args.zero_stage == 3:
-        remote = None if args.offload_param == "none" else args.offload_param
+    if zero.stage == 3:
+        remote = None if zero.offload_param == "none" else zero.offload_param
         with deepspeed.zero.Init(data_parallel_group=parallel_state.get_data_parallel_group(),
-                                 remote_device=remote, config_dict_or_path=args.ds_config,
-                                 pin_memory=args.device_type == "cuda",
+                                 remote_device=remote, config_dict_or_path=ds_json,
+                                 pin_memory=device_type == "cuda",
                                  mpu=parallel_state):
             return make(device)
     return make(device)
@@ -57,33 +61,29 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict]:
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(args: argparse.Namespace, model: torch.nn.Module) -> torch.optim.Optimizer:
-    groups = param_groups(model, args.weight_decay)
-    betas = (args.adam_beta1, args.adam_beta2)
-    if args.offload_optimizer != "none":
+def build_optimizer(config: OptimizerConfig, offload_optimizer: str, device_type: str,
+                    model: torch.nn.Module) -> torch.optim.Optimizer:
+    groups = param_groups(model, config.weight_decay)
+    betas = (config.adam_beta1, config.adam_beta2)
+    if offload_optimizer != "none":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, lr=args.lr, betas=betas, eps=args.adam_eps,
-                                weight_decay=args.weight_decay, adamw_mode=True)
-    return torch.optim.AdamW(groups, lr=args.lr, betas=betas, eps=args.adam_eps,
-                             weight_decay=args.weight_decay,
-                             fused=True if args.device_type == "cuda" else None)
+        return DeepSpeedCPUAdam(groups, lr=config.lr, betas=betas, eps=config.adam_eps,
+                                weight_decay=config.weight_decay, adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=config.lr, betas=betas, eps=config.adam_eps,
+                             weight_decay=config.weight_decay,
+                             fused=True if device_type == "cuda" else None)
 
 
-def initialize_engine(args: argparse.Namespace, model: torch.nn.Module):
+def initialize_engine(optimizer: OptimizerConfig, zero: ZeroConfig, device_type: str,
+                      ds_json: Dict, model: torch.nn.Module):
     """(engine, optimizer): DeepSpeed wrapped around the model and our AdamW."""
     import deepspeed
 
-    optimizer = build_optimizer(args, model)
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                   config=args.ds_config, mpu=parallel_state,
-                                                   dist_init_required=False)
-    return engine, optimizer
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    adamw = build_optimizer(optimizer, zero.offload_optimizer, device_type, model)
+    engine, adamw, _, _ = deepspeed.initialize(model=model, optimizer=adamw, config=ds_json,
+                                               mpu=parallel_state, dist_init_required=False)
+    return engine, adamw
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 from megatron.model.config import ConfigError, T5Config
 from megatron.model.t5 import model_parallel_problems
+
+if TYPE_CHECKING:
+    from megatron.config import RunConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -287,6 +290,28 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
                           activations=activations, activations_saved=saved, buffers=buffers,
                           total=params + grads + optimizer + buffers + max(activations, step),
                           offloaded=offloaded, between_steps=params + grads + optimizer + buffers)
+
+
+def estimate_run(config: "RunConfig", device_type: str) -> MemoryEstimate:
+    """`estimate_memory` for a validated run on `device_type` ('cuda' or 'cpu'): its model,
+    layout, batch, precision, ZeRO and offload, DeepSpeed's buckets from its JSON; the attention
+    kernel that the model's 'auto' backend picks there (fused on CUDA, eager on the CPU). What
+    `--dry-run`, the training bench and the planner share."""
+    model, parallel = config.model, config.parallel
+    kernel = "fused" if device_type == "cuda" else "eager"
+    return estimate_memory(
+        model.t5, tensor_parallel_size=parallel.tensor_model_parallel_size,
+        data_parallel_size=parallel.data_parallel_size, zero_stage=config.zero.stage,
+        precision=config.precision.precision, offload_optimizer=config.zero.offload_optimizer,
+        offload_param=config.zero.offload_param, micro_batch_size=config.batch.micro_batch_size,
+        encoder_seq_length=config.data.encoder_seq_length,
+        decoder_seq_length=config.data.decoder_seq_length,
+        checkpoint_activations=model.checkpoint_activations,
+        checkpoint_num_layers=model.checkpoint_num_layers,
+        make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
+        attention_kernel=kernel, device_type=device_type,
+        buckets=ZeroBuckets.from_zero_config(config.deepspeed.get("zero_optimization", {})),
+        gradient_accumulation_steps=config.batch.gradient_accumulation_steps)
 
 
 def optimizer_bytes(stage: int, precision: str, numel: int) -> int:

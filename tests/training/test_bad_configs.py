@@ -279,9 +279,10 @@ def problems_of(argv, env):
 
 
 def test_base_command_line_is_valid(train_data):
-    args = parse_args(base_argv(train_data), env={})
-    assert (args.micro_batch_size, args.global_batch_size, args.gradient_accumulation_steps) == \
-        (2, 4, 2)
+    config = parse_args(base_argv(train_data), env={})
+    batch = config.batch
+    assert (batch.micro_batch_size, batch.global_batch_size, batch.gradient_accumulation_steps) \
+        == (2, 4, 2)
     assert not dist.is_initialized()
 
 
@@ -347,10 +348,10 @@ def test_json_equal_to_flags_passes(train_data, tmp_path):
         "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
         "zero_optimization": {"stage": 1}, "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95]}}})
-    args = parse_args(base_argv(train_data, "--bf16", "--zero-stage", "1", "--clip-grad", "1",
-                                "--adam-beta2", "0.95", "--deepspeed_config", ds), env={})
-    assert (args.micro_batch_size, args.gradient_accumulation_steps, args.zero_stage,
-            args.precision) == (2, 2, 1, "bf16")
+    config = parse_args(base_argv(train_data, "--bf16", "--zero-stage", "1", "--clip-grad", "1",
+                                  "--adam-beta2", "0.95", "--deepspeed_config", ds), env={})
+    assert (config.batch.micro_batch_size, config.batch.gradient_accumulation_steps,
+            config.zero.stage, config.precision.precision) == (2, 2, 1, "bf16")
     assert not dist.is_initialized()
 
 
@@ -361,15 +362,16 @@ def test_json_supplies_what_the_flags_leave_out(train_data, tmp_path):
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.8, 0.95],
                                                   "eps": 1e-6, "weight_decay": 0.1}}})
     argv = without(base_argv(train_data), ["--micro-batch-size", "--global-batch-size", "--lr"])
-    args = parse_args(argv + ["--deepspeed_config", ds], env={"WORLD_SIZE": "2"})
-    assert (args.precision, args.zero_stage) == ("bf16", 1)
-    assert (args.micro_batch_size, args.data_parallel_size, args.gradient_accumulation_steps,
-            args.global_batch_size) == (2, 2, 2, 8)
-    assert (args.lr, args.adam_beta1, args.adam_beta2, args.adam_eps, args.weight_decay,
-            args.clip_grad) == (1e-3, 0.8, 0.95, 1e-6, 0.1, 0.5)
-    assert args.lr_schedule.max_lr == 1e-3
-    assert args.ds_config["train_batch_size"] == 8
-    assert args.ds_config["bf16"]["enabled"] and not args.ds_config["fp16"]["enabled"]
+    config = parse_args(argv + ["--deepspeed_config", ds], env={"WORLD_SIZE": "2"})
+    batch, opt = config.batch, config.optimizer
+    assert (config.precision.precision, config.zero.stage) == ("bf16", 1)
+    assert (batch.micro_batch_size, config.parallel.data_parallel_size,
+            batch.gradient_accumulation_steps, batch.global_batch_size) == (2, 2, 2, 8)
+    assert (opt.lr, opt.adam_beta1, opt.adam_beta2, opt.adam_eps, opt.weight_decay,
+            opt.clip_grad) == (1e-3, 0.8, 0.95, 1e-6, 0.1, 0.5)
+    assert opt.schedule.max_lr == 1e-3
+    assert config.deepspeed["train_batch_size"] == 8
+    assert config.deepspeed["bf16"]["enabled"] and not config.deepspeed["fp16"]["enabled"]
     assert not dist.is_initialized()
 
 
@@ -377,8 +379,8 @@ def test_tokenizer_folder_with_one_model_is_used(train_data, tmp_path):
     folder = tmp_path / "spm"
     folder.mkdir()
     shutil.copy(train_data.spm, folder / "t5.model")
-    args = parse_args(base_argv(train_data, "--tokenizer-path", str(folder)), env={})
-    assert args.tokenizer_model == str(folder / "t5.model")
+    config = parse_args(base_argv(train_data, "--tokenizer-path", str(folder)), env={})
+    assert config.data.tokenizer_model == str(folder / "t5.model")
 
 
 def test_cpm2_command_line(train_data, tmp_path):
@@ -390,10 +392,11 @@ def test_cpm2_command_line(train_data, tmp_path):
             "--split", "90,5,5", "--deepspeed", "--lr", "1e-3", "--train-iters", "200",
             "--batch-size", "2", "--model-parallel-size", "1", "--warmup", "0.01",
             "--enc-seq-length", "64", "--dec-seq-length", "32"]
-    args = parse_args(argv, env={})
-    assert (args.micro_batch_size, args.global_batch_size, args.tensor_model_parallel_size) == \
-        (2, 2, 1)
-    assert args.lr_warmup_fraction == 0.01 and args.lr_schedule.warmup_steps == 2
-    assert (args.encoder_seq_length, args.decoder_seq_length) == (64, 32)
-    assert args.tokenizer_model == str(folder / "vocab.model")
+    config = parse_args(argv, env={})
+    assert (config.batch.micro_batch_size, config.batch.global_batch_size,
+            config.parallel.tensor_model_parallel_size) == (2, 2, 1)
+    assert config.flags["lr_warmup_fraction"] == 0.01 \
+        and config.optimizer.schedule.warmup_steps == 2
+    assert (config.data.encoder_seq_length, config.data.decoder_seq_length) == (64, 32)
+    assert config.data.tokenizer_model == str(folder / "vocab.model")
     assert not dist.is_initialized()

@@ -43,11 +43,12 @@ def test_dry_run_plans_for_gpus_from_a_cpu_host(train_data, capsys):
 def test_dry_run_plans_for_another_world_size(train_data, capsys):
     argv = base_argv(train_data, "--dry-run", "--tensor-model-parallel-size", "2",
                      "--global-batch-size", "16")
-    args = parse_args(argv, env={"WORLD_SIZE": "8"})
-    assert (args.data_parallel_size, args.gradient_accumulation_steps) == (4, 2)
+    config = parse_args(argv, env={"WORLD_SIZE": "8"})
+    assert (config.parallel.data_parallel_size, config.batch.gradient_accumulation_steps) == \
+        (4, 2)
 
 
 def test_local_rank_spellings(train_data):
     for flag in ("--local_rank=1", "--local-rank=1", "--local_rank", "--local-rank"):
         extra = [flag] if "=" in flag else [flag, "1"]
-        assert parse_args(base_argv(train_data, *extra), env={}).local_rank == 1
+        assert parse_args(base_argv(train_data, *extra), env={}).runtime.local_rank == 1

@@ -126,8 +126,9 @@ def test_killed_save_leaves_previous_checkpoint(train_data, tmp_path):
             parse_args(argv[3:] + ["--load", str(ckpt), *flags], env=env_)
         assert reason in str(refused.value) and str(ckpt) in str(refused.value)
     # ... but the weights of a ZeRO 0-2 checkpoint load on another data-parallel size
-    args = parse_args(argv[3:] + ["--load", str(ckpt), "--no-load-optim"], env={"WORLD_SIZE": "2"})
-    assert args.data_parallel_size == 2
+    config = parse_args(argv[3:] + ["--load", str(ckpt), "--no-load-optim"],
+                        env={"WORLD_SIZE": "2"})
+    assert config.parallel.data_parallel_size == 2
 
 
 @contextlib.contextmanager

@@ -15,10 +15,10 @@ def run_pretrain(rank, world_size, argvs):
 
     out = []
     for argv in argvs:
-        args = parse_args(argv, env=os.environ)
-        initialize_distributed(args)
+        config = parse_args(argv, env=os.environ)
+        initialize_distributed(config.runtime, config.parallel)
         try:
-            state = pretrain(args)
+            state = pretrain(config)
         finally:
             parallel_state.destroy_model_parallel()
         out.append({"losses": dict(state.losses), "grad_norms": dict(state.grad_norms),

@@ -1,0 +1,94 @@
+"""The run configuration: what `megatron.arguments.validate` returns, typed and frozen.
+
+One small dataclass per concern; a module takes the part it needs (the loop the batch and
+logging parts, the engine the optimizer, precision and ZeRO parts, the data builder the data
+part), never the whole. Defaults live on the fields. The flags as given and resolved are kept as
+plain JSON values in `RunConfig.flags` (for the log and a checkpoint's meta.json); nothing reads
+settings from there.
+
+    RunConfig
+      parallel    ParallelConfig     world, tensor, pipeline and data-parallel sizes   (here)
+      batch       BatchConfig        micro / global batch, accumulation, steps,        (training/
+                                     evaluation                                          settings.py)
+      optimizer   OptimizerConfig    AdamW's hyperparameters, clipping, the LR schedule  (same)
+      precision   PrecisionConfig    fp32 / bf16 / fp16 and loss scaling                 (same)
+      zero        ZeroConfig         ZeRO stage and offload                              (same)
+      checkpoint  CheckpointConfig   save / load and what a load restores                (same)
+      logging     LoggingConfig      log interval, files, TensorBoard, peak TFLOP/s      (same)
+      model       ModelConfig        the T5Config and how the model is built   (model/settings.py)
+      data        DataSettings       datasets, tokenizer, loader workers     (data/data_args.py)
+      runtime     RuntimeConfig      device, backend, seeds, deadlines, exit   (here)
+                                     conditions
+      deepspeed   dict               the JSON handed to deepspeed.initialize (copy before use)
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+from megatron.data.data_args import DataSettings
+from megatron.model.settings import ModelConfig
+from megatron.training.settings import (
+    BatchConfig,
+    CheckpointConfig,
+    LoggingConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    ZeroConfig,
+)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    world_size: int = 1
+    """Processes in the job (WORLD_SIZE or SLURM_NTASKS)."""
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+    """world_size / (tensor x pipeline)."""
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    device_type: str = "cpu"
+    """'cuda' or 'cpu' (see megatron.initialize.choose_device)."""
+    distributed_backend: str = "gloo"
+    local_rank: Optional[int] = None
+    seed: int = 1234
+    distributed_timeout_minutes: float = 10.0
+    data_timeout_minutes: float = 10.0
+    data_cache_timeout_s: float = 3600.0
+    exit_interval: Optional[int] = None
+    exit_duration_in_mins: Optional[float] = None
+    warnings: Tuple[str, ...] = ()
+    """Said once at start (e.g. a backend that fell back)."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    parallel: ParallelConfig
+    batch: BatchConfig
+    optimizer: OptimizerConfig
+    precision: PrecisionConfig
+    zero: ZeroConfig
+    model: ModelConfig
+    data: DataSettings
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    runtime: RuntimeConfig
+    deepspeed: Dict[str, Any] = field(default_factory=dict)
+    """DeepSpeed's JSON as resolved; `deepspeed_json()` hands out a copy."""
+    flags: Dict[str, Any] = field(default_factory=dict)
+    """Every flag, resolved, as plain JSON values: logged and written to meta.json."""
+    dry_run: bool = False
+    dry_run_device: str = "auto"
+
+    def deepspeed_json(self) -> Dict[str, Any]:
+        """A copy of the DeepSpeed config (DeepSpeed may write into what it is given)."""
+        return copy.deepcopy(self.deepspeed)

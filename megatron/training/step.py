@@ -1,0 +1,165 @@
+"""The training-step seam: what the loop calls, and the data-parallel implementation on DeepSpeed.
+
+The loop (loop.py) knows one interface, `TrainStep`: `step(batches, lr)` runs one optimizer
+update over this rank's share of the global batch, pulling its micro-batches from `batches`,
+and returns a `StepResult`; `eval_step(batch)` returns the token-weighted loss of one batch;
+`save` / `load` write and read the engine's files in a folder the checkpoint code chooses. Every
+DeepSpeed detail lives behind it: the micro-step API (`engine(...)`, `backward`, `step` per
+micro-batch, the update at the accumulation boundary), the learning rate written into the
+optimizer's groups, the loss scale, skipped (overflowed) steps, and the gradient norm that
+DeepSpeed computes without keeping it under ZeRO-0 in fp32. A pipeline engine, which steps once
+per global batch, is a second implementation beside `DataParallelStep`.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+from typing import Dict, Iterator, NamedTuple, Optional
+
+import torch
+
+from megatron import parallel_state
+
+BATCH_KEYS = ("encoder_input_ids", "decoder_input_ids", "encoder_attention_mask",
+              "decoder_attention_mask", "labels")
+
+Batch = Dict[str, torch.Tensor]
+
+
+class StepResult(NamedTuple):
+    """One optimizer step on this rank. Tensors stay on the device (no host sync per step)."""
+
+    loss: torch.Tensor
+    """float64 scalar: the mean of this rank's micro-batch losses; the step's global loss is its
+    mean over the data-parallel ranks."""
+    input_tokens: torch.Tensor
+    """Encoder tokens (padding excluded) this rank consumed."""
+    target_tokens: torch.Tensor
+    """Labelled decoder tokens this rank consumed."""
+    grad_norm: Optional[float]
+    """The global gradient norm before clipping (None where the engine reports none)."""
+    skipped: bool
+    """The update was skipped (fp16 overflow)."""
+    loss_scale: float
+    """The loss scale after the step (1.0 without loss scaling)."""
+
+
+class EvalResult(NamedTuple):
+    loss_sum: torch.Tensor
+    """float64 scalar: the sum of the token losses of the batch on this rank."""
+    tokens: torch.Tensor
+    """Labelled tokens of the batch on this rank."""
+
+
+class TrainStep(abc.ABC):
+    """One optimizer step over this rank's micro-batches, and evaluation, on some engine."""
+
+    micro_batches: int
+    """Micro-batches `step` takes from its iterator."""
+
+    @abc.abstractmethod
+    def step(self, batches: Iterator[Batch], lr: float) -> StepResult:
+        """Train on the next `micro_batches` batches of `batches` at learning rate `lr`."""
+
+    @abc.abstractmethod
+    def eval_step(self, batch: Batch) -> EvalResult:
+        """The loss of `batch` without gradients (the model in evaluation mode)."""
+
+    @abc.abstractmethod
+    def train(self, mode: bool = True) -> None:
+        """Training (dropout on) or evaluation mode."""
+
+    @abc.abstractmethod
+    def save(self, root: Path, tag: str, iteration: int) -> None:
+        """Write the engine's files (weights, optimizer, ZeRO partitions) into root/tag
+        (collective)."""
+
+    @abc.abstractmethod
+    def load(self, root: Path, tag: str, weights_only: bool) -> bool:
+        """Read root/tag (weights only: no optimizer states); False when the engine found
+        nothing to load (collective)."""
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return {k: batch[k].to(device, non_blocking=True) for k in BATCH_KEYS}
+
+
+class DataParallelStep(TrainStep):
+    """DeepSpeed's engine with data parallelism (ZeRO 0-3, offload) and tensor parallelism:
+    each micro-batch is a forward, a backward and an engine step (DeepSpeed updates at the
+    accumulation boundary)."""
+
+    def __init__(self, engine, device: torch.device) -> None:
+        self.engine = engine
+        self.device = device
+        self.micro_batches = engine.gradient_accumulation_steps()
+
+    def step(self, batches: Iterator[Batch], lr: float) -> StepResult:
+        engine = self.engine
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        skipped_before = engine.skipped_steps
+        norm = None
+        for micro in range(self.micro_batches):
+            batch = to_device(next(batches), self.device)
+            out = engine(**batch)
+            engine.backward(out.loss)
+            if micro == self.micro_batches - 1:
+                norm = self._unreported_grad_norm()
+            engine.step()
+            totals[0] += out.loss.detach().double()
+            totals[1] += batch["encoder_attention_mask"].sum()
+            totals[2] += (batch["labels"] != -100).sum()
+        if norm is None:
+            norm = self._grad_norm()
+        return StepResult(totals[0] / self.micro_batches, totals[1], totals[2], norm,
+                          engine.skipped_steps > skipped_before, self._loss_scale())
+
+    def eval_step(self, batch: Batch) -> EvalResult:
+        batch = to_device(batch, self.device)
+        with torch.no_grad():
+            out = self.engine(**batch)
+        return EvalResult(out.token_losses.double().sum(), (batch["labels"] != -100).sum())
+
+    def train(self, mode: bool = True) -> None:
+        self.engine.train(mode)
+
+    def save(self, root: Path, tag: str, iteration: int) -> None:
+        self.engine.save_checkpoint(str(root), tag=tag, client_state={"iteration": iteration},
+                                    save_latest=False)
+
+    def load(self, root: Path, tag: str, weights_only: bool) -> bool:
+        path, _ = self.engine.load_checkpoint(str(root), tag=tag,
+                                              load_optimizer_states=not weights_only,
+                                              load_lr_scheduler_states=False,
+                                              load_module_only=weights_only)
+        return path is not None
+
+    # DeepSpeed internals, read in one place.
+    def _loss_scale(self) -> float:
+        optimizer = self.engine.optimizer
+        scale = getattr(optimizer, "cur_scale", None)
+        if scale is None:
+            scale = getattr(getattr(optimizer, "loss_scaler", None), "cur_scale", None)
+        return float(scale) if scale is not None else 1.0
+
+    def _unreported_grad_norm(self) -> Optional[float]:
+        """The clipping norm where DeepSpeed computes it without keeping it (ZeRO-0 in fp32):
+        taken over the reduced gradients before the step clips them (tensor shards counted
+        once)."""
+        engine = self.engine
+        if engine.zero_optimization_stage() != 0 or engine.bfloat16_enabled() \
+                or engine.fp16_enabled():
+            return None
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        return float(clip_grad_norm_(list(engine.module.parameters()), max_norm=float("inf"),
+                                     mpu=parallel_state))
+
+    def _grad_norm(self) -> Optional[float]:
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return None
+        return float(norm.item() if torch.is_tensor(norm) else norm)
