@@ -3,13 +3,20 @@ and convert to and from Hugging Face T5ForConditionalGeneration names.
 
 Our parameter names are Hugging Face's; the differences are only that Hugging Face also lists
 the tied copies (`encoder.embed_tokens.weight`, `decoder.embed_tokens.weight`, and `lm_head.weight`
-when tied) and that our vocabulary rows are padded for tensor parallelism.
+when tied) and that our vocabulary rows are padded for tensor parallelism. A copy is dropped only
+when it equals the embedding; whether a checkpoint's head is tied is decided from its tensors, as
+Hugging Face decides it (`from_hf_checkpoint`, `read_hf_checkpoint` for a folder).
 """
 
 from __future__ import annotations
 
-from typing import Dict
+import dataclasses
+import json
+from pathlib import Path
+from typing import Dict, Tuple, Union
 
+import safetensors
+import safetensors.torch
 import torch
 import torch.distributed as dist
 
@@ -28,12 +35,105 @@ class StateDictError(ValueError):
     """Names or shapes that do not fit the model; the message lists all of them."""
 
 
+def read_hf_checkpoint(directory: Union[str, Path]) -> Tuple[T5Config, StateDict]:
+    """(our config, our full state dict) of a Hugging Face T5 folder (`save_pretrained`'s
+    config.json with model.safetensors, its sharded index, or pytorch_model.bin), as Hugging
+    Face's `from_pretrained` would build the model (see `from_hf_checkpoint`).
+
+    Raises:
+        ConfigError: config.json missing or invalid.
+        StateDictError: no weights file, or tensors the model would not use.
+    """
+    directory = Path(directory)
+    config = T5Config.from_json(directory / "config.json")
+    index = directory / "model.safetensors.index.json"
+    bin_file = directory / "pytorch_model.bin"
+    if not any(p.is_file() for p in (directory / "model.safetensors", index, bin_file)):
+        raise StateDictError(f"{directory}: no model.safetensors, model.safetensors.index.json "
+                             f"or pytorch_model.bin")
+    try:
+        if (directory / "model.safetensors").is_file():
+            hf = safetensors.torch.load_file(directory / "model.safetensors")
+        elif index.is_file():
+            hf = {}
+            for shard_name in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+                hf.update(safetensors.torch.load_file(directory / shard_name))
+        else:
+            hf = torch.load(bin_file, map_location="cpu", weights_only=True)
+    except (OSError, ValueError, KeyError, safetensors.SafetensorError) as err:
+        raise StateDictError(f"{directory}: cannot read the weights: {err}") from None
+    return from_hf_checkpoint(config, hf)
+
+
+def from_hf_checkpoint(config: T5Config, hf: StateDict) -> Tuple[T5Config, StateDict]:
+    """The model Hugging Face's `from_pretrained` builds from a T5 checkpoint: (our config, our
+    full state dict).
+
+    transformers 5.x writes `tie_word_embeddings: true` into every T5 config.json (with the
+    decoder-output scaling as its own key, `scale_decoder_outputs`) and decides the tie from the
+    tensors when it loads: an `lm_head.weight` that is present and differs from `shared.weight`
+    stays a separate head (with a warning), one that is equal or absent is tied. So here: the head
+    is untied exactly when the checkpoint holds an `lm_head.weight` that is not equal to the
+    embedding, whatever the config's `tie_word_embeddings` says; `scale_decoder_outputs` stays as
+    the config has it.
+
+    Args:
+        config: read from the checkpoint's config.json (`T5Config.from_json`).
+        hf: the checkpoint's tensors under Hugging Face names.
+
+    Raises:
+        StateDictError: a tensor that the model would not use (see `from_hf_state_dict`).
+    """
+    tied = "lm_head.weight" not in hf or _same(hf["lm_head.weight"], _embedding(hf))
+    if tied != config.tie_word_embeddings:
+        config = dataclasses.replace(config, tie_word_embeddings=tied)
+    return config, from_hf_state_dict(hf, config)
+
+
 def from_hf_state_dict(hf: StateDict, config: T5Config) -> StateDict:
-    """Our full state dict from a Hugging Face T5ForConditionalGeneration one."""
-    out = {k: v for k, v in hf.items() if k not in HF_TIED_COPIES and k not in HF_IGNORED}
-    if config.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
+    """Our full state dict from a Hugging Face T5ForConditionalGeneration one, for `config`.
+
+    Hugging Face also lists the tied copies of the embedding (`encoder.embed_tokens.weight`,
+    `decoder.embed_tokens.weight`, and `lm_head.weight` when `config` ties the head); each is
+    dropped only if it equals `shared.weight` exactly (it stands in for `shared.weight` when that
+    is absent, as in Hugging Face). `HF_IGNORED` is dropped, as Hugging Face drops it.
+
+    Raises:
+        StateDictError: a copy that differs from the embedding, so it would be lost: an
+            `lm_head.weight` under a tied config (read the config with `from_hf_checkpoint`,
+            which unties it as Hugging Face does), or separate encoder / decoder embeddings,
+            which this model cannot hold.
+    """
+    copies = HF_TIED_COPIES + (("lm_head.weight",) if config.tie_word_embeddings else ())
+    embedding = _embedding(hf, copies)
+    out = {k: v for k, v in hf.items() if k not in copies and k not in HF_IGNORED}
+    if embedding is not None:
+        out["shared.weight"] = embedding
+    problems = []
+    for name in copies:
+        if name in hf and not _same(hf[name], embedding):
+            why = ("the config ties the head to the embedding (tie_word_embeddings true), so it "
+                   "would be lost; read the config with from_hf_checkpoint, which unties it as "
+                   "Hugging Face does" if name == "lm_head.weight" else
+                   "this model has one embedding for the encoder and the decoder")
+            problems.append(f"{name} differs from shared.weight: {why}")
+    if problems:
+        raise StateDictError("Hugging Face state dict: " + "; ".join(problems))
     return out
+
+
+def _embedding(hf: StateDict, copies=HF_TIED_COPIES + ("lm_head.weight",)):
+    """`shared.weight`, or (absent) the first copy that is there, as Hugging Face ties it."""
+    for name in ("shared.weight", *copies):
+        if name in hf:
+            return hf[name]
+    return None
+
+
+def _same(a: torch.Tensor, b) -> bool:
+    """Equal shape, dtype and values (Hugging Face's test for tying two checkpoint tensors)."""
+    return b is not None and (a is b or (a.shape == b.shape and a.dtype == b.dtype
+                                         and torch.equal(a, b)))
 
 
 def to_hf_state_dict(full: StateDict, config: T5Config) -> StateDict:
