@@ -15,8 +15,9 @@ moment leaves the previous checkpoint and the tracker that points to it intact; 
 `.tmp` folder is removed by the next save.
 
 Loading checks the layout first (tensor and pipeline sizes must match; the data-parallel size
-too, unless only weights are loaded from a ZeRO 0-2 checkpoint), then hands the engine files to
-DeepSpeed and restores our own state from JSON and `weights_only` tensor files.
+too, unless only weights are loaded from a ZeRO 0-2 checkpoint), then has the training step
+(training/step.py, which owns the engine) read its files and restores our own state from JSON and
+`weights_only` tensor files. This module knows no engine and needs no model to check a folder.
 """
 
 from __future__ import annotations

@@ -1,0 +1,104 @@
+"""The run configuration is typed and frozen, validation never writes onto the parsed flags, and
+the package's import structure keeps its floors: no cycles, nothing below training/ reaches up,
+and the training loop loads no DeepSpeed."""
+
+import ast
+import copy
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.arguments import build_parser, validate
+from megatron.config import RunConfig
+from train_workers import base_argv
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_validation_reads_the_flags_and_returns_frozen_parts(train_data, tmp_path):
+    args = build_parser().parse_args(base_argv(train_data, "--bf16", "--zero-stage", "1",
+                                               "--save", str(tmp_path / "ckpt")))
+    before = copy.deepcopy(vars(args))
+    config, problems = validate(args, {"WORLD_SIZE": "2"})
+    assert problems == []
+    assert vars(args) == before  # nothing resolved onto the namespace
+    assert isinstance(config, RunConfig)
+    for part in dataclasses.fields(config):
+        value = getattr(config, part.name)
+        if dataclasses.is_dataclass(value):
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                setattr(value, dataclasses.fields(value)[0].name, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.batch = None
+    # resolved values are in the parts (and, as plain JSON, in the flags for meta.json)
+    assert (config.parallel.data_parallel_size, config.batch.gradient_accumulation_steps) == (2, 1)
+    assert config.flags["gradient_accumulation_steps"] == 1 and config.flags["precision"] == "bf16"
+    assert config.flags["micro_batch_size"] == config.batch.micro_batch_size == 2
+    # the DeepSpeed JSON is handed out as a copy
+    config.deepspeed_json()["zero_optimization"]["stage"] = 3
+    assert config.deepspeed["zero_optimization"]["stage"] == 1
+
+
+def test_a_bad_command_line_gives_no_config(train_data):
+    args = build_parser().parse_args(base_argv(train_data, "--micro-batch-size", "3"))
+    config, problems = validate(args, {})
+    assert config is None and any("--global-batch-size 4" in p for p in problems)
+
+
+def _module_imports(path: Path):
+    """megatron modules a file imports, at module level or inside functions (an import inside
+    a function is a dependency too); `if TYPE_CHECKING:` blocks import nothing at run time."""
+    tree = ast.parse(path.read_text())
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+               and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megatron"):
+            yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.startswith("megatron"))
+
+
+def _graph():
+    graph = {}
+    for path in (REPO / "megatron").rglob("*.py"):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        graph[name.removesuffix(".__init__")] = set(_module_imports(path))
+    return graph
+
+
+def test_no_import_cycles_and_no_reaching_up():
+    graph = _graph()
+
+    def reaches(start, target, seen):
+        for dep in graph.get(start, ()):
+            if dep == target or (dep not in seen and not seen.add(dep)
+                                 and reaches(dep, target, seen)):
+                return True
+        return False
+
+    cycles = [m for m in graph if reaches(m, m, set())]
+    assert cycles == []
+    higher = ("megatron.training", "megatron.config", "megatron.arguments",
+              "megatron.initialize", "megatron.pretrain")
+    for module, deps in graph.items():
+        if module.startswith(("megatron.data", "megatron.model", "megatron.tensor_parallel",
+                              "megatron.parallel_state")):
+            assert not [d for d in deps if d.startswith(higher)], module
+        if module.startswith("megatron.data"):
+            assert not [d for d in deps if d.startswith("megatron.model")], module
+    users = [m for m, deps in graph.items() if "megatron.arguments" in deps]
+    assert users == ["megatron.pretrain_t5"]
+
+
+def test_the_loop_loads_no_deepspeed():
+    code = ("import sys, megatron.training.loop; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env=dict(os.environ), check=True).stdout
+    assert out.strip() == "[]"
