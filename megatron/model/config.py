@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 ACTIVATIONS = ("relu", "gelu", "gelu_new", "gelu_pytorch_tanh", "silu", "swish")
+INIT_METHODS = ("t5x", "hf", "cpm2")
 
 # Keys of Hugging Face config.json files that do not change the architecture we build.
 HF_METADATA_KEYS = frozenset({
@@ -68,11 +69,18 @@ class T5Config:
     tie_word_embeddings (T5 v1.0 scales, v1.1 does not). Hugging Face 5.x writes it into
     config.json; it is honoured as written."""
     initializer_factor: float = 1.0
-    """Scale of Hugging Face's initialization (init_method 'hf')."""
+    """Scales the standard deviations of init_method 't5x' and 'hf'."""
     init_method: Optional[str] = None
-    """'hf' (Hugging Face's per-layer standard deviations) or 'cpm2' (normal with
-    init_method_std, output layers scaled by 1/sqrt(2 * layers)). None: 'cpm2' when the file
-    sets init_method_std, else 'hf'."""
+    """How a model built from scratch draws its weights (a loaded checkpoint overwrites them):
+    't5x': the recipe that pretrained T5 and T5 v1.1 (Mesh TensorFlow, as t5x rebuilds it):
+    variance scaling over each layer's fan-in, so an untied lm_head starts with std
+    d_model ** -0.5 and the first loss is near ln(vocab_size).
+    'hf': Hugging Face's, the same except an untied lm_head with std 1.0 (first logits about
+    sqrt(d_model) large, a first loss several times ln(vocab_size)) and the relative attention
+    bias (std d_model ** -0.5).
+    'cpm2': normal with init_method_std, output layers scaled by 1/sqrt(2 * layers).
+    None: 'cpm2' when the file sets init_method_std, else 't5x'. Per layer:
+    megatron/model/transformer.py, InitMethods."""
     init_method_std: float = 0.02
     use_scaled_init_for_output_weights: bool = True
     """init_method 'cpm2': divide the output projections' std by sqrt(2 * layers) (CPM-2)."""
@@ -84,7 +92,7 @@ class T5Config:
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
         if self.init_method is None:
-            self.init_method = "hf"
+            self.init_method = "t5x"
         if self.scale_decoder_outputs is None:
             self.scale_decoder_outputs = self.tie_word_embeddings
         self.validate()
@@ -150,8 +158,9 @@ class T5Config:
         for name in ("tie_word_embeddings", "scale_decoder_outputs"):
             if not isinstance(getattr(self, name), bool):
                 out.append(f"{name} must be true or false, not {getattr(self, name)!r}")
-        if self.init_method not in ("hf", "cpm2"):
-            out.append(f"init_method must be 'hf' or 'cpm2', not {self.init_method!r}")
+        if self.init_method not in INIT_METHODS:
+            out.append(f"init_method must be one of {', '.join(map(repr, INIT_METHODS))}, not "
+                       f"{self.init_method!r}")
         if isinstance(self.relative_attention_num_buckets, int) \
                 and self.relative_attention_num_buckets < 4:
             out.append("relative_attention_num_buckets must be at least 4 (half exact, half "

@@ -57,13 +57,48 @@ class Carry(NamedTuple):
     decoder_input_ids: torch.Tensor
 
 
-class InitMethods:
-    """Initial standard deviations of each kind of weight, for one stack.
+# Standard deviation of a unit normal truncated to [-2, 2]: a truncated draw is scaled by its
+# inverse so that its standard deviation is the one asked for (as jax's variance_scaling does).
+TRUNCATED_NORMAL_STD = 0.87962566103423978
 
-    'hf': Hugging Face's T5 initialization (scaled by initializer_factor).
+
+def truncated_normal_init(std: float) -> InitMethod:
+    """Normal truncated at two standard deviations of the untruncated draw, rescaled to `std`."""
+    scale = std / TRUNCATED_NORMAL_STD
+
+    def init(tensor: torch.Tensor) -> None:
+        nn.init.trunc_normal_(tensor, mean=0.0, std=scale, a=-2.0 * scale, b=2.0 * scale)
+    return init
+
+
+def uniform_init(std: float) -> InitMethod:
+    """Uniform on [-sqrt(3) std, sqrt(3) std] (standard deviation `std`)."""
+    limit = math.sqrt(3.0) * std
+
+    def init(tensor: torch.Tensor) -> None:
+        nn.init.uniform_(tensor, -limit, limit)
+    return init
+
+
+class InitMethods:
+    """Initial distribution of each kind of weight, for one stack. Norm weights start at 1.
+
+    't5x' (default): the recipe that pretrained T5 and T5 v1.1 (Mesh TensorFlow), as t5x's
+        examples/t5 rebuilds it: embedding normal(1); q, k, v, o normal with std
+        fan_in ** -0.5 (q also divided by sqrt(d_kv), the folded-in score scaling); the
+        feed-forward wi, wo and the untied lm_head truncated normal (at 2 std) with std
+        fan_in ** -0.5, so the head's is d_model ** -0.5 and the first logits are small (initial
+        loss near ln(vocab)); relative attention bias uniform with variance
+        2 / (num_heads + num_buckets) (fan average).
+    'hf': Hugging Face's: all normal, the same standard deviations as 't5x' except the untied
+        lm_head (1.0: its first logits are about sqrt(d_model) large) and the relative attention
+        bias (d_model ** -0.5).
+    Both are scaled by initializer_factor.
     'cpm2': normal(init_method_std), output projections (o, wo) divided by sqrt(2 * layers)
         unless use_scaled_init_for_output_weights is false.
     """
+
+    TRUNCATED = ("wi", "wo", "lm_head")
 
     def __init__(self, config: T5Config, num_layers: int) -> None:
         self.config, self.num_layers = config, num_layers
@@ -74,16 +109,26 @@ class InitMethods:
             if kind in ("o", "wo") and c.use_scaled_init_for_output_weights:
                 return c.init_method_std / math.sqrt(2.0 * self.num_layers)
             return c.init_method_std
-        f = c.initializer_factor
-        return f * {
+        stds = {
             "embedding": 1.0, "lm_head": 1.0,
             "q": (c.d_model * c.d_kv) ** -0.5, "k": c.d_model ** -0.5, "v": c.d_model ** -0.5,
             "o": c.inner_dim ** -0.5, "relative_attention_bias": c.d_model ** -0.5,
             "wi": c.d_model ** -0.5, "wo": c.d_ff ** -0.5,
-        }[kind]
+        }
+        if c.init_method == "t5x":
+            stds["lm_head"] = c.d_model ** -0.5
+            stds["relative_attention_bias"] = \
+                (2.0 / (c.num_heads + c.relative_attention_num_buckets)) ** 0.5
+        return c.initializer_factor * stds[kind]
 
     def __call__(self, kind: str) -> InitMethod:
-        return normal_init(self.std(kind))
+        std = self.std(kind)
+        if self.config.init_method == "t5x":
+            if kind in self.TRUNCATED:
+                return truncated_normal_init(std)
+            if kind == "relative_attention_bias":
+                return uniform_init(std)
+        return normal_init(std)
 
 
 class T5LayerNorm(nn.Module):

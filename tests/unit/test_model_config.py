@@ -1,6 +1,7 @@
 """T5Config: presets, Hugging Face and CPM-2 files, refusals; parameter counts against HF."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def test_hugging_face_config_json_loads(tmp_path):
     assert config.is_gated_act and config.activation == "gelu_new"
     # transformers 5.x writes tie_word_embeddings true and the scaling separately.
     assert config.tie_word_embeddings is True and config.scale_decoder_outputs is False
-    assert config.init_method == "hf"
+    assert config.init_method == "t5x"
 
 
 def test_transformers_4_style_v1_1_config_is_untied_and_unscaled():
@@ -89,17 +90,74 @@ def test_cpm2_config_uses_cpm2_initialization(tmp_path):
 
 def test_hf_initialization_scales():
     config = T5Config(vocab_size=512, d_model=256, d_kv=32, d_ff=1024, num_layers=1,
-                      num_heads=8)
+                      num_heads=8, tie_word_embeddings=False, init_method="hf")
     torch.manual_seed(0)
     model = T5Model(config)
     attention = model.encoder.block[0].layer[0].SelfAttention
     expected = {attention.q.weight: (256 * 32) ** -0.5, attention.k.weight: 256 ** -0.5,
                 attention.o.weight: 256 ** -0.5,
                 model.encoder.block[0].layer[1].DenseReluDense.wo.weight: 1024 ** -0.5,
-                model.shared.weight: 1.0}
+                model.shared.weight[:512]: 1.0, model.lm_head.weight[:512]: 1.0}
     for weight, std in expected.items():
-        assert abs(weight.std().item() / std - 1) < 0.05
+        assert weight.std().item() == pytest.approx(std, rel=0.05)
     assert torch.equal(model.encoder.final_layer_norm.weight, torch.ones(256))
+
+
+# A unit normal truncated to [-2, 2] has standard deviation 0.8796; t5x divides by it.
+TRUNCATED_MAX = 2 / 0.87962566103423978
+
+
+def test_t5x_initialization_is_the_default_and_scales_by_fan_in():
+    """t5x (examples/t5/layers.py): every dense kernel variance_scaling(1, fan_in), the MLP and
+    the logits layer truncated at 2 (std after truncation fan_in ** -0.5), attention plain normal
+    (q also / sqrt(d_kv)), relative bias variance_scaling(1, fan_avg, uniform), embedding
+    normal(1)."""
+    d_model, d_kv, d_ff, heads, buckets, vocab = 256, 32, 1024, 16, 256, 4096
+    config = T5Config(vocab_size=vocab, d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=1,
+                      num_heads=heads, relative_attention_num_buckets=buckets,
+                      feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+    assert config.init_method == "t5x"
+    torch.manual_seed(0)
+    model = T5Model(config, make_vocab_size_divisible_by=1)
+    block = model.encoder.block[0]
+    attention, mlp = block.layer[0].SelfAttention, block.layer[1].DenseReluDense
+    normal = {model.shared.weight: 1.0, attention.q.weight: (d_model * d_kv) ** -0.5,
+              attention.k.weight: d_model ** -0.5, attention.v.weight: d_model ** -0.5,
+              attention.o.weight: (heads * d_kv) ** -0.5}
+    truncated = {model.lm_head.weight: d_model ** -0.5, mlp.wi_0.weight: d_model ** -0.5,
+                 mlp.wi_1.weight: d_model ** -0.5, mlp.wo.weight: d_ff ** -0.5}
+    for weight, std in {**normal, **truncated}.items():
+        assert weight.std().item() == pytest.approx(std, rel=0.02)
+    for weight, std in truncated.items():
+        assert weight.abs().max().item() <= TRUNCATED_MAX * std * (1 + 1e-6)
+    for weight, std in normal.items():  # a normal of this many draws passes 2.27 std
+        assert weight.abs().max().item() > TRUNCATED_MAX * std
+    bias = attention.relative_attention_bias.weight  # [buckets, heads], 4096 draws
+    std = (2 / (heads + buckets)) ** 0.5
+    assert bias.std().item() == pytest.approx(std, rel=0.05)
+    assert bias.abs().max().item() <= 3 ** 0.5 * std * (1 + 1e-6)
+    assert torch.equal(model.encoder.final_layer_norm.weight, torch.ones(d_model))
+
+
+@pytest.mark.parametrize("init_method", ["t5x", "hf"])
+def test_initial_loss_against_log_vocabulary(init_method):
+    """Uniform guessing costs ln(V). With t5x's head (std d_model ** -0.5) the first logits have
+    std about 1, so the first loss is ln(V) + ~0.5; Hugging Face's head (std 1) makes them
+    sqrt(d_model) large and the first loss a multiple of ln(V)."""
+    vocab = 2000
+    config = T5Config(vocab_size=vocab, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                      num_heads=4, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                      dropout_rate=0.0, init_method=init_method)
+    torch.manual_seed(0)
+    model = T5Model(config).eval()
+    g = torch.Generator().manual_seed(1)
+    enc, dec, labels = (torch.randint(2, vocab, (8, 32), generator=g) for _ in range(3))
+    with torch.no_grad():
+        loss = model(enc, dec, labels=labels).loss.item()
+    if init_method == "t5x":
+        assert loss == pytest.approx(math.log(vocab), rel=0.3)
+    else:
+        assert loss > 2 * math.log(vocab)
 
 
 def test_unknown_keys_are_refused_with_a_suggestion(tmp_path):
