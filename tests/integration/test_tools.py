@@ -1,6 +1,7 @@
 """The offline tools and the quickstart, each checked against an independent reference."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -35,7 +36,15 @@ def test_quickstart(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = (tmp_path / "demo" / "train.log").read_text()
     losses = [float(x) for x in re.findall(r"\| loss: (\S+) \|", log)]
-    assert len(losses) == 6 and losses[-1] < 0.5 * losses[0]
+    # Untrained, the model guesses about uniformly over the demo's 4100 tokens (checked below):
+    # the first logged loss (the mean of steps 1-25) is near ln(4100) = 8.3 (measured 7.2; 30
+    # with Hugging Face's lm_head init). After 150 steps it is 3 nats lower (measured 5.25,
+    # validation 5.06); 2 nats is the bar.
+    log_vocab = math.log(4100)
+    assert len(losses) == 6 and abs(losses[0] - log_vocab) < 0.25 * log_vocab, losses
+    assert losses[-1] < log_vocab - 2.0, losses
+    validation = re.search(r"validation loss at iteration 150 \| lm loss: (\S+) \|", log)
+    assert validation and float(validation.group(1)) < log_vocab - 2.0, log[-2000:]
     assert "validation loss at iteration 100" in log and "test loss at iteration 150" in log
     tracker = tmp_path / "demo" / "checkpoints" / "latest_checkpointed_iteration.txt"
     assert tracker.read_text() == "150\n"
