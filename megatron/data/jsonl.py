@@ -84,8 +84,11 @@ def parse_line(line: bytes, keys: Sequence[str], allow_empty: bool = False) -> L
     are (a tokenizer trainer just has nothing to learn from them).
 
     Raises:
-        BadLine: invalid UTF-8, invalid JSON, not an object, a missing key, a non-string value or
-            (unless `allow_empty`) a blank line or an empty (whitespace-only) document.
+        BadLine: invalid UTF-8, invalid JSON (nested too deeply and numbers too long included),
+            not an object, a missing key, a non-string value, a string with a lone surrogate
+            escape (`"\\ud800"`: JSON allows it, but no UTF-8 consumer such as SentencePiece
+            can take it) or (unless `allow_empty`) a blank line or an empty (whitespace-only)
+            document.
     """
     try:
         text = line.decode("utf-8")
@@ -96,9 +99,17 @@ def parse_line(line: bytes, keys: Sequence[str], allow_empty: bool = False) -> L
             return []
         raise BadLine("empty line")
     try:
-        obj = json.loads(text)
+        # Without its line break, a line cut short inside a string reads "Unterminated string",
+        # not "Invalid control character".
+        obj = json.loads(text.rstrip("\r\n"))
     except json.JSONDecodeError as e:
-        raise BadLine(f"invalid JSON: {e.msg} at column {e.colno}") from None
+        msg = e.msg[:-3] if e.msg.endswith(" at") else e.msg  # "Invalid control character at"
+        raise BadLine(f"invalid JSON: {msg} at column {e.colno}") from None
+    except RecursionError:
+        raise BadLine("invalid JSON: nested too deeply") from None
+    except ValueError as e:  # an integer longer than Python converts; the advice after ';' is
+        # for programmers, not for the user of a tool
+        raise BadLine(f"invalid JSON: {str(e).split(';')[0]}") from None
     if not isinstance(obj, dict):
         raise BadLine(f"not a JSON object but {type(obj).__name__}")
     out = []
@@ -108,10 +119,20 @@ def parse_line(line: bytes, keys: Sequence[str], allow_empty: bool = False) -> L
         value = obj[key]
         if not isinstance(value, str):
             raise BadLine(f"value of {key!r} is {type(value).__name__}, not a string")
+        if "\\u" in text:  # a lone surrogate can only come from an escape: UTF-8 cannot carry one
+            _check_encodable(key, value)
         if not value.strip() and not allow_empty:
             raise BadLine(f"empty document under {key!r}")
         out.append(value)
     return out
+
+
+def _check_encodable(key: str, value: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # strict UTF-8 refuses only surrogates
+        raise BadLine(f"value of {key!r} has a lone surrogate \\u{ord(value[e.start]):04x} at "
+                      f"character {e.start} (not encodable as UTF-8)") from None
 
 
 def iter_texts(
