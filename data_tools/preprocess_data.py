@@ -10,8 +10,9 @@ writes `data/mix_text_document.{bin,idx}` (`_sentence` with `--split-sentences`)
   split sentences (offline Punkt, see megatron/data/sentence_splitter.py) and tokenize, the main
   process writes in input order; memory is bounded by the chunks in flight, not the input size;
 - a progress bar (docs/s, MB/s, ETA) and a summary at the end;
-- bad lines (invalid UTF-8 or JSON, a missing key, a non-string value, an empty document) are
-  skipped and listed with file and line in `PREFIX_bad_lines.tsv`, or stop the run with `--strict`;
+- bad lines (invalid UTF-8 or JSON, not an object, a missing key, a non-string value, a lone
+  surrogate escape, an empty document) are skipped and listed with file and line in
+  `PREFIX_bad_lines.tsv`, or stop the run at the first one, in input order, with `--strict`;
 - outputs appear under their names only when complete: a failed or interrupted run leaves none.
 """
 
@@ -131,13 +132,17 @@ _worker: Dict[str, object] = {}
 def _init_worker(args: argparse.Namespace) -> None:
     # A worker ignores SIGINT (the main process decides what an interrupt means) and dies on
     # SIGTERM, which is how the pool stops it; it must not inherit the main process's handler.
+    # SIGTERM comes blocked (see _start_pool): one sent before this point is delivered now.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     from megatron.data.tokenizer import T5Tokenizer
 
     _worker["tokenizer"] = T5Tokenizer(args.tokenizer_model, extra_ids=args.vocab_extra_ids)
     _worker["keys"] = list(args.json_keys)
     _worker["append_eod"] = args.append_eod
+    _worker["strict"] = args.strict
     splitter = None
     if args.split_sentences:
         from megatron.data.sentence_splitter import make_splitter
@@ -170,6 +175,8 @@ def _process_chunk(chunk: Chunk) -> ChunkResult:
             docs.append(parse_line(line, keys))
         except BadLine as e:
             bad.append((chunk.first_line + k, str(e)))
+            if _worker["strict"]:  # the run stops here: nothing of this chunk will be written
+                return ChunkResult(lines=len(chunk.lines), bad=bad, documents=0)
     result = ChunkResult(lines=len(chunk.lines), bad=bad, documents=len(docs))
     dtype = tokenizer.token_dtype
     eod = tokenizer.eod
@@ -294,6 +301,39 @@ def _remove_stale_temporaries(final_paths: Sequence[str]) -> None:
                 pass
 
 
+def _start_pool(args: argparse.Namespace):
+    """The worker pool, its processes and threads made with SIGTERM blocked.
+
+    The pool forks workers from its own thread as well, to replace any that exited, and does so
+    even while terminate() runs (a race in CPython's Pool: the task thread sends the workers their
+    stop sentinel while the worker thread, already past its state check, refills the pool). A
+    fork carries this process's Python SIGTERM handler, under which a SIGTERM that reaches the
+    child before _init_worker is lost, and terminate() then waits for that worker forever. With
+    SIGTERM blocked until _init_worker has restored the default action, it is only delayed.
+    """
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no fork, no inherited handler
+        return ctx.Pool(args.workers, initializer=_init_worker, initargs=(args,))
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return ctx.Pool(args.workers, initializer=_init_worker, initargs=(args,))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _discard(pool, builders: Sequence[IndexedDatasetBuilder], report, report_tmp: str) -> None:
+    """Remove every temporary output of this run, then stop the workers (they write no file)."""
+    for builder in builders:
+        builder.abort()
+    if report is not None:
+        report.close()
+    if os.path.exists(report_tmp):
+        os.unlink(report_tmp)
+    if pool is not None:
+        pool.terminate()
+        pool.join()
+
+
 def run(args: argparse.Namespace) -> int:
     """Preprocess; returns the exit code."""
     try:
@@ -344,8 +384,7 @@ def run(args: argparse.Namespace) -> int:
         report.write("file\tline\treason\n")
         for prefix in prefixes:
             builders.append(IndexedDatasetBuilder(data_file_path(prefix), dtype=dtype))
-        ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-        pool = ctx.Pool(args.workers, initializer=_init_worker, initargs=(args,))
+        pool = _start_pool(args)
         pending: collections.deque = collections.deque()
         max_pending = 2 * args.workers + 2  # bounded memory: never more chunks than this in flight
         chunks = read_chunks(paths, chunk_bytes=int(args.chunk_mb * (1 << 20)))
@@ -356,12 +395,18 @@ def run(args: argparse.Namespace) -> int:
                 if chunk is None:
                     exhausted = True
                     break
-                pending.append((chunk.file_index, chunk.nbytes, chunk.end_offset,
+                lines = (chunk.first_line, chunk.first_line + len(chunk.lines) - 1)
+                pending.append((chunk.file_index, lines, chunk.nbytes, chunk.end_offset,
                                 pool.apply_async(_process_chunk, (chunk,))))
             if not pending:
                 break
-            file_index, nbytes, end_offset, async_result = pending.popleft()
-            res: ChunkResult = async_result.get()
+            file_index, lines, nbytes, end_offset, async_result = pending.popleft()
+            try:
+                res: ChunkResult = async_result.get()
+            except Exception:  # a bug, not bad input: say where, then show its traceback
+                print(f"error: a worker failed on {paths[file_index]} lines {lines[0]}-{lines[1]}",
+                      file=sys.stderr)
+                raise
             for line_no, reason in res.bad:
                 if args.strict:
                     raise BadLine(f"{paths[file_index]}:{line_no}: {reason} (--strict)")
@@ -392,19 +437,16 @@ def run(args: argparse.Namespace) -> int:
                 os.unlink(report_path)  # a report of an earlier run would now mislead
     except (BadLine, OSError, ValueError, _Interrupted, KeyboardInterrupt) as e:
         progress.close()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-        for builder in builders:
-            builder.abort()
-        if report is not None:
-            report.close()
-        if os.path.exists(report_tmp):
-            os.unlink(report_tmp)
+        _discard(pool, builders, report, report_tmp)
         interrupted = isinstance(e, (_Interrupted, KeyboardInterrupt))
         what = "interrupted" if interrupted else f"error: {e}"
         print(f"{what}; no output was written", file=sys.stderr)
         return 130 if interrupted else 1
+    except BaseException:
+        progress.close()
+        _discard(pool, builders, report, report_tmp)
+        print("no output was written", file=sys.stderr)
+        raise
     finally:
         signal.signal(signal.SIGTERM, old_term)
     progress.close()

@@ -2,11 +2,13 @@
 
 import gzip
 import json
+import multiprocessing
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -198,3 +200,139 @@ def test_interrupted_run_leaves_no_output(tmp_path, spm_model, mixed_texts, sig)
     else:
         assert os.listdir(out_dir) == [], os.listdir(out_dir)
         assert "interrupted" in err
+
+
+# Every bad kind among real text, the first bad one at line 5: the kinds that JSON parses
+# (a lone surrogate, a non-string value) must not reach the tokenizer, whatever the chunking.
+GOOD = [
+    "First Citizen:\nBefore we proceed any further, hear me speak.",
+    "All:\nSpeak, speak.",
+    "First Citizen:\nYou are all resolved rather to die than to famish?",
+    "All:\nResolved. resolved.",
+    "First Citizen:\nLet us kill him, and we'll have corn at our own price.\nIs't a verdict?",
+    "All:\nNo more talking on't; let it be done: away, away! \U0001f3ad",
+    "Second Citizen:\nOne word, good citizens.",
+    "MENENIUS:\nWhat work's, my countrymen, in hand? where go you\nWith bats and clubs?",
+]
+LONE_SURROGATE = "value of 'text' has a lone surrogate"
+MIXED_LINES = [
+    (GOOD[0], None),
+    (GOOD[1], None),
+    (GOOD[2], None),
+    (GOOD[3], None),
+    (b'{"text": "First Citizen:\\nFirst, you know Caius Marcius is chief', "invalid JSON"),
+    (GOOD[4], None),
+    (b'{"text": ["We know\'t", "we know\'t"]}', "value of 'text' is list, not a string"),
+    (GOOD[5], None),  # an escaped surrogate pair (the emoji) is a good character
+    (b'{"text": "Let us revenge this \\ud800 with our pikes"}', LONE_SURROGATE),
+    (b'{"text": "Would you proceed especially against Caius Marcius?", "id": 3}', None),
+    (b'{"text": "he pays himself with being proud \xff"}', "invalid UTF-8"),
+    (b'["Consider you what services he has done for his country?"]', "not a JSON object"),
+    (b'{"title": "Coriolanus"}', "missing key 'text'"),
+    (b'{"text": " \\n\\t "}', "empty document under 'text'"),
+    (GOOD[6], None),
+    (b'{"text": "Nay, but speak not \\udc00\\ud800 maliciously."}', LONE_SURROGATE),
+    (GOOD[7], None),
+]
+
+
+def write_mixed(path):
+    lines = [json.dumps({"text": line}).encode() if isinstance(line, str) else line
+             for line, _ in MIXED_LINES]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def mixed_good_texts():
+    return [line if isinstance(line, str) else json.loads(line)["text"]
+            for line, reason in MIXED_LINES if reason is None]
+
+
+# One chunk for the whole file, and about one line per chunk (so that workers race).
+CHUNKINGS = pytest.mark.parametrize("chunk_mb", ["1", "0.00005"])
+
+
+@CHUNKINGS
+@pytest.mark.parametrize("workers", [1, 2])
+def test_strict_stops_at_line_5_of_every_bad_kind(tmp_path, spm_model, workers, chunk_mb):
+    write_mixed(tmp_path / "mixed.jsonl")
+    out_dir = tmp_path / "out"
+    proc = run_cli("--input", tmp_path / "mixed.jsonl", "--output-prefix", out_dir / "m",
+                   "--tokenizer-model", spm_model, "--append-eod", "--strict", "--workers",
+                   workers, "--chunk-mb", chunk_mb, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1, proc.stderr
+    assert f"{tmp_path / 'mixed.jsonl'}:5: invalid JSON: Unterminated string" in errors[0]
+    assert not out_dir.exists() or os.listdir(out_dir) == [], os.listdir(out_dir)
+
+
+@CHUNKINGS
+@pytest.mark.parametrize("workers", [1, 2])
+def test_every_bad_kind_is_skipped_and_listed(tmp_path, spm_model, workers, chunk_mb):
+    tok = T5Tokenizer(str(spm_model))
+    write_mixed(tmp_path / "mixed.jsonl")
+    out = tmp_path / "out" / "m"
+    proc = run_cli("--input", tmp_path / "mixed.jsonl", "--output-prefix", out,
+                   "--tokenizer-model", spm_model, "--append-eod", "--workers", workers,
+                   "--chunk-mb", chunk_mb)
+    expected = [(n, reason) for n, (_, reason) in enumerate(MIXED_LINES, 1) if reason]
+    assert f"skipped {len(expected)} bad lines" in proc.stderr
+    report = Path(f"{out}_bad_lines.tsv").read_text(encoding="utf-8").splitlines()
+    assert report[0] == "file\tline\treason"
+    rows = [r.split("\t") for r in report[1:]]
+    assert [(f, int(n)) for f, n, _ in rows] == [(str(tmp_path / "mixed.jsonl"), n)
+                                                 for n, _ in expected]
+    for (_, _, got), (_, reason) in zip(rows, expected):
+        assert got.startswith(reason), (got, reason)
+    ds = IndexedDataset(f"{out}_text_document")
+    assert [ds[i].tolist() for i in range(len(ds))] == [
+        tok.encode(text) + [tok.eod] for text in mixed_good_texts()]
+    assert sorted(os.listdir(out.parent)) == [
+        "m_bad_lines.tsv", "m_text_document.bin", "m_text_document.idx"]
+
+
+def test_a_failing_worker_leaves_no_temporaries(tmp_path, spm_model, monkeypatch):
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("tokenizer broke")
+
+    # Workers are forked, so they inherit the patch.
+    monkeypatch.setattr(T5Tokenizer, "encode_batch", broken)
+    write_jsonl(tmp_path / "in.jsonl", GOOD)
+    out_dir = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="tokenizer broke"):
+        preprocess_data.main(["--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+                              str(out_dir / "m"), "--tokenizer-model", str(spm_model),
+                              "--workers", "2", "--chunk-mb", "0.00005", "--no-progress"])
+    assert os.listdir(out_dir) == []
+
+
+def _sigterm_bits(status_path):
+    fields = dict(line.split(":\t", 1) for line in Path(status_path).read_text().splitlines()
+                  if ":\t" in line)
+    bit = 1 << (signal.SIGTERM - 1)
+    return bool(int(fields["SigBlk"], 16) & bit), bool(int(fields["SigCgt"], 16) & bit)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc")
+def test_pool_threads_hold_sigterm_for_the_workers_they_fork(spm_model, tmp_path):
+    # CPython's Pool may fork a worker from its own thread while terminate() runs; under the main
+    # process's Python SIGTERM handler that worker would lose terminate()'s SIGTERM and hang it.
+    args = preprocess_data.get_args(["--input", "x", "--output-prefix", str(tmp_path / "o"),
+                                     "--tokenizer-model", str(spm_model), "--workers", "2"])
+    old = signal.signal(signal.SIGTERM, preprocess_data._on_sigterm)
+    before = {p.name for p in Path("/proc/self/task").iterdir()}
+    pool = preprocess_data._start_pool(args)
+    try:
+        pool.apply(os.getpid)  # the workers have run their initializer
+        tasks = [p for p in Path("/proc/self/task").iterdir() if p.name not in before]
+        assert tasks and all(_sigterm_bits(t / "status")[0] for t in tasks)  # blocked
+        assert _sigterm_bits(f"/proc/self/task/{threading.get_native_id()}/status")[0] is False
+        workers = multiprocessing.active_children()
+        assert len(workers) == 2
+        for w in workers:  # neither blocked nor caught: the default action, death
+            assert _sigterm_bits(f"/proc/{w.pid}/status") == (False, False)
+    finally:
+        pool.terminate()
+        pool.join()
+        signal.signal(signal.SIGTERM, old)
