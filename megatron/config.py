@@ -69,6 +69,15 @@ class RuntimeConfig:
     warnings: Tuple[str, ...] = ()
     """Said once at start (e.g. a backend that fell back)."""
 
+    def torch_device(self):
+        """This rank's device: the current CUDA device (set by initialize_distributed), or the
+        CPU."""
+        import torch
+
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
 
 @dataclass(frozen=True)
 class RunConfig:

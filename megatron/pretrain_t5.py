@@ -100,16 +100,14 @@ def build_step(config: RunConfig, watchdog, writer):
     collective_s = 60 * runtime.distributed_timeout_minutes
     with watchdog.watch("building the model (ZeRO-3 partitions it with the other ranks)",
                         collective_s):
-        model = build_model(config.model, config.zero, runtime.device_type,
+        model = build_model(config.model, config.zero, runtime.torch_device(),
                             config.deepspeed_json())
     writer.write_text(f"parameters on tensor rank 0: {count_parameters(model):,}")
     with watchdog.watch("engine setup (DeepSpeed broadcasts and partitions the weights "
                         "with the other ranks)", collective_s):
         engine, _ = initialize_engine(config.optimizer, config.zero, runtime.device_type,
                                       config.deepspeed_json(), model)
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if runtime.device_type == "cuda" else torch.device("cpu")
-    return DataParallelStep(engine, device)
+    return DataParallelStep(engine, runtime.torch_device())
 
 
 def step_cost(config: RunConfig):

@@ -23,7 +23,7 @@ from megatron.training.settings import OptimizerConfig, ZeroConfig
 NO_DECAY_MARKERS = ("layer_norm", "bias", "relative_attention_bias")
 
 
-def build_model(model: ModelConfig, zero: ZeroConfig, device_type: str,
+def build_model(model: ModelConfig, zero: ZeroConfig, device: torch.device,
                 ds_json: Dict) -> T5Model:
     """The model for this rank (weights identical on every data-parallel rank).
 
@@ -37,13 +37,11 @@ def build_model(model: ModelConfig, zero: ZeroConfig, device_type: str,
                        checkpoint_num_layers=model.checkpoint_num_layers,
                        label_smoothing=model.label_smoothing, device=device)
 
-    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" \
-        else torch.device("cpu")
     if zero.stage == 3:
         remote = None if zero.offload_param == "none" else zero.offload_param
         with deepspeed.zero.Init(data_parallel_group=parallel_state.get_data_parallel_group(),
                                  remote_device=remote, config_dict_or_path=ds_json,
-                                 pin_memory=device_type == "cuda",
+                                 pin_memory=device.type == "cuda",
                                  mpu=parallel_state):
             return make(device)
     return make(device)

@@ -53,12 +53,6 @@ class StepCost:
     """The device's peak, for MFU (None: not known)."""
 
 
-def _device(runtime: RuntimeConfig) -> torch.device:
-    if runtime.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def evaluate(step: TrainStep, batch_config: BatchConfig, runtime: RuntimeConfig,
              loader: Optional[Iterable], watchdog=None) -> Optional[float]:
     """Token-weighted mean loss over `eval_iters` global batches of `loader` (all ranks)."""
@@ -67,7 +61,7 @@ def evaluate(step: TrainStep, batch_config: BatchConfig, runtime: RuntimeConfig,
     watchdog = watchdog or NoWatchdog()
     collective_s = 60 * runtime.distributed_timeout_minutes
     data_s = 60 * runtime.data_timeout_minutes
-    total = torch.zeros(2, dtype=torch.float64, device=_device(runtime))  # [loss sum, tokens]
+    total = torch.zeros(2, dtype=torch.float64, device=runtime.torch_device())  # [loss sum, tokens]
     limit = batch_config.eval_iters * batch_config.gradient_accumulation_steps
     batches = iter(loader)
     step.train(False)
@@ -106,7 +100,7 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
     save: writes a checkpoint of the state (called when checkpoint.save is set)."""
     watchdog = watchdog or NoWatchdog()
     collective_s = 60 * runtime.distributed_timeout_minutes
-    device = _device(runtime)
+    device = runtime.torch_device()
     train_iters = batch_config.train_iters
     dp_group = parallel_state.get_data_parallel_group()
     stats, timer = IntervalStats(), Timer()

@@ -24,7 +24,8 @@ def run_with_plain_step(rank, world_size, argv):
 
     class PlainStep(TrainStep):
         def __init__(self, config):
-            self.model = build_model(config.model, config.zero, "cpu", config.deepspeed_json())
+            self.model = build_model(config.model, config.zero, torch.device("cpu"),
+                                     config.deepspeed_json())
             opt = config.optimizer
             self.optimizer = torch.optim.AdamW(
                 param_groups(self.model, opt.weight_decay), lr=opt.lr,
