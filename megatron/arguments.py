@@ -25,6 +25,7 @@ from megatron.config import ParallelConfig, RunConfig, RuntimeConfig
 from megatron.data.data_args import add_data_args, resolve_data
 from megatron.initialize import choose_device
 from megatron.model.settings import resolve_model
+from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
 from megatron.training.checkpointing import checkpoint_flag_problems, checkpoint_problems, layout
 from megatron.training.ds_config import OPTIMIZER_DEFAULTS
@@ -74,7 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
                    dest="tensor_model_parallel_size", type=int, default=1,
                    help="split attention heads, d_ff and the vocabulary over this many ranks")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="only 1: pipeline parallelism is not available yet")
+                   help="cut the model into this many pipeline stages (DeepSpeed's pipeline "
+                        "engine; ZeRO 0 or 1); world = tensor x pipeline x data parallel")
+    g.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None,
+                   help="the encoder on stages below this rank, the decoder on the others "
+                        "(default: stages cut by each layer's cost)")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default: nccl with CUDA, gloo on CPU; nccl without CUDA falls back to "
                         "gloo with a warning")
@@ -248,6 +253,9 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
                                           parallel.pipeline_model_parallel_size,
                                           resolved.checkpoint_activations)
     problems += model_problems + ds_problems
+    if model is not None:
+        problems += cut_problems(model.t5, parallel.pipeline_model_parallel_size,
+                                 parallel.pipeline_split_rank)
     if resolved.optimizer.lr is None:  # only now: the JSON's optimizer.params.lr may supply it
         problems.append("--lr is required (or optimizer.params.lr in the DeepSpeed JSON)")
 
@@ -318,10 +326,8 @@ def resolve_parallel(values: Dict[str, object], env: Mapping[str, str],
     if world % (tp * pp):
         problems.append(f"world size {world} is not divisible by "
                         f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}")
-    if pp > 1:
-        problems.append(f"--pipeline-model-parallel-size {pp}: pipeline parallelism is not "
-                        "available yet; use tensor parallelism and ZeRO (set it to 1)")
-    return ParallelConfig(world, tp, pp, max(world // (tp * pp), 1))
+    return ParallelConfig(world, tp, pp, max(world // (tp * pp), 1),
+                          values["pipeline_model_parallel_split_rank"])
 
 
 def loop_problems(values: Mapping[str, object]) -> List[str]:

@@ -48,6 +48,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     data_parallel_size: int = 1
     """world_size / (tensor x pipeline)."""
+    pipeline_split_rank: Optional[int] = None
+    """--pipeline-model-parallel-split-rank: the first decoder stage (None: cut by cost)."""
 
     @property
     def model_parallel_size(self) -> int:
@@ -97,6 +99,17 @@ class RunConfig:
     """Every flag, resolved, as plain JSON values: logged and written to meta.json."""
     dry_run: bool = False
     dry_run_device: str = "auto"
+
+    def pipeline_cut(self):
+        """Which layers each pipeline stage runs (megatron/pipeline/partition.py)."""
+        from megatron.pipeline.partition import cut_model
+
+        model, parallel = self.model, self.parallel
+        return cut_model(model.t5, parallel.pipeline_model_parallel_size,
+                         parallel.pipeline_split_rank, self.data.encoder_seq_length,
+                         self.data.decoder_seq_length,
+                         model.t5.padded_vocab_size(model.make_vocab_size_divisible_by,
+                                                    parallel.tensor_model_parallel_size))
 
     def deepspeed_json(self) -> Dict[str, Any]:
         """A copy of the DeepSpeed config (DeepSpeed may write into what it is given)."""

@@ -92,10 +92,15 @@ def dry_run(config: RunConfig) -> int:
 
 
 def build_step(config: RunConfig, watchdog, writer):
-    """The training step for this layout (today: data and tensor parallelism on DeepSpeed)."""
+    """The training step for this layout: DeepSpeed's pipeline engine with P > 1, else its
+    data-parallel engine (both with tensor parallelism)."""
     from megatron.training.engine import build_model, count_parameters, initialize_engine
     from megatron.training.step import DataParallelStep
 
+    if config.parallel.pipeline_model_parallel_size > 1:
+        from megatron.pipeline.step import build_pipeline_step
+
+        return build_pipeline_step(config, watchdog, writer)
     runtime = config.runtime
     collective_s = 60 * runtime.distributed_timeout_minutes
     with watchdog.watch("building the model (ZeRO-3 partitions it with the other ranks)",

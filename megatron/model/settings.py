@@ -60,10 +60,7 @@ def resolve_model(flags, tensor_parallel_size: int, pipeline_parallel_size: int,
         return None, [f"--model-config{where}: {e}"] + problems
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     problems += [f"--tensor-model-parallel-size {tp}: {p}" for p in model_parallel_problems(t5, tp)]
-    for name in ("num_layers", "num_decoder_layers"):
-        if getattr(t5, name) % pp:
-            problems.append(f"model {name} {getattr(t5, name)} is not divisible by "
-                            f"--pipeline-model-parallel-size {pp}")
+    del pp  # the pipeline cut is checked by megatron/pipeline/partition.py
     return ModelConfig(t5, flags["make_vocab_size_divisible_by"], flags["attention_backend"],
                        checkpoint_activations, flags["checkpoint_num_layers"],
                        flags["label_smoothing"]), problems

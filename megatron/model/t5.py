@@ -29,7 +29,7 @@ from megatron.tensor_parallel.layers import (
     VocabParallelEmbedding,
     parallel_lm_logits,
 )
-from megatron.tensor_parallel.random import checkpoint
+from megatron.tensor_parallel.random import checkpoint, init_rng
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "eager")
 
@@ -62,10 +62,13 @@ class T5Stack(nn.Module):
         super().__init__()
         num_layers = config.num_decoder_layers if is_decoder else config.num_layers
         init = InitMethods(config, num_layers)
-        self.block = nn.ModuleList([
-            T5Block(config, init, is_decoder, has_relative_attention_bias=(i == 0),
-                    backend=backend, device=device, dtype=dtype)
-            for i in range(num_layers)])
+        name = "decoder" if is_decoder else "encoder"
+        blocks = []
+        for i in range(num_layers):
+            with init_rng(f"{name}.block.{i}"):
+                blocks.append(T5Block(config, init, is_decoder, has_relative_attention_bias=(i == 0),
+                                      backend=backend, device=device, dtype=dtype))
+        self.block = nn.ModuleList(blocks)
         self.final_layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device,
                                             dtype)
 
@@ -106,18 +109,15 @@ class T5Model(nn.Module):
         self.checkpoint_activations = checkpoint_activations
         self.checkpoint_num_layers = checkpoint_num_layers
         self.label_smoothing = label_smoothing
-        init = InitMethods(config, config.num_layers)
-        self.shared = VocabParallelEmbedding(self.padded_vocab_size, config.d_model,
-                                             init_method=init("embedding"),
-                                             init_size=config.vocab_size, device=device,
-                                             dtype=dtype)
+        # Each layer draws its weights from its own stream (init_rng): the same weights
+        # whichever layers a process builds (pipeline stages build only theirs).
+        with init_rng("shared"):
+            self.shared = shared_embedding(config, self.padded_vocab_size, device, dtype)
         self.encoder = T5Stack(config, False, attention_backend, device, dtype)
         self.decoder = T5Stack(config, True, attention_backend, device, dtype)
         if not config.tie_word_embeddings:
-            self.lm_head = ColumnParallelLinear(config.d_model, self.padded_vocab_size,
-                                                init_method=init("lm_head"),
-                                                init_size=config.vocab_size, device=device,
-                                                dtype=dtype)
+            with init_rng("lm_head"):
+                self.lm_head = untied_lm_head(config, self.padded_vocab_size, device, dtype)
         self.dropout = Dropout(config.dropout_rate)
 
     # The flat layer list ----------------------------------------------------------------------
@@ -163,19 +163,13 @@ class T5Model(nn.Module):
                       encoder_attention_mask: Optional[torch.Tensor] = None,
                       decoder_attention_mask: Optional[torch.Tensor] = None) -> Carry:
         """The carry entering the first layer: ids and additive masks (float32)."""
-        minimum = torch.finfo(torch.float32).min
         device = encoder_input_ids.device
         batch, enc_len = encoder_input_ids.shape
         dec_len = decoder_input_ids.shape[1]
-        enc_keep = (torch.ones(batch, enc_len, dtype=torch.bool, device=device)
-                    if encoder_attention_mask is None else encoder_attention_mask.bool())
-        dec_keep = torch.ones(dec_len, dec_len, dtype=torch.bool, device=device).tril()
-        dec_keep = dec_keep[None, None]
-        if decoder_attention_mask is not None:
-            dec_keep = dec_keep & decoder_attention_mask.bool()[:, None, None, :]
-        zero = torch.zeros((), dtype=torch.float32, device=device)
-        encoder_mask = torch.where(enc_keep[:, None, None, :], zero, minimum)
-        decoder_mask = torch.where(dec_keep, zero, minimum).expand(batch, 1, dec_len, dec_len)
+        if encoder_attention_mask is None:
+            encoder_attention_mask = torch.ones(batch, enc_len, dtype=torch.long, device=device)
+        encoder_mask = additive_encoder_mask(encoder_attention_mask)
+        decoder_mask = additive_decoder_mask(decoder_attention_mask, batch, dec_len, device)
         return Carry(hidden=encoder_input_ids, encoder_output=None, encoder_mask=encoder_mask,
                      decoder_mask=decoder_mask, position_bias=None,
                      decoder_input_ids=decoder_input_ids)
@@ -210,6 +204,41 @@ class T5Model(nn.Module):
             return T5Output(logits=logits)
         loss, token_losses = self.loss(logits, labels)
         return T5Output(logits=logits, loss=loss, token_losses=token_losses)
+
+
+_MINIMUM = torch.finfo(torch.float32).min
+
+
+def additive_encoder_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, 1, enc_len] float32: 0 where attended, the float32 minimum at padding."""
+    zero = torch.zeros((), dtype=torch.float32, device=attention_mask.device)
+    return torch.where(attention_mask.bool()[:, None, None, :], zero, _MINIMUM)
+
+
+def additive_decoder_mask(attention_mask: Optional[torch.Tensor], batch: int, length: int,
+                          device) -> torch.Tensor:
+    """[batch, 1, dec_len, dec_len] float32: causal, and padding keys masked."""
+    keep = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+    if attention_mask is not None:
+        keep = keep & attention_mask.bool()[:, None, None, :]
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    return torch.where(keep, zero, _MINIMUM).expand(batch, 1, length, length)
+
+
+def shared_embedding(config: T5Config, padded_vocab_size: int, device=None,
+                     dtype=None) -> VocabParallelEmbedding:
+    """The embedding shared by the encoder, the decoder and (tied) the LM head."""
+    init = InitMethods(config, config.num_layers)
+    return VocabParallelEmbedding(padded_vocab_size, config.d_model,
+                                  init_method=init("embedding"), init_size=config.vocab_size,
+                                  device=device, dtype=dtype)
+
+
+def untied_lm_head(config: T5Config, padded_vocab_size: int, device=None,
+                   dtype=None) -> ColumnParallelLinear:
+    init = InitMethods(config, config.num_layers)
+    return ColumnParallelLinear(config.d_model, padded_vocab_size, init_method=init("lm_head"),
+                                init_size=config.vocab_size, device=device, dtype=dtype)
 
 
 def _chunk_runner(blocks):

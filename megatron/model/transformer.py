@@ -32,7 +32,7 @@ from megatron.tensor_parallel.layers import (
     normal_init,
     set_tensor_model_parallel_attributes,
 )
-from megatron.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.tensor_parallel.random import get_cuda_rng_tracker, init_rng
 
 
 class Carry(NamedTuple):
@@ -197,6 +197,28 @@ class RelativeAttentionBias(nn.Module):
         return F.embedding(buckets, self.weight)
 
 
+def relative_bias(table: RelativeAttentionBias, config: T5Config, is_decoder: bool,
+                  query_length: int, key_length: int) -> torch.Tensor:
+    """[1, heads per rank, query_length, key_length] from a stack's bucket table."""
+    device = table.weight.device
+    context = torch.arange(query_length, dtype=torch.long, device=device)[:, None]
+    memory = torch.arange(key_length, dtype=torch.long, device=device)[None, :]
+    buckets = relative_position_bucket(
+        memory - context, bidirectional=not is_decoder,
+        num_buckets=config.relative_attention_num_buckets,
+        max_distance=config.relative_attention_max_distance)
+    return table(buckets).permute(2, 0, 1).unsqueeze(0)
+
+
+def relative_attention_bias(config: T5Config, init: "InitMethods", is_decoder: bool,
+                            device=None, dtype=None) -> RelativeAttentionBias:
+    """A stack's bias table, drawn from a stream of its own (the same table whether block 0
+    or a pipeline stage's tied copy builds it)."""
+    with init_rng(("decoder" if is_decoder else "encoder") + ".relative_attention_bias"):
+        return RelativeAttentionBias(config.relative_attention_num_buckets, config.num_heads,
+                                     init("relative_attention_bias"), device=device, dtype=dtype)
+
+
 def core_attention(query, key, value, bias, dropout_p: float, use_sdpa: bool):
     """softmax(q k^T + bias) v over [batch, heads, length, d_kv], without score scaling.
 
@@ -239,20 +261,13 @@ class T5Attention(nn.Module):
         self.o = RowParallelLinear(inner, d, input_is_parallel=True, init_method=init("o"), **kw)
         self.has_relative_attention_bias = has_relative_attention_bias
         if has_relative_attention_bias:
-            self.relative_attention_bias = RelativeAttentionBias(
-                config.relative_attention_num_buckets, config.num_heads,
-                init("relative_attention_bias"), **kw)
+            self.relative_attention_bias = relative_attention_bias(config, init, is_decoder,
+                                                                   **kw)
 
     def compute_bias(self, query_length: int, key_length: int) -> torch.Tensor:
         """[1, heads per rank, query_length, key_length]."""
-        device = self.relative_attention_bias.weight.device
-        context = torch.arange(query_length, dtype=torch.long, device=device)[:, None]
-        memory = torch.arange(key_length, dtype=torch.long, device=device)[None, :]
-        buckets = relative_position_bucket(
-            memory - context, bidirectional=not self.is_decoder,
-            num_buckets=self.config.relative_attention_num_buckets,
-            max_distance=self.config.relative_attention_max_distance)
-        return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
+        return relative_bias(self.relative_attention_bias, self.config, self.is_decoder,
+                             query_length, key_length)
 
     def _heads(self, projected: torch.Tensor) -> torch.Tensor:
         batch, length, _ = projected.shape
@@ -362,6 +377,17 @@ def _clamp_fp16(hidden: torch.Tensor) -> torch.Tensor:
     return torch.clamp(hidden, min=-limit, max=limit)
 
 
+def stack_position_bias(compute_bias: Callable[[int, int], torch.Tensor], mask: torch.Tensor,
+                        hidden: torch.Tensor) -> torch.Tensor:
+    """A stack's self-attention bias: the relative position bias plus the additive mask, in
+    the activations' dtype (computed once per stack, or once per pipeline stage)."""
+    bias = compute_bias(hidden.shape[1], hidden.shape[1]) + mask
+    if hidden.dtype in (torch.float16, torch.bfloat16):
+        # Once per stack: converted in every layer, each copy would be kept for backward.
+        bias = bias.to(hidden.dtype).clamp(min=torch.finfo(hidden.dtype).min)
+    return bias
+
+
 class T5Block(nn.Module):
     """Self-attention, cross-attention (decoder only) and feed-forward; one layer of the flat
     list: takes and returns a Carry."""
@@ -386,11 +412,7 @@ class T5Block(nn.Module):
                 raise RuntimeError("the first block of a stack must own the relative "
                                    "attention bias")
             mask = carry.decoder_mask if self.is_decoder else carry.encoder_mask
-            position_bias = attention.compute_bias(hidden.shape[1], hidden.shape[1]) + mask
-            if hidden.dtype in (torch.float16, torch.bfloat16):
-                # Once per stack: converted in every layer, each copy would be kept for backward.
-                position_bias = position_bias.to(hidden.dtype).clamp(
-                    min=torch.finfo(hidden.dtype).min)
+            position_bias = stack_position_bias(attention.compute_bias, mask, hidden)
         hidden = _clamp_fp16(self.layer[0](hidden, position_bias))
         if self.is_decoder:
             hidden = _clamp_fp16(self.layer[1](hidden, carry.encoder_output, carry.encoder_mask))

@@ -165,3 +165,34 @@ def _device_type_of(args) -> str:
         if torch.is_tensor(arg):
             return arg.device.type
     return _device_type()
+
+
+def layer_seed(base: int, name: str) -> int:
+    """The seed of layer `name`'s initial weights under the run's seed `base`."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{base}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
+
+
+@contextlib.contextmanager
+def init_rng(name: str) -> Iterator[None]:
+    """Draw the initial weights of layer `name` from a stream of their own: seeded from the
+    default generator's seed (`torch.manual_seed`, i.e. the run's --seed) and the name, and
+    leaving the default generator as it was. So a layer's weights do not depend on which other
+    layers a process builds: every pipeline stage, tensor rank and the single-process model get
+    the same full weights. Initial draws happen on the CPU (tensor_parallel.layers draws a full
+    CPU master tensor), so only the CPU generator is forked."""
+    global _INIT_BASE
+    outer = _INIT_BASE
+    base = torch.initial_seed() if outer is None else outer  # nested: the run's seed still
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(layer_seed(base, name))
+        _INIT_BASE = base
+        try:
+            yield
+        finally:
+            _INIT_BASE = outer
+
+
+_INIT_BASE = None

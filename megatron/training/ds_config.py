@@ -166,6 +166,8 @@ def resolve(flags: Mapping[str, Any], data_parallel_size: int, model_parallel_si
     checkpoint_activations = resolve_activation_checkpointing(values, user, path, problems)
     config = build_json(user, batch, data_parallel_size, optimizer.clip_grad, zero_json,
                         precision.precision, fp16, bf16)
+    if values["pipeline_model_parallel_size"] > 1:
+        pipeline_json(config, user, path, precision.precision, zero.stage, problems)
     if not problems:
         problems += deepspeed_problems(config, user, path, data_parallel_size,
                                        model_parallel_size)
@@ -346,8 +348,13 @@ def resolve_zero(merge: _Merge, user: Dict[str, Any], precision: str, pipeline_s
         problems.append("--bf16 with ZeRO stage 0: DeepSpeed's bf16 path there distorts the "
                         "first update and the gradient norm; use --zero-stage 1 or higher")
     if pipeline_size > 1 and stage >= 2:
-        problems.append(f"--pipeline-model-parallel-size {pipeline_size} with ZeRO stage {stage}: "
-                        f"DeepSpeed's pipeline engine supports stages 0 and 1 only")
+        problems.append(f"--pipeline-model-parallel-size {pipeline_size} with --zero-stage "
+                        f"{stage} (or zero_optimization.stage): DeepSpeed's pipeline engine "
+                        f"supports ZeRO stages 0 and 1 only; use --zero-stage 1")
+    if pipeline_size > 1 and offload_param != "none":
+        problems.append(f"--pipeline-model-parallel-size {pipeline_size} with --offload-param "
+                        f"{offload_param}: parameter offload needs ZeRO-3, which the pipeline "
+                        f"engine does not support")
     zero["stage"] = stage
     return ZeroConfig(stage, offload_optimizer, offload_param, values["nvme_path"]), zero
 
@@ -384,6 +391,36 @@ def resolve_activation_checkpointing(values: Mapping[str, Any], user: Dict[str, 
             problems.append("--deepspeed-activation-checkpointing needs --deepspeed_config")
         return True
     return bool(values["checkpoint_activations"])
+
+
+def pipeline_json(config: Dict[str, Any], user: Dict[str, Any], path: Optional[str],
+                  precision: str, stage: int, problems: List[str]) -> None:
+    """The pipeline engine's settings, written into `config`.
+
+    - pipeline.pipe_partitioned / grad_partitioned false: DeepSpeed's partitioned transfers
+      assume the first tensor of a stage's output is the only one needing a gradient (GPT's
+      hidden state); ours carry the encoder output too, and tensor ranks need no split.
+    - bf16 with ZeRO-1 accumulates gradients in fp32 (data_types.grad_accum_dtype), which puts
+      the engine on its BF16 optimizer, the one that reduces pipeline gradients.
+    """
+    where = path or "the DeepSpeed config"
+    pipeline = dict(user.get("pipeline") or {})
+    for key in ("pipe_partitioned", "grad_partitioned"):
+        if pipeline.get(key):
+            problems.append(f"pipeline.{key}: true in {where} is not supported with our "
+                            f"encoder-decoder stages (they send the encoder output beside the "
+                            f"hidden state); set it to false")
+        pipeline[key] = False
+    config["pipeline"] = pipeline
+    if precision == "bf16" and stage == 1:
+        types = dict(user.get("data_types") or {})
+        accum = types.get("grad_accum_dtype")
+        if accum not in (None, "fp32", "float32"):
+            problems.append(f"data_types.grad_accum_dtype {accum!r} in {where} with --bf16, "
+                            f"--zero-stage 1 and --pipeline-model-parallel-size > 1: gradients "
+                            f"must accumulate in fp32; set it to \"fp32\"")
+        types["grad_accum_dtype"] = "fp32"
+        config["data_types"] = types
 
 
 def build_json(user: Dict[str, Any], batch: BatchSizes, dp: int, clip_grad: float,

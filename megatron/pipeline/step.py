@@ -1,0 +1,212 @@
+"""The pipeline implementation of the training-step seam, on DeepSpeed's PipelineEngine.
+
+`PipelineStep.step` runs one `train_batch` (1F1B over this data-parallel rank's micro-batches,
+tied and data-parallel gradient reduction, the optimizer step) and returns what the loop
+expects of any TrainStep, on every stage alike: the loss (it lives on the last stage), the
+input tokens (counted on the first) and the target tokens (on the last) are summed over the
+pipeline group, so rank 0, on the first stage, logs the same line as without a pipeline.
+
+Only the first and the last stage read batches: the first feeds (encoder ids, decoder ids,
+encoder mask, decoder mask) into the pipe, the last gets the labels; the stages between never
+touch the loader.
+
+The gradient norm: DeepSpeed's ZeRO-1, bf16 and fp16 optimizers count tensor shards on every
+tensor rank, replicated weights on tensor rank 0 and tied copies once. Its fp32 ZeRO-0 path
+(engine.clip_fp32_gradients) does not: it counts replicated weights only on the first stage
+and tied weights on every stage that holds them. There we clip ourselves, in a pre-hook of the
+optimizer step, with the norm taken as the other paths take it, and DeepSpeed's clipping is off.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron import parallel_state
+from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.training.step import Batch, EvalResult, StepResult, TrainStep
+
+
+class PipelineLoss:
+    """The last stage's loss function; keeps the sums the step reports."""
+
+    def __init__(self, vocab_size: int, label_smoothing: float, device) -> None:
+        self.vocab_size, self.label_smoothing = vocab_size, label_smoothing
+        self.evaluating = False
+        self.sums = torch.zeros(2, dtype=torch.float64, device=device)
+        """Training: [sum of micro-batch mean losses, target tokens]; evaluation: [sum of token
+        losses, target tokens]."""
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        token_losses = vocab_parallel_cross_entropy(logits, labels, self.vocab_size,
+                                                    label_smoothing=self.label_smoothing)
+        count = (labels != -100).sum()
+        if self.evaluating:
+            self.sums[0] += token_losses.detach().double().sum()
+            self.sums[1] += count
+            return token_losses.detach().sum()
+        loss = token_losses.sum() / count.clamp(min=1)
+        self.sums[0] += loss.detach().double()
+        self.sums[1] += count
+        return loss
+
+
+def stage_grad_norm(parameters) -> torch.Tensor:
+    """The global gradient norm from this stage's parameters: squares summed over the tensor and
+    pipeline ranks of this data-parallel replica, tensor shards on every tensor rank, replicated
+    weights on tensor rank 0, tied copies once (DeepSpeed marks the extra ones)."""
+    tensor_rank = parallel_state.get_tensor_model_parallel_rank()
+    squares = []
+    device = None
+    for p in parameters:
+        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
+            continue
+        device = p.grad.device
+        if getattr(p, "tensor_model_parallel", False) or tensor_rank == 0:
+            squares.append(p.grad.detach().double().pow(2).sum())
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64,
+                                                                   device=device)
+    total = total.reshape(1)
+    dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
+    return total.sqrt()[0]
+
+
+class PipelineStep(TrainStep):
+    """DeepSpeed's PipelineEngine with tensor and data parallelism (ZeRO 0 or 1)."""
+
+    def __init__(self, engine, loss: PipelineLoss, device: torch.device,
+                 clip_grad: float = 0.0) -> None:
+        self.engine, self.loss, self.device = engine, loss, device
+        self.micro_batches = engine.gradient_accumulation_steps()
+        self.first, self.last = engine.is_first_stage(), engine.is_last_stage()
+        self.clip_grad = clip_grad
+        self._norm: Optional[float] = None
+        self._own_norm = engine.zero_optimization_stage() == 0 and not (
+            engine.bfloat16_enabled() or engine.fp16_enabled())
+        if self._own_norm:
+            engine.optimizer.register_step_pre_hook(self._clip)
+
+    # The seam --------------------------------------------------------------------------------
+    def step(self, batches: Iterator[Batch], lr: float) -> StepResult:
+        engine = self.engine
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
+        self.loss.evaluating = False
+        self.loss.sums.zero_()
+        inputs = torch.zeros((), dtype=torch.float64, device=self.device)
+        skipped_before = engine.skipped_steps
+        feed = self._feed(batches, self.micro_batches, inputs) \
+            if self.first or self.last else None
+        engine.train_batch(data_iter=feed)
+        sums = torch.stack([self.loss.sums[0] if self.last else self.loss.sums[0] * 0,
+                            inputs if self.first else inputs * 0,
+                            self.loss.sums[1] if self.last else self.loss.sums[1] * 0])
+        dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
+        norm = self._norm if self._own_norm else self._engine_norm()
+        return StepResult(sums[0] / self.micro_batches, sums[1], sums[2], norm,
+                          engine.skipped_steps > skipped_before, self._loss_scale())
+
+    def eval_step(self, batch: Batch) -> EvalResult:
+        self.loss.evaluating = True
+        self.loss.sums.zero_()
+        feed = self._feed(iter([batch]), 1, None) if self.first or self.last else None
+        self.engine.eval_batch(feed, compute_loss=True, reduce_output=None, bcast_loss=False,
+                               num_micro_batches=1)
+        sums = self.loss.sums.clone() if self.last else torch.zeros_like(self.loss.sums)
+        dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
+        self.loss.evaluating = False
+        return EvalResult(sums[0], sums[1])
+
+    def train(self, mode: bool = True) -> None:
+        self.engine.module.train(mode)
+
+    def save(self, root: Path, tag: str, iteration: int) -> None:
+        self.engine.save_checkpoint(str(root), tag=tag, client_state={"iteration": iteration},
+                                    save_latest=False)
+
+    def load(self, root: Path, tag: str, weights_only: bool) -> bool:
+        path, _ = self.engine.load_checkpoint(str(root), tag=tag,
+                                              load_optimizer_states=not weights_only,
+                                              load_lr_scheduler_states=False,
+                                              load_module_only=weights_only)
+        return path is not None
+
+    # Pieces ----------------------------------------------------------------------------------
+    def _feed(self, batches: Iterator[Batch], count: int, inputs: Optional[torch.Tensor]):
+        """DeepSpeed's (inputs, labels) pairs from `count` batches; counts encoder tokens."""
+        for _ in range(count):
+            batch = next(batches)
+            if inputs is not None:
+                inputs += batch["encoder_attention_mask"].sum().to(inputs.device)
+            yield ((batch["encoder_input_ids"], batch["decoder_input_ids"],
+                    batch["encoder_attention_mask"].long(), batch["decoder_attention_mask"].long()),
+                   batch["labels"])
+
+    def _clip(self, optimizer, args, kwargs) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        norm = stage_grad_norm(params)
+        self._norm = float(norm)
+        if self.clip_grad > 0 and math.isfinite(self._norm):
+            coefficient = self.clip_grad / (self._norm + 1e-6)
+            if coefficient < 1.0:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.detach().mul_(coefficient)
+
+    def _engine_norm(self) -> Optional[float]:
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return None
+        return float(norm.item() if torch.is_tensor(norm) else norm)
+
+    def _loss_scale(self) -> float:
+        optimizer = self.engine.optimizer
+        scale = getattr(optimizer, "cur_scale", None)
+        if scale is None:
+            scale = getattr(getattr(optimizer, "loss_scaler", None), "cur_scale", None)
+        return float(scale) if scale is not None else 1.0
+
+
+def build_pipeline_step(config, watchdog, writer) -> PipelineStep:
+    """The model cut into stages, our AdamW and DeepSpeed's PipelineEngine (collective)."""
+    import deepspeed
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    from megatron.pipeline.module import build_pipeline_module
+    from megatron.training.engine import build_optimizer
+
+    runtime, parallel, model = config.runtime, config.parallel, config.model
+    device = runtime.torch_device()
+    cut = config.pipeline_cut()
+    for line in cut.describe():
+        writer.write_text(line)
+    topology = PipeModelDataParallelTopology(num_pp=parallel.pipeline_model_parallel_size,
+                                             num_mp=parallel.tensor_model_parallel_size,
+                                             num_dp=parallel.data_parallel_size)
+    loss = PipelineLoss(model.t5.vocab_size, model.label_smoothing, device)
+    padded = model.t5.padded_vocab_size(model.make_vocab_size_divisible_by,
+                                        parallel.tensor_model_parallel_size)
+    collective_s = 60 * runtime.distributed_timeout_minutes
+    with watchdog.watch("building this pipeline stage (tied weights are broadcast between "
+                        "stages)", collective_s):
+        module = build_pipeline_module(model.t5, cut, topology, padded, model.attention_backend,
+                                       loss, model.checkpoint_activations,
+                                       model.checkpoint_num_layers, device=device)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    count = sum(p.numel() for p in module.parameters())
+    writer.write_text(f"parameters on stage {stage}, tensor rank 0: {count:,}")
+    ds_json = config.deepspeed_json()
+    clip = float(ds_json.get("gradient_clipping", 0.0) or 0.0)
+    own_norm = config.zero.stage == 0 and config.precision.precision == "fp32"
+    if own_norm:
+        ds_json["gradient_clipping"] = 0.0  # clipped by PipelineStep._clip
+    adamw = build_optimizer(config.optimizer, config.zero.offload_optimizer, runtime.device_type,
+                            module)
+    with watchdog.watch("pipeline engine setup (DeepSpeed connects the stages)", collective_s):
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=adamw, config=ds_json,
+                                               dist_init_required=False)
+    return PipelineStep(engine, loss, device, clip if own_norm else 0.0)
