@@ -25,6 +25,8 @@ and marks the copies beyond the first `ds_pipe_replicated`, so gradient norms co
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -56,6 +58,10 @@ INPUT_FIELDS = ("enc_ids", "dec_ids", "enc_mask", "dec_mask")
 
 FIELD_ORDER = ("hidden", "encoder_output", "position_bias", "enc_ids", "dec_ids", "enc_mask",
                "dec_mask")
+
+LAYERS_FILE = "pipeline_layers.json"
+"""Written into a pipeline checkpoint: each layer file's single-process name, the stage starts
+and the tied modules' names (for the conversion tool)."""
 
 SHARED_KEY = "shared"
 BIAS_KEYS = {False: "encoder_relative_attention_bias", True: "decoder_relative_attention_bias"}
@@ -319,6 +325,34 @@ def build_pipeline_module(config: T5Config, cut: Cut, topology, padded_vocab_siz
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
+        # DeepSpeed saves a stage's layers that are modules; a TiedLayerSpec with a forward_fn
+        # is a functools.partial there, so the tied modules (the shared embedding, the bias
+        # tables) would be neither saved nor loaded. Their first owner writes them.
+        def _tied_path(self, folder, key):
+            rank = self._grid._topo.get_rank_repr(rank=self.global_rank)
+            return os.path.join(folder, f"tied_{key}" + (f"-{rank}" if rank else "")
+                                + "-model_states.pt")
+
+        def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
+            super().save_state_dict(save_dir, checkpoint_engine, exclude_frozen_params)
+            if self._grid.data_parallel_id != 0:
+                return
+            for key, tied in self.tied_modules.items():
+                comm = self.tied_comms.get(key)
+                if comm is None or self.global_rank == min(comm["ranks"]):
+                    checkpoint_engine.save(state_dict=tied.state_dict(),
+                                           path=self._tied_path(save_dir, key))
+            if self.global_rank == 0:
+                with open(os.path.join(save_dir, LAYERS_FILE), "w", encoding="utf-8") as f:
+                    json.dump({"layers": names, "stage_starts": parts,
+                               "tied": tied_names()}, f, indent=1)
+
+        def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
+            for key, tied in self.tied_modules.items():  # one file per tensor rank
+                tied.load_state_dict(checkpoint_engine.load(self._tied_path(load_dir, key),
+                                                            map_location="cpu"), strict=strict)
+            super().load_state_dir(load_dir, checkpoint_engine, strict)
+
         def _synchronize_tied_weights(self):
             # DeepSpeed broadcasts into parameters that require grad; outside no_grad autograd
             # records the in-place collective and warns in every backward.
@@ -334,6 +368,13 @@ def build_pipeline_module(config: T5Config, cut: Cut, topology, padded_vocab_siz
     return module
 
 
+def tied_names() -> Dict[str, str]:
+    """{tied-module key: the single-process parameter it holds}."""
+    bias = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    return {SHARED_KEY: "shared.weight", BIAS_KEYS[False]: f"encoder.{bias}",
+            BIAS_KEYS[True]: f"decoder.{bias}"}
+
+
 def single_process_names(module) -> Dict[str, str]:
     """{this stage's parameter name: the single-process T5Model's name} (Hugging Face names),
     for comparing a pipeline with one process and, later, for converting checkpoints."""
@@ -341,13 +382,7 @@ def single_process_names(module) -> Dict[str, str]:
     for name, _ in module.named_parameters():
         head, _, rest = name.partition(".")
         if head == "tied_modules":
-            key, _, attr = rest.partition(".")
-            if key == SHARED_KEY:
-                out[name] = "shared.weight"
-            else:
-                stack = "decoder" if key.startswith("decoder") else "encoder"
-                out[name] = (f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias."
-                             f"weight")
+            out[name] = tied_names()[rest.partition(".")[0]]
             continue
         layer = module.layer_names[int(head)]
         if layer == "lm_head":

@@ -245,8 +245,9 @@ def layout_problems(saved: Dict[str, int], now: Dict[str, int], load: str,
         hint = ("; the weights alone of a ZeRO 0-2 checkpoint load on another data-parallel "
                 "size or stage with --no-load-optim")
     return [f"--load {load}: the checkpoint was saved with another layout "
-            f"({'; '.join(changed)}); converting a checkpoint to another layout is not "
-            f"available yet{hint}"]
+            f"({'; '.join(changed)}); a checkpoint is resharded to another tensor or "
+            f"pipeline size by the conversion tool data_tools/convert_checkpoint.py, which this "
+            f"version does not have yet{hint}"]
 
 
 def load_checkpoint(step, config: CheckpointConfig, layout_now: Dict[str, int],

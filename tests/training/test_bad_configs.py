@@ -60,14 +60,44 @@ CASES = {
     "slurm_world_size_not_divisible_by_tp": Case(
         extra=["--model-parallel-size", "4"], env={"SLURM_NTASKS": "6"},
         expect=[("world size 6", "--tensor-model-parallel-size 4")]),
-    "pipeline_parallel_not_available": Case(
-        extra=["--pipeline-model-parallel-size", "2"], env={"WORLD_SIZE": "2"},
-        expect=[("--pipeline-model-parallel-size 2", "not available")]),
-    "layers_not_divisible_by_pp": Case(
-        extra=["--pipeline-model-parallel-size", "2"], env={"WORLD_SIZE": "2"},
-        model={"num_layers": 3},
-        expect=[("--pipeline-model-parallel-size 2", "not available"),
-                ("num_layers 3", "--pipeline-model-parallel-size 2")]),
+    # Pipeline parallelism: refused before any process group.
+    "more_stages_than_blocks": Case(
+        extra=["--pipeline-model-parallel-size", "8"], env={"WORLD_SIZE": "8"},
+        expect=[("--pipeline-model-parallel-size 8", "4 blocks", "every stage needs a block")]),
+    "split_rank_out_of_range": Case(
+        extra=["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-split-rank",
+               "2"], env={"WORLD_SIZE": "2"},
+        expect=[("--pipeline-model-parallel-split-rank 2", "out of range", "1 .. 1")]),
+    "split_rank_without_pipeline": Case(
+        extra=["--pipeline-model-parallel-split-rank", "1"],
+        expect=[("--pipeline-model-parallel-split-rank 1", "--pipeline-model-parallel-size > 1")]),
+    "split_rank_leaves_the_encoder_too_few_blocks": Case(
+        extra=["--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-split-rank",
+               "3"], env={"WORLD_SIZE": "4"},
+        expect=[("--pipeline-model-parallel-split-rank 3", "encoder has 2 blocks")]),
+    "zero_3_with_pipeline": Case(
+        extra=["--pipeline-model-parallel-size", "2", "--zero-stage", "3"],
+        env={"WORLD_SIZE": "2"},
+        expect=[("--pipeline-model-parallel-size 2", "--zero-stage 3", "stages 0 and 1")]),
+    "zero_2_from_the_json_with_pipeline": Case(
+        extra=["--pipeline-model-parallel-size", "2", "--deepspeed_config", "<ds>"],
+        env={"WORLD_SIZE": "2"}, ds={"zero_optimization": {"stage": 2}},
+        expect=[("--pipeline-model-parallel-size 2", "--zero-stage 2",
+                 "zero_optimization.stage")]),
+    "param_offload_with_pipeline": Case(
+        extra=["--pipeline-model-parallel-size", "2", "--zero-stage", "3", "--offload-param",
+               "cpu"], env={"WORLD_SIZE": "2"},
+        expect=[("--pipeline-model-parallel-size 2", "--zero-stage 3"),
+                ("--pipeline-model-parallel-size 2", "--offload-param cpu")]),
+    "partitioned_pipe_transfers": Case(
+        extra=["--pipeline-model-parallel-size", "2", "--deepspeed_config", "<ds>"],
+        env={"WORLD_SIZE": "2"}, ds={"pipeline": {"pipe_partitioned": True}},
+        expect=[("pipeline.pipe_partitioned", "<ds>", "set it to false")]),
+    "bf16_pipeline_accumulating_in_bf16": Case(
+        extra=["--pipeline-model-parallel-size", "2", "--bf16", "--zero-stage", "1",
+               "--deepspeed_config", "<ds>"],
+        env={"WORLD_SIZE": "2"}, ds={"data_types": {"grad_accum_dtype": "bf16"}},
+        expect=[("data_types.grad_accum_dtype 'bf16'", "<ds>", "--bf16", "fp32")]),
     # Batch sizes.
     "global_batch_not_multiple_of_micro": Case(
         extra=["--global-batch-size", "5"],

@@ -57,3 +57,61 @@ def test_two_stages_match_one_process(train_data, tied, single):
     assert_same_run(got[0][1], single[0], rtol=2e-5)
     assert_same_run(got[0][2], single[1], rtol=2e-5)
     assert_same_run(got[0][3], single[2], rtol=2e-2)
+
+
+def test_pipeline_with_data_and_tensor_parallelism_matches_one_process(train_data, tied, single):
+    """PP=2 x DP=2 (ZeRO 0 and 1), TP=2 x PP=2, and PP=4 with the encoder and the decoder each
+    on two stages (split rank 2), tied and untied, recomputed activations."""
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    runs = [base_argv(train_data, *pp2),
+            base_argv(train_data, *pp2, "--zero-stage", "1", model=tied),
+            base_argv(train_data, *pp2, "--tensor-model-parallel-size", "2", "--zero-stage",
+                      "1"),
+            base_argv(train_data, *pp2, "--tensor-model-parallel-size", "2", model=tied),
+            base_argv(train_data, "--pipeline-model-parallel-size", "4",
+                      "--pipeline-model-parallel-split-rank", "2"),
+            base_argv(train_data, "--pipeline-model-parallel-size", "4",
+                      "--pipeline-model-parallel-split-rank", "2", "--checkpoint-activations",
+                      "--zero-stage", "1", model=tied)]
+    got = run_workers(4, run_pretrain, runs, timeout=1200)
+    assert all(g == got[0] for g in got)
+    for i, want in enumerate((0, 1, 0, 1, 0, 1)):
+        assert_same_run(got[0][i], single[want], rtol=2e-5), runs[i]
+
+
+def test_resume_is_exact_with_a_pipeline(train_data, tmp_path):
+    """PP=2 x DP=2, ZeRO-1, dropout on: 3 steps, save, stop, load, 3 more give the straight
+    run's losses bit for bit; a weights-only load (--finetune) also works; loading with another
+    pipeline size is refused before anything is built, naming the sizes."""
+    ckpt = str(tmp_path / "ckpt")
+    run = lambda *extra: base_argv(train_data, "--pipeline-model-parallel-size", "2",  # noqa
+                                   "--zero-stage", "1", *extra, model=train_data.tiny_dropout,
+                                   iters=6)
+    straight, first, second, finetune = run_workers(4, run_pretrain, [
+        run(), run("--save", ckpt, "--exit-interval", "3"), run("--save", ckpt, "--load", ckpt),
+        run("--load", ckpt, "--finetune"),
+    ], timeout=900)[0]
+    assert first["iteration"] == 3 and second["iteration"] == 6
+    for i in range(1, 7):  # exact float equality: the same bits
+        assert (first["losses"] | second["losses"])[i] == straight["losses"][i], i
+    assert first["evals"] + second["evals"] == straight["evals"]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "6\n"
+    meta = json.loads((tmp_path / "ckpt" / "iter_0000006" / "meta.json").read_text())
+    assert meta["layout"]["pipeline_model_parallel_size"] == 2
+    assert sorted(finetune["losses"]) == list(range(1, 7))
+    assert finetune["losses"][1] < straight["losses"][1]  # it started from trained weights
+
+
+def test_loading_another_pipeline_size_is_refused(train_data, tmp_path):
+    """A PP=2 checkpoint loaded by PP=1 (and the reverse) is refused at the command line, naming
+    both sizes and the conversion tool."""
+    from megatron.arguments import ArgumentsError, parse_args
+
+    ckpt = str(tmp_path / "ckpt")
+    run_workers(2, run_pretrain, [base_argv(train_data, "--pipeline-model-parallel-size", "2",
+                                            "--save", ckpt, iters=2)], timeout=600)
+    with pytest.raises(ArgumentsError) as e:
+        parse_args(base_argv(train_data, "--load", ckpt, iters=2),
+                   env={"WORLD_SIZE": "2"})
+    assert "--pipeline-model-parallel-size 2 in the checkpoint, 1 now" in str(e.value)
+    assert "data_tools/convert_checkpoint.py" in str(e.value)
