@@ -85,10 +85,45 @@ def dry_run(config: RunConfig) -> int:
           f"accumulation {batch.gradient_accumulation_steps} = global "
           f"{batch.global_batch_size}; {batch.train_iters} steps; precision "
           f"{config.precision.precision}; ZeRO {config.zero.stage}")
-    print(f"memory per rank, estimated for {device} (--dry-run-device):")
-    for line in estimate.table():
-        print("  " + line)
+    if parallel.pipeline_model_parallel_size == 1:
+        print(f"memory per rank, estimated for {device} (--dry-run-device):")
+        for line in estimate.table():
+            print("  " + line)
+        return 0
+    _print_pipeline(config, device)
     return 0
+
+
+def _print_pipeline(config: RunConfig, device: str) -> None:
+    """--dry-run with P > 1: the cut, the bubble, parameters and memory per stage."""
+    from megatron.pipeline.partition import bubble_fraction
+    from megatron.training.memory import estimate_stages, stage_parameter_numels
+
+    model, p = config.model, config.parallel.pipeline_model_parallel_size
+    m = config.batch.gradient_accumulation_steps
+    cut = config.pipeline_cut()
+    for line in cut.describe():
+        print(line)
+    print(f"pipeline bubble: {100 * bubble_fraction(p, m):.1f}% of a step idle under 1F1B "
+          f"((P - 1) / (m + P - 1) = {p - 1} / {m + p - 1}; m = {m} micro-batches per step)")
+    print(f"memory per rank, estimated for {device} (--dry-run-device), by pipeline stage "
+          f"(GiB; parameters per tensor rank, tied copies on each stage holding one):")
+    print(f"  {'stage':>5} {'parameters':>15} {'in flight':>9} {'params':>8} {'grads':>8} "
+          f"{'optimizer':>9} {'activations':>11} {'buffers':>8} {'send/recv':>9} {'total':>8} "
+          f"{'offloaded':>9}")
+    stages = estimate_stages(config, device)
+    gib = 2 ** 30
+    for s, est in enumerate(stages):
+        count = sum(stage_parameter_numels(model.t5, cut, s, config.parallel.
+                                           tensor_model_parallel_size,
+                                           model.make_vocab_size_divisible_by).values())
+        print(f"  {s:>5} {count:>15,} {est.in_flight:>9} {est.parameters / gib:>8.3f} "
+              f"{est.gradients / gib:>8.3f} {est.optimizer_states / gib:>9.3f} "
+              f"{est.activations / gib:>11.3f} {est.buffers / gib:>8.3f} "
+              f"{est.pipeline_buffers / gib:>9.3f} {est.total / gib:>8.3f} "
+              f"{est.offloaded / gib:>9.3f}")
+    worst = max(range(len(stages)), key=lambda s: stages[s].total)
+    print(f"  largest: stage {worst}, {stages[worst].total / gib:.3f} GiB on device per rank")
 
 
 def build_step(config: RunConfig, watchdog, writer):
@@ -159,6 +194,12 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                            enabled=rank == 0, train_iters=batch.train_iters)
     own_watchdog = watchdog is None
     watchdog = watchdog or Watchdog(rank)
+    parallel = config.parallel
+    if parallel.model_parallel_size > 1:
+        watchdog.place = (f" (pipeline stage {parallel_state.get_pipeline_model_parallel_rank()}"
+                          f" of {parallel.pipeline_model_parallel_size}, tensor rank "
+                          f"{parallel_state.get_tensor_model_parallel_rank()}, data-parallel "
+                          f"rank {parallel_state.get_data_parallel_rank()})")
     layout_now = layout(config.parallel, config.zero.stage)
     try:
         for warning in runtime.warnings:

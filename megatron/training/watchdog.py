@@ -24,6 +24,8 @@ EXIT_HANG = 3
 class Watchdog:
     def __init__(self, rank: int, poll_s: float = 1.0) -> None:
         self.rank = rank
+        self.place = ""
+        """Where the rank sits, once the groups exist (' (pipeline stage 1 of 4, ...)')."""
         self.poll_s = poll_s
         self._what: Optional[str] = None
         self._deadline = float("inf")
@@ -45,8 +47,8 @@ class Watchdog:
             yield
         except Exception as e:  # say which phase failed: a backend error names only a peer
             if not getattr(e, "_phase_reported", False):
-                sys.stderr.write(f"rank {self.rank}: failed while waiting for {what}: "
-                                 f"{type(e).__name__}: {e}\n")
+                sys.stderr.write(f"rank {self.rank}{self.place}: failed while waiting for "
+                                 f"{what}: {type(e).__name__}: {e}\n")
                 sys.stderr.flush()
                 with contextlib.suppress(AttributeError):
                     e._phase_reported = True
@@ -66,8 +68,8 @@ class Watchdog:
     def _expire(self, what: str, timeout: float) -> None:
         # Whatever happens to the output (a closed pipe, a full disk), the process must end.
         try:
-            sys.stderr.write(f"\nrank {self.rank}: no progress for {timeout:g} s while waiting "
-                             f"for {what}; ending this process (exit {EXIT_HANG}). Python "
+            sys.stderr.write(f"\nrank {self.rank}{self.place}: no progress for {timeout:g} s "
+                             f"while waiting for {what}; ending this process (exit {EXIT_HANG}). Python "
                              f"stacks:\n")
             sys.stderr.flush()
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

@@ -177,12 +177,13 @@ def signal_rank1_at_iteration_2(flags, cwd, sig, timeout):
     return proc.returncode, output, time.monotonic() - sent
 
 
-def test_stop_signal_to_one_rank_saves_and_resumes(train_data, tmp_path):
-    """SIGUSR1 to rank 1 only: all ranks agree at the step boundary, save, exit 0; the same
-    command line with --load continues from there."""
+@pytest.mark.parametrize("pipeline", ["1", "2"])
+def test_stop_signal_to_one_rank_saves_and_resumes(train_data, tmp_path, pipeline):
+    """SIGUSR1 to rank 1 only (with a pipeline: the last stage): all ranks agree at the step
+    boundary, save, exit 0; the same command line with --load continues from there."""
     ckpt = tmp_path / "ckpt"
     flags = base_argv(train_data, "--save", str(ckpt), "--load", str(ckpt), "--log-interval",
-                      "1", iters=400)
+                      "1", "--pipeline-model-parallel-size", pipeline, iters=400)
     status, output, _ = signal_rank1_at_iteration_2(flags, tmp_path, signal.SIGUSR1, 300)
     assert status == 0, output[-3000:]
     stopped = re.search(r"exiting at iteration (\d+): signal SIGUSR1 \(checkpoint saved\)", output)
@@ -198,14 +199,18 @@ def test_stop_signal_to_one_rank_saves_and_resumes(train_data, tmp_path):
     assert sorted(logged_losses(resumed.stdout)) == [iteration + 1, iteration + 2]
 
 
-def test_a_stopped_rank_ends_the_job_within_the_timeout(train_data, tmp_path):
-    """Rank 1 frozen (SIGSTOP) mid-run: rank 0's watchdog names the collective it waited for,
-    prints its stacks and exits; torchrun then takes the job down, non-zero, in bounded time."""
+@pytest.mark.parametrize("pipeline", ["1", "2"])
+def test_a_stopped_rank_ends_the_job_within_the_timeout(train_data, tmp_path, pipeline):
+    """Rank 1 frozen (SIGSTOP) mid-run (with a pipeline: the last stage): rank 0's watchdog
+    names the collective it waited for and, with a pipeline, its stage, prints its stacks and
+    exits; torchrun then takes the job down, non-zero, in bounded time."""
     flags = base_argv(train_data, "--log-interval", "1", "--distributed-timeout-minutes", "0.1",
-                      iters=400)
+                      "--pipeline-model-parallel-size", pipeline, iters=400)
     status, output, seconds = signal_rank1_at_iteration_2(flags, tmp_path, signal.SIGSTOP, 240)
     assert status != 0
     assert seconds < 90, output[-3000:]
-    assert re.search(r"rank 0: no progress for 6 s while waiting for (collective|the training "
-                     r"step)", output), output[-3000:]
+    place = r" \(pipeline stage 0 of 2, tensor rank 0, data-parallel rank 0\)" \
+        if pipeline == "2" else ""
+    assert re.search(rf"rank 0{place}: no progress for 6 s while waiting for (collective|the "
+                     rf"training step|an evaluation step)", output), output[-3000:]
     assert "Most recent call first" in output or "File \"" in output  # faulthandler's stacks
