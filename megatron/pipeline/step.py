@@ -196,9 +196,13 @@ def build_pipeline_step(config, watchdog, writer) -> PipelineStep:
         module = build_pipeline_module(model.t5, cut, topology, padded, model.attention_backend,
                                        loss, model.checkpoint_activations,
                                        model.checkpoint_num_layers, device=device)
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    count = sum(p.numel() for p in module.parameters())
-    writer.write_text(f"parameters on stage {stage}, tensor rank 0: {count:,}")
+    counts = torch.zeros(parallel.pipeline_model_parallel_size, dtype=torch.int64,
+                         device=device)
+    counts[parallel_state.get_pipeline_model_parallel_rank()] = sum(
+        p.numel() for p in module.parameters())
+    dist.all_reduce(counts, group=parallel_state.get_pipeline_model_parallel_group())
+    writer.write_text("parameters per stage on tensor rank 0 (tied copies on each stage that "
+                      "holds one): " + ", ".join(f"{c:,}" for c in counts.tolist()))
     ds_json = config.deepspeed_json()
     clip = float(ds_json.get("gradient_clipping", 0.0) or 0.0)
     own_norm = config.zero.stage == 0 and config.precision.precision == "fp32"
