@@ -115,3 +115,13 @@ def test_loading_another_pipeline_size_is_refused(train_data, tmp_path):
                    env={"WORLD_SIZE": "2"})
     assert "--pipeline-model-parallel-size 2 in the checkpoint, 1 now" in str(e.value)
     assert "data_tools/convert_checkpoint.py" in str(e.value)
+
+
+def test_optimizer_offload_with_a_pipeline(train_data, single):
+    """ZeRO-1 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam) under PP=2 gives the
+    one-process fp32 run (as under data parallelism, 1e-4: another Adam)."""
+    got = run_workers(2, run_pretrain, [
+        base_argv(train_data, "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
+                  "--offload-optimizer", "cpu")], timeout=900)
+    assert got[0] == got[1]
+    assert_same_run(got[0][0], single[0], rtol=1e-4)
