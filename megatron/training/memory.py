@@ -28,19 +28,30 @@ Activations are the tensors autograd saves in forward, counted from what our lay
 (megatron/model/transformer.py, dropout.py, cross_entropy.py) and checked against a measurement
 in tests/unit/test_memory_estimate.py. Backward's transient gradients are left out, except the
 logits' gradient, which is as large as the logits.
+
+With a pipeline (a `Cut` of P > 1 stages; ZeRO 0 or 1) a rank holds its stage's parameters
+(`stage_parameter_numels`) and their states; bf16 with ZeRO-1 runs DeepSpeed's BF16 optimizer
+(whole 16-bit gradients plus an fp32 accumulation buffer, an fp32 all-reduce bucket). Its
+activations are the terms above of the stage's layers times the micro-batches in flight under
+1F1B, min(P - s, m) on stage s, plus what DeepSpeed's engine keeps per micro-batch (the received
+tuple, the ints passed on, the output; on the last stage the previous logits in its other buffer)
+and its receive buffers (`pipeline_buffers`). DeepSpeed recomputes runs of checkpoint_num_layers
+layers counted from the stage's first layer, if they hold blocks only: others run whole.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional
+from collections import namedtuple
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from megatron.model.config import ConfigError, T5Config
 from megatron.model.t5 import model_parallel_problems
 
 if TYPE_CHECKING:
     from megatron.config import RunConfig
+    from megatron.pipeline.partition import Cut
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -92,14 +103,20 @@ class MemoryEstimate:
     between_steps: int = 0
     """What stays allocated from one step to the next (model states, kept buffers; 'cpu': with
     what is offloaded to cpu); not in `table`."""
+    pipeline_buffers: int = 0
+    """A pipeline stage's receive buffers (activations in, gradients back); in total."""
+    in_flight: int = 1
+    """Micro-batches whose activations a stage holds at once (1F1B: min(P - s, m))."""
 
     def table(self) -> List[str]:
-        """Printable lines, one per field."""
+        """Printable lines, one per field (the pipeline's buffers only with a pipeline)."""
         rows = [("parameters", self.parameters), ("gradients", self.gradients),
                 ("optimizer states", self.optimizer_states),
                 ("activations (peak)", self.activations),
                 ("  saved after forward", self.activations_saved), ("buffers", self.buffers),
                 ("total on device", self.total), ("offloaded (cpu/nvme)", self.offloaded)]
+        if self.pipeline_buffers:
+            rows.insert(6, ("pipeline send/recv", self.pipeline_buffers))
         return [f"{name:<22}{value / 2 ** 30:>10.3f} GiB" for name, value in rows]
 
 
@@ -144,6 +161,31 @@ def count_parameters(config: T5Config, tensor_parallel_size: int = 1,
     """Parameters held by one tensor rank (layer norms are whole on every rank)."""
     return sum(parameter_numels(config, tensor_parallel_size,
                                 make_vocab_size_divisible_by).values())
+
+
+def stage_parameter_numels(config: T5Config, cut: "Cut", stage: int,
+                           tensor_parallel_size: int = 1,
+                           make_vocab_size_divisible_by: int = 128) -> Dict[str, int]:
+    """`parameter_numels` of what pipeline `stage` holds (module docstring); tied weights are
+    counted on every stage that holds a copy."""
+    enc, dec = cut.stage_blocks(stage)
+    last, holds = stage == cut.stages - 1, {"encoder": enc, "decoder": dec}
+
+    def keep(name: str) -> bool:
+        stack, _, rest = name.partition(".")
+        if name == "shared.weight":  # embeds on stage 0 and the first decoder stage; tied head
+            return stage == 0 or (len(dec) > 0 and dec.start == 0) or \
+                (last and config.tie_word_embeddings)
+        if name == "lm_head.weight" or stack == "decoder" and rest.startswith("final_layer"):
+            return last
+        if rest.startswith("final_layer_norm"):
+            return len(enc) > 0 and enc.stop == cut.encoder_layers
+        if "relative_attention_bias" in rest:
+            return len(holds[stack]) > 0
+        return int(rest.split(".")[1]) in holds[stack]  # {stack}.block.{i}....
+
+    return {name: n for name, n in parameter_numels(
+        config, tensor_parallel_size, make_vocab_size_divisible_by).items() if keep(name)}
 
 
 @dataclass(frozen=True)
@@ -198,6 +240,15 @@ class _Shape:
         n = (c.activation != "relu") + 1 + (2 if c.is_gated_act else self.dropout)
         return tokens * self.ff * (n * self.a + self.dropout)
 
+    def head(self, d: int, vocab: int) -> Tuple[int, int, int, int]:
+        """(the loss's saved tensors, what the head frees before any recompute, the logits, their
+        gradient). The loss keeps log-probabilities over this rank's real columns (fp32), lse,
+        target and masks, and a count; the logits' gradient is padded in fp32, then cast."""
+        b, a = self.b, self.a
+        cross_entropy = b * d * (4 * min(vocab, self.config.vocab_size) + 14) + 8
+        return (cross_entropy, cross_entropy + a * b * d * self.D, a * b * d * vocab,
+                b * d * vocab * (4 + (a if a != 4 else 0)))
+
     def encoder_block(self, e: int) -> int:
         return 2 * self.sublayer(self.b * e) + self.attention(e, e, True) + \
             self.feed_forward(self.b * e)
@@ -241,11 +292,12 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
                     checkpoint_activations: bool = False, checkpoint_num_layers: int = 1,
                     make_vocab_size_divisible_by: int = 128, attention_kernel: str = "fused",
                     buckets: ZeroBuckets = ZeroBuckets(), device_type: str = "cuda",
-                    gradient_accumulation_steps: int = 1) -> MemoryEstimate:
+                    gradient_accumulation_steps: int = 1, pipeline_cut: Optional["Cut"] = None,
+                    pipeline_stage: int = 0) -> MemoryEstimate:
     """Per-rank memory of training `config` with DeepSpeed ZeRO and Adam(W).
 
     Args:
-        tensor_parallel_size, data_parallel_size: the parallel sizes (no pipeline).
+        tensor_parallel_size, data_parallel_size: the parallel sizes.
         zero_stage: 0-3. precision: 'fp32', 'bf16' or 'fp16' (16-bit: fp32 master weights).
         offload_optimizer, offload_param: 'none', 'cpu' or 'nvme' (ZeRO-Offload / -Infinity).
         micro_batch_size, encoder_seq_length, decoder_seq_length: one micro-batch.
@@ -258,6 +310,8 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
             memory a CPU run adds to its interpreter and libraries; see the module docstring).
         gradient_accumulation_steps: micro-batches per step; with 'cpu' and more than one,
             stage 0-2 gradients live through the forward ('cuda' always counts them).
+        pipeline_cut, pipeline_stage: with a cut of more than one stage, the memory of a rank
+            of that stage (see the module docstring); None or one stage: no pipeline.
 
     Raises:
         ValueError: an argument out of range or a combination DeepSpeed does not run.
@@ -269,17 +323,33 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
     problems = _validate(tensor_parallel_size, data_parallel_size, zero_stage, precision,
                          offload_optimizer, offload_param, sizes, checkpoint_num_layers,
                          attention_kernel, device_type)
+    pipelined = pipeline_cut is not None and pipeline_cut.stages > 1
+    if pipelined and not (isinstance(pipeline_stage, int)
+                          and 0 <= pipeline_stage < pipeline_cut.stages):
+        problems.append(f"pipeline_stage must be 0 .. {pipeline_cut.stages - 1}, not "
+                        f"{pipeline_stage!r}")
+    if pipelined and zero_stage not in (0, 1):
+        problems.append("a pipeline runs ZeRO stage 0 or 1 only (DeepSpeed's pipeline engine)")
     if problems:
         raise ValueError("cannot estimate memory: " + "; ".join(problems))
-    numels = parameter_numels(config, tensor_parallel_size, make_vocab_size_divisible_by)
-    params, grads, optimizer, buffers, step, offloaded = _model_states(
-        list(numels.values()), data_parallel_size, zero_stage, precision, offload_optimizer,
-        offload_param, buckets)
     tp = tensor_parallel_size
     shape = _Shape(micro_batch_size, config.d_model, config.inner_dim // tp, config.d_ff // tp,
                    config.num_heads // tp, 4 if precision == "fp32" else 2, precision == "fp16",
                    config.dropout_rate > 0, attention_kernel, config)
     vocab = config.padded_vocab_size(make_vocab_size_divisible_by, tp) // tp
+    if pipelined:
+        numels = stage_parameter_numels(config, pipeline_cut, pipeline_stage, tp,
+                                        make_vocab_size_divisible_by)
+        activations = _stage_activations(shape, tp, vocab, encoder_seq_length,
+                                         decoder_seq_length, pipeline_cut, pipeline_stage,
+                                         gradient_accumulation_steps,
+                                         checkpoint_num_layers if checkpoint_activations else 0)
+        return _stage_estimate(list(numels.values()), data_parallel_size, zero_stage, precision,
+                               offload_optimizer, buckets, device_type, activations)
+    numels = parameter_numels(config, tensor_parallel_size, make_vocab_size_divisible_by)
+    params, grads, optimizer, buffers, step, offloaded = _model_states(
+        list(numels.values()), data_parallel_size, zero_stage, precision, offload_optimizer,
+        offload_param, buckets)
     saved, activations = _activations(shape, tp, vocab, encoder_seq_length, decoder_seq_length,
                                       checkpoint_activations, checkpoint_num_layers)
     if device_type == "cpu":
@@ -292,12 +362,17 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
                           offloaded=offloaded, between_steps=params + grads + optimizer + buffers)
 
 
-def estimate_run(config: "RunConfig", device_type: str) -> MemoryEstimate:
+def estimate_run(config: "RunConfig", device_type: str,
+                 stage: Optional[int] = None) -> MemoryEstimate:
     """`estimate_memory` for a validated run on `device_type` ('cuda' or 'cpu'): its model,
     layout, batch, precision, ZeRO and offload, DeepSpeed's buckets from its JSON; the attention
     kernel that the model's 'auto' backend picks there (fused on CUDA, eager on the CPU). What
-    `--dry-run`, the training bench and the planner share."""
+    `--dry-run`, the training bench and the planner share. With a pipeline: a rank of `stage`,
+    or with None of the stage with the largest total (`estimate_stages` gives them all)."""
     model, parallel = config.model, config.parallel
+    cut = config.pipeline_cut() if parallel.pipeline_model_parallel_size > 1 else None
+    if cut is not None and stage is None:
+        return max(estimate_stages(config, device_type), key=lambda e: e.total)
     kernel = "fused" if device_type == "cuda" else "eager"
     return estimate_memory(
         model.t5, tensor_parallel_size=parallel.tensor_model_parallel_size,
@@ -311,7 +386,14 @@ def estimate_run(config: "RunConfig", device_type: str) -> MemoryEstimate:
         make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
         attention_kernel=kernel, device_type=device_type,
         buckets=ZeroBuckets.from_zero_config(config.deepspeed.get("zero_optimization", {})),
-        gradient_accumulation_steps=config.batch.gradient_accumulation_steps)
+        gradient_accumulation_steps=config.batch.gradient_accumulation_steps,
+        pipeline_cut=cut, pipeline_stage=stage or 0)
+
+
+def estimate_stages(config: "RunConfig", device_type: str) -> List[MemoryEstimate]:
+    """`estimate_run` of every pipeline stage in stage order (without a pipeline: one)."""
+    return [estimate_run(config, device_type, s)
+            for s in range(config.parallel.pipeline_model_parallel_size)]
 
 
 def optimizer_bytes(stage: int, precision: str, numel: int) -> int:
@@ -410,10 +492,8 @@ def _activations(s: _Shape, tp: int, vocab: int, e: int, d: int, checkpoint: boo
     ids = b * (e + d) * (8 if tp == 1 else 9)  # embedding indices (TP: local ids + a bool mask)
     # the final norms, the embedding and final dropout masks
     outer = ids + s.norm(b * e) + s.norm(b * d) + 2 * s.dropout * b * (e + d) * D
-    # log-probabilities over this rank's real columns (fp32), lse, target and masks; loss count
-    cross_entropy = b * d * (4 * min(vocab, c.vocab_size) + 14) + 8
+    cross_entropy, head, logits, logits_grad = s.head(d, vocab)
     outer += cross_entropy
-    head = cross_entropy + a * b * d * D  # freed before any recompute, with the head's input
     if not checkpoint:
         # + the relative-position buckets: one int64 [q, k] per stack
         saved = outer + 8 * (e * e + d * d) + c.num_layers * s.encoder_block(e) + \
@@ -434,7 +514,105 @@ def _activations(s: _Shape, tp: int, vocab: int, e: int, d: int, checkpoint: boo
             + s.bias_cast(e),
             min(chunk, c.num_decoder_layers) * s.decoder_block(d, e) + 8 * d * d - a * b * d * D
             + s.bias_cast(d))
-    logits = a * b * d * vocab  # held by T5Output through backward
-    logits_grad = b * d * vocab * (4 + (a if a != 4 else 0))  # padded in fp32, then cast
-    # backward starts with the logits' gradient; a recompute comes after the head is freed
+    # T5Output holds the logits through backward, which starts with the logits' gradient; a
+    # recompute comes after the head is freed
     return saved, saved + logits + max(logits_grad, recompute - head)
+
+
+# Pipeline stages ---------------------------------------------------------------------------
+PIPELINE_ALLREDUCE_ELEMENTS = 500_000_000  # DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE
+_StageActivations = namedtuple("_StageActivations", "saved peak pipeline_buffers in_flight m")
+
+
+def _stage_layers(cut: "Cut", stage: int) -> List[str]:
+    """The stage's layers in DeepSpeed's order (pipeline/module.py, pipeline_specs): 'E' and 'D'
+    a block, the other names the small layers."""
+    enc, dec = cut.stage_blocks(stage)
+    out = ["embed_encoder"] if stage == 0 else []
+    if len(enc):
+        out += ["encoder_bias"] + ["E"] * len(enc)
+        out += ["finish_encoder"] if enc.stop == cut.encoder_layers else []
+    if len(dec):
+        out += (["embed_decoder"] if dec.start == 0 else []) + ["decoder_bias"] + ["D"] * len(dec)
+    return out + (["finish_decoder", "head"] if stage == cut.stages - 1 else [])
+
+
+def _wire(s: _Shape, cut: "Cut", boundary: int, e: int, d: int) -> Tuple[int, int, int]:
+    """(floating, int64, hidden state) bytes of the tuple crossing after flat block `boundary`:
+    hidden state, encoder output (decoder), masks, decoder ids (up to the decoder embedding)."""
+    E, unit = cut.encoder_layers, s.a * s.b * s.D
+    hidden = unit * (e if boundary < E else 0 if boundary == E else d)
+    return hidden + unit * e * (boundary >= E), 8 * s.b * (e + d + d * (boundary <= E)), hidden
+
+
+def _stage_activations(s: _Shape, tp: int, vocab: int, e: int, d: int, cut: "Cut", stage: int,
+                       micro_batches: int, chunk: int) -> _StageActivations:
+    """A rank of pipeline `stage` under 1F1B (module docstring); chunk 0: no recompute."""
+    a, b, D, P = s.a, s.b, s.D, cut.stages
+    layers = _stage_layers(cut, stage)
+    has = {k: k in layers for k in ("embed_encoder", "finish_encoder", "embed_decoder", "head")}
+    whole, runs = {"E": 0, "D": 0}, {"E": [], "D": []}
+    for i in range(0, len(layers), chunk or len(layers)):  # DeepSpeed's checkpointed runs
+        run = layers[i:i + chunk] if chunk else layers
+        if chunk and set(run) <= {"E", "D"}:
+            runs[run[0]].append(len(run))
+        else:
+            whole = {k: n + run.count(k) for k, n in whole.items()}
+    cross_entropy, head, logits, logits_grad = s.head(d, vocab)
+    saved = b * (8 if tp == 1 else 9) * (e * has["embed_encoder"] + d * has["embed_decoder"])
+    saved += s.dropout * b * D * (e * (has["embed_encoder"] + has["finish_encoder"])
+                                  + d * (has["embed_decoder"] + has["head"]))
+    saved += s.norm(b * e) * has["finish_encoder"] + (s.norm(b * d) + cross_entropy) * has["head"]
+    saved += whole["E"] * s.encoder_block(e) + whole["D"] * s.decoder_block(d, e)
+    recompute = 0
+    for kind, n in (("E", e), ("D", d)):
+        if whole[kind] or runs[kind]:  # the stage's bias layer: buckets, 16-bit cast, the bias
+            saved += 8 * n * n + (a != 4) * a * b * s.heads * n * n
+            saved += (s.kernel == "fused" or len(runs[kind]) > 0) * (4 if a == 4 else a) * \
+                b * s.heads * n * n
+        saved += a * b * D * n * len(runs[kind])  # each checkpointed run's input
+        block = s.encoder_block(e) if kind == "E" else s.decoder_block(d, e)
+        recompute = max([recompute] + [k * block - a * b * D * n for k in runs[kind]])
+    # DeepSpeed keeps per micro-batch the received tuple (stage 0: the batch), of the clone the
+    # layers run on what they do not save (encoder output, ints passed on), the output or labels
+    first, last = stage == 0, stage == P - 1
+    in_float, in_int, _ = (0, 16 * b * (e + d), 0) if first else \
+        _wire(s, cut, cut.blocks[stage], e, d)
+    out_float, out_int, out_hidden = (0, 0, 0) if last else \
+        _wire(s, cut, cut.blocks[stage + 1], e, d)
+    held = in_float + in_int + out_int + out_hidden + 8 * b * d * last
+    held += a * b * D * e * (not first and cut.blocks[stage] >= cut.encoder_layers)
+    in_flight = min(P - stage, micro_batches)
+    saved_all = in_flight * (saved + held)
+    # the last stage: the previous micro-batch's logits stay in DeepSpeed's other output buffer
+    transient = logits * (1 + (micro_batches > 1)) + max(logits_grad, recompute - head) \
+        if last else recompute
+    buffers = (0 if first else in_float + in_int) + out_float  # receive: activations, gradients
+    return _StageActivations(saved_all, saved_all + transient, buffers, in_flight, micro_batches)
+
+
+def _stage_estimate(numels, dp, stage, precision, offload_optimizer, buckets, device_type,
+                    act: _StageActivations) -> MemoryEstimate:
+    """estimate_memory for a rank of a pipeline stage holding `numels`."""
+    pipe, extra = act.pipeline_buffers, dict(pipeline_buffers=act.pipeline_buffers,
+                                             in_flight=act.in_flight)
+    if device_type == "cpu":
+        est = _host_estimate(numels, dp, stage, precision, offload_optimizer, "none", buckets,
+                             act.saved, act.peak, act.m)
+        return replace(est, total=est.total + pipe, between_steps=est.between_steps + pipe,
+                       **extra)
+    if precision == "bf16" and stage == 1 and offload_optimizer == "none":
+        # DeepSpeed's BF16 optimizer: whole 16-bit gradients and an fp32 accumulation buffer;
+        # its step reads the fp32 partition in place; the all-reduce flattens fp32 buckets
+        psi = sum(numels)
+        params, grads, step, offloaded = 2 * psi, 6 * psi, 0, 0
+        optimizer = optimizer_bytes(1, precision, math.ceil(psi / dp))
+        buffers = 4 * min(PIPELINE_ALLREDUCE_ELEMENTS + max(numels), psi)
+    else:
+        params, grads, optimizer, buffers, step, offloaded = _model_states(
+            numels, dp, stage, precision, offload_optimizer, "none", buckets)
+    states = params + grads + optimizer + buffers + pipe
+    return MemoryEstimate(parameters=params, gradients=grads, optimizer_states=optimizer,
+                          activations=act.peak, activations_saved=act.saved, buffers=buffers,
+                          total=states + max(act.peak, step), offloaded=offloaded,
+                          between_steps=states, **extra)
