@@ -324,8 +324,7 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
                          offload_optimizer, offload_param, sizes, checkpoint_num_layers,
                          attention_kernel, device_type)
     pipelined = pipeline_cut is not None and pipeline_cut.stages > 1
-    if pipelined and not (isinstance(pipeline_stage, int)
-                          and 0 <= pipeline_stage < pipeline_cut.stages):
+    if pipelined and pipeline_stage not in range(pipeline_cut.stages):
         problems.append(f"pipeline_stage must be 0 .. {pipeline_cut.stages - 1}, not "
                         f"{pipeline_stage!r}")
     if pipelined and zero_stage not in (0, 1):
@@ -594,8 +593,8 @@ def _stage_activations(s: _Shape, tp: int, vocab: int, e: int, d: int, cut: "Cut
 def _stage_estimate(numels, dp, stage, precision, offload_optimizer, buckets, device_type,
                     act: _StageActivations) -> MemoryEstimate:
     """estimate_memory for a rank of a pipeline stage holding `numels`."""
-    pipe, extra = act.pipeline_buffers, dict(pipeline_buffers=act.pipeline_buffers,
-                                             in_flight=act.in_flight)
+    pipe = act.pipeline_buffers
+    extra = dict(pipeline_buffers=pipe, in_flight=act.in_flight)
     if device_type == "cpu":
         est = _host_estimate(numels, dp, stage, precision, offload_optimizer, "none", buckets,
                              act.saved, act.peak, act.m)
