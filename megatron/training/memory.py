@@ -1,5 +1,8 @@
 """Device memory of one training rank: ZeRO's model states plus one micro-batch's activations.
 
+(Over 600 lines on purpose: it is the one memory model that --dry-run, bench_training and the
+planner share, with and without a pipeline; splitting it would make two models to keep equal.)
+
 Model states follow ZeRO (Rajbhandari et al., 2020) as DeepSpeed implements them, per parameter
 of this tensor rank (Psi) and data-parallel size N:
 
