@@ -187,14 +187,14 @@ def _rank_of(pid: int) -> Optional[int]:
 
 
 def run_torchrun(flags: Sequence[str], log: Path, env: Optional[Dict[str, str]] = None,
-                 interval: float = 0.05) -> Run:
-    """`torchrun --nproc_per_node 2 -m megatron.pretrain_t5 FLAGS` with `env` added; its output
-    goes to `log`. The ranks are torchrun's children, told apart by RANK in their environment."""
+                 interval: float = 0.05, nproc: int = 2,
+                 module: str = "megatron.pretrain_t5") -> Run:
+    """`torchrun --nproc_per_node NPROC -m MODULE FLAGS` with `env` added; its output goes to
+    `log`. The ranks are torchrun's children, told apart by RANK in their environment."""
     import psutil
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(29500 + os.getpid() % 1000), "-m", "megatron.pretrain_t5",
-           *flags]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(29500 + os.getpid() % 1000), "-m", module, *flags]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     run, ranks = Run(), {}
     start, busy, own = time.perf_counter(), _busy_seconds(), _own_seconds()
@@ -238,8 +238,8 @@ def run_torchrun(flags: Sequence[str], log: Path, env: Optional[Dict[str, str]] 
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed (exit {proc.returncode}); its output: {log}\n"
                  + "".join(lines[-30:]))
-    if sorted(run.hwm) != [0, 1]:
-        sys.exit(f"could not read the peak memory of both ranks (got ranks {sorted(run.hwm)})")
+    if sorted(run.hwm) != list(range(nproc)):
+        sys.exit(f"could not read the peak memory of every rank (got ranks {sorted(run.hwm)})")
     return run
 
 
