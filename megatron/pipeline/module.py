@@ -252,20 +252,12 @@ def pipeline_specs(config: T5Config, cut: Cut, padded_vocab_size: int, attention
         for n, (kind, arg) in enumerate(plan):
             last = n == len(plan) - 1
             fin = _ordered(fields)
-            if kind == "embed_encoder":
-                after = fields - {"enc_ids"} | {"hidden"}
-                out = flow(after, last)
+            if kind in ("embed_encoder", "embed_decoder"):
+                ids = "enc_ids" if kind == "embed_encoder" else "dec_ids"
+                out = flow(fields - {ids} | {"hidden"}, last)
                 fields = add(TiedLayerSpec(SHARED_KEY, SharedEmbeddingPipe, config,
                                            padded_vocab_size, forward_fn=_TiedCall(
-                                               fin, out, _embed("enc_ids", rate)),
-                                           tied_weight_attr=["embedding.weight"], **kw),
-                             "shared", out)
-            elif kind == "embed_decoder":
-                after = fields - {"dec_ids"} | {"hidden"}
-                out = flow(after, last)
-                fields = add(TiedLayerSpec(SHARED_KEY, SharedEmbeddingPipe, config,
-                                           padded_vocab_size, forward_fn=_TiedCall(
-                                               fin, out, _embed("dec_ids", rate)),
+                                               fin, out, _embed(ids, rate)),
                                            tied_weight_attr=["embedding.weight"], **kw),
                              "shared", out)
             elif kind == "bias":

@@ -20,7 +20,6 @@ optimizer step, with the norm taken as the other paths take it, and DeepSpeed's 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
@@ -28,7 +27,7 @@ import torch.distributed as dist
 
 from megatron import parallel_state
 from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron.training.step import Batch, EvalResult, StepResult, TrainStep
+from megatron.training.step import Batch, EngineStep, EvalResult, StepResult
 
 
 class PipelineLoss:
@@ -75,14 +74,19 @@ def stage_grad_norm(parameters) -> torch.Tensor:
     return total.sqrt()[0]
 
 
-class PipelineStep(TrainStep):
+class PipelineStep(EngineStep):
     """DeepSpeed's PipelineEngine with tensor and data parallelism (ZeRO 0 or 1)."""
 
     def __init__(self, engine, loss: PipelineLoss, device: torch.device,
                  clip_grad: float = 0.0) -> None:
-        self.engine, self.loss, self.device = engine, loss, device
-        self.micro_batches = engine.gradient_accumulation_steps()
+        super().__init__(engine, device)
+        self.loss = loss
         self.first, self.last = engine.is_first_stage(), engine.is_last_stage()
+        if engine.zero_optimization_stage() == 0 and \
+                parallel_state.get_data_parallel_world_size() == 1:
+            # Nothing to reduce: DeepSpeed would still flatten every gradient and all-reduce it
+            # over a group of one (bench/RESULTS.md: up to 9% of a one-micro-batch step).
+            engine.pipeline_enable_backward_allreduce = False
         self.clip_grad = clip_grad
         self._norm: Optional[float] = None
         self._own_norm = engine.zero_optimization_stage() == 0 and not (
@@ -106,7 +110,7 @@ class PipelineStep(TrainStep):
                             inputs if self.first else inputs * 0,
                             self.loss.sums[1] if self.last else self.loss.sums[1] * 0])
         dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
-        norm = self._norm if self._own_norm else self._engine_norm()
+        norm = self._norm if self._own_norm else self._grad_norm()
         return StepResult(sums[0] / self.micro_batches, sums[1], sums[2], norm,
                           engine.skipped_steps > skipped_before, self._loss_scale())
 
@@ -121,20 +125,6 @@ class PipelineStep(TrainStep):
         self.loss.evaluating = False
         return EvalResult(sums[0], sums[1])
 
-    def train(self, mode: bool = True) -> None:
-        self.engine.module.train(mode)
-
-    def save(self, root: Path, tag: str, iteration: int) -> None:
-        self.engine.save_checkpoint(str(root), tag=tag, client_state={"iteration": iteration},
-                                    save_latest=False)
-
-    def load(self, root: Path, tag: str, weights_only: bool) -> bool:
-        path, _ = self.engine.load_checkpoint(str(root), tag=tag,
-                                              load_optimizer_states=not weights_only,
-                                              load_lr_scheduler_states=False,
-                                              load_module_only=weights_only)
-        return path is not None
-
     # Pieces ----------------------------------------------------------------------------------
     def _feed(self, batches: Iterator[Batch], count: int, inputs: Optional[torch.Tensor]):
         """DeepSpeed's (inputs, labels) pairs from `count` batches; counts encoder tokens."""
@@ -142,9 +132,8 @@ class PipelineStep(TrainStep):
             batch = next(batches)
             if inputs is not None:
                 inputs += batch["encoder_attention_mask"].sum().to(inputs.device)
-            yield ((batch["encoder_input_ids"], batch["decoder_input_ids"],
-                    batch["encoder_attention_mask"].long(), batch["decoder_attention_mask"].long()),
-                   batch["labels"])
+            masks = batch["encoder_attention_mask"].long(), batch["decoder_attention_mask"].long()
+            yield (batch["encoder_input_ids"], batch["decoder_input_ids"], *masks), batch["labels"]
 
     def _clip(self, optimizer, args, kwargs) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -156,19 +145,6 @@ class PipelineStep(TrainStep):
                 for p in params:
                     if p.grad is not None:
                         p.grad.detach().mul_(coefficient)
-
-    def _engine_norm(self) -> Optional[float]:
-        norm = self.engine.get_global_grad_norm()
-        if norm is None:
-            return None
-        return float(norm.item() if torch.is_tensor(norm) else norm)
-
-    def _loss_scale(self) -> float:
-        optimizer = self.engine.optimizer
-        scale = getattr(optimizer, "cur_scale", None)
-        if scale is None:
-            scale = getattr(getattr(optimizer, "loss_scaler", None), "cur_scale", None)
-        return float(scale) if scale is not None else 1.0
 
 
 def build_pipeline_step(config, watchdog, writer) -> PipelineStep:

@@ -85,15 +85,48 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: batch[k].to(device, non_blocking=True) for k in BATCH_KEYS}
 
 
-class DataParallelStep(TrainStep):
-    """DeepSpeed's engine with data parallelism (ZeRO 0-3, offload) and tensor parallelism:
-    each micro-batch is a forward, a backward and an engine step (DeepSpeed updates at the
-    accumulation boundary)."""
+class EngineStep(TrainStep):
+    """What every DeepSpeed-backed step shares: train mode, checkpoint files, the loss scale and
+    the gradient norm the engine reports."""
 
     def __init__(self, engine, device: torch.device) -> None:
         self.engine = engine
         self.device = device
         self.micro_batches = engine.gradient_accumulation_steps()
+
+    def train(self, mode: bool = True) -> None:
+        self.engine.train(mode)
+
+    def save(self, root: Path, tag: str, iteration: int) -> None:
+        self.engine.save_checkpoint(str(root), tag=tag, client_state={"iteration": iteration},
+                                    save_latest=False)
+
+    def load(self, root: Path, tag: str, weights_only: bool) -> bool:
+        path, _ = self.engine.load_checkpoint(str(root), tag=tag,
+                                              load_optimizer_states=not weights_only,
+                                              load_lr_scheduler_states=False,
+                                              load_module_only=weights_only)
+        return path is not None
+
+    # DeepSpeed internals, read in one place.
+    def _loss_scale(self) -> float:
+        optimizer = self.engine.optimizer
+        scale = getattr(optimizer, "cur_scale", None)
+        if scale is None:
+            scale = getattr(getattr(optimizer, "loss_scaler", None), "cur_scale", None)
+        return float(scale) if scale is not None else 1.0
+
+    def _grad_norm(self) -> Optional[float]:
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return None
+        return float(norm.item() if torch.is_tensor(norm) else norm)
+
+
+class DataParallelStep(EngineStep):
+    """DeepSpeed's engine with data parallelism (ZeRO 0-3, offload) and tensor parallelism:
+    each micro-batch is a forward, a backward and an engine step (DeepSpeed updates at the
+    accumulation boundary)."""
 
     def step(self, batches: Iterator[Batch], lr: float) -> StepResult:
         engine = self.engine
@@ -123,28 +156,6 @@ class DataParallelStep(TrainStep):
             out = self.engine(**batch)
         return EvalResult(out.token_losses.double().sum(), (batch["labels"] != -100).sum())
 
-    def train(self, mode: bool = True) -> None:
-        self.engine.train(mode)
-
-    def save(self, root: Path, tag: str, iteration: int) -> None:
-        self.engine.save_checkpoint(str(root), tag=tag, client_state={"iteration": iteration},
-                                    save_latest=False)
-
-    def load(self, root: Path, tag: str, weights_only: bool) -> bool:
-        path, _ = self.engine.load_checkpoint(str(root), tag=tag,
-                                              load_optimizer_states=not weights_only,
-                                              load_lr_scheduler_states=False,
-                                              load_module_only=weights_only)
-        return path is not None
-
-    # DeepSpeed internals, read in one place.
-    def _loss_scale(self) -> float:
-        optimizer = self.engine.optimizer
-        scale = getattr(optimizer, "cur_scale", None)
-        if scale is None:
-            scale = getattr(getattr(optimizer, "loss_scaler", None), "cur_scale", None)
-        return float(scale) if scale is not None else 1.0
-
     def _unreported_grad_norm(self) -> Optional[float]:
         """The clipping norm where DeepSpeed computes it without keeping it (ZeRO-0 in fp32):
         taken over the reduced gradients before the step clips them (tensor shards counted
@@ -157,9 +168,3 @@ class DataParallelStep(TrainStep):
 
         return float(clip_grad_norm_(list(engine.module.parameters()), max_norm=float("inf"),
                                      mpu=parallel_state))
-
-    def _grad_norm(self) -> Optional[float]:
-        norm = self.engine.get_global_grad_norm()
-        if norm is None:
-            return None
-        return float(norm.item() if torch.is_tensor(norm) else norm)

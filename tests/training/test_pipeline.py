@@ -8,23 +8,9 @@ import json
 import pytest
 
 from harness import run_workers
-from train_workers import base_argv, run_pretrain
+from train_workers import assert_same_run, base_argv, run_pretrain
 
 pytestmark = pytest.mark.slow
-
-
-def losses(result):
-    return [result["losses"][i] for i in sorted(result["losses"])]
-
-
-def assert_same_run(got, want, rtol):
-    assert sorted(got["losses"]) == sorted(want["losses"]) == [1, 2, 3, 4]
-    assert losses(got) == pytest.approx(losses(want), rel=rtol)
-    norms = [got["grad_norms"][i] for i in sorted(got["grad_norms"])]
-    assert norms == pytest.approx([want["grad_norms"][i] for i in sorted(want["grad_norms"])],
-                                  rel=max(rtol, 1e-4))
-    assert [e[:2] for e in got["evals"]] == [e[:2] for e in want["evals"]]
-    assert [e[2] for e in got["evals"]] == pytest.approx([e[2] for e in want["evals"]], rel=rtol)
 
 
 @pytest.fixture(scope="module")

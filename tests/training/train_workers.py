@@ -35,3 +35,21 @@ def base_argv(data, *extra, model=None, iters=4):
             "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "2",
             "--num-workers", "0", "--data-cache-path", data.cache, "--seed", "7",
             "--micro-batch-size", "2", "--global-batch-size", "4", *extra]
+
+
+def losses(result):
+    """A run's logged losses in step order."""
+    return [result["losses"][i] for i in sorted(result["losses"])]
+
+
+def assert_same_run(got, want, rtol):
+    """Two 4-step runs agree: losses, gradient norms and evaluation losses (relative rtol)."""
+    import pytest
+
+    assert sorted(got["losses"]) == sorted(want["losses"]) == [1, 2, 3, 4]
+    assert losses(got) == pytest.approx(losses(want), rel=rtol)
+    norms = [got["grad_norms"][i] for i in sorted(got["grad_norms"])]
+    assert norms == pytest.approx([want["grad_norms"][i] for i in sorted(want["grad_norms"])],
+                                  rel=max(rtol, 1e-4))
+    assert [e[:2] for e in got["evals"]] == [e[:2] for e in want["evals"]]
+    assert [e[2] for e in got["evals"]] == pytest.approx([e[2] for e in want["evals"]], rel=rtol)
