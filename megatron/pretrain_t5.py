@@ -236,9 +236,16 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
         if train_loader is None:
             raise RuntimeError("the train split is empty: check --split and --data-path")
 
+        model_meta = {"config": config.model.t5.to_dict(),
+                      "make_vocab_size_divisible_by": config.model.make_vocab_size_divisible_by,
+                      "precision": config.precision.precision}
+        if config.parallel.pipeline_model_parallel_size > 1:
+            model_meta["pipeline_blocks"] = list(config.pipeline_cut().blocks)
+
         def save(s: TrainState) -> None:
             path = save_checkpoint(step, ckpt.save, layout_now, runtime.device_type, s.iteration,
-                                   s.consumed_samples, schedule.state_dict(), config.flags)
+                                   s.consumed_samples, schedule.state_dict(), config.flags,
+                                   model_meta)
             writer.write_text(f"saved checkpoint {path}")
 
         if state.iteration < batch.train_iters:

@@ -152,8 +152,13 @@ def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool) -> L
 
 def save_checkpoint(step, save_dir: str, layout_now: Dict[str, int], device_type: str,
                     iteration: int, consumed_samples: int, lr_state: Dict[str, Any],
-                    resolved_flags: Dict[str, Any]) -> Path:
+                    resolved_flags: Dict[str, Any],
+                    model: Optional[Dict[str, Any]] = None) -> Path:
     """Write checkpoint `iteration` under `save_dir` (collective: every rank calls it).
+
+    model: what meta.json says of the model, so that a checkpoint can be read without the run's
+    files (the conversion tool): the architecture (T5Config.to_dict()), the vocabulary padding,
+    the precision and, with a pipeline, its cut.
 
     step: the training step (`megatron.training.step.TrainStep`), which writes the engine's
     files into a folder it is given."""
@@ -182,6 +187,8 @@ def save_checkpoint(step, save_dir: str, layout_now: Dict[str, int], device_type
                 "layout": layout_now, "world_size": dist.get_world_size(),
                 "lr_schedule": lr_state, "flags": resolved_flags,
                 "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        if model is not None:
+            meta["model"] = model
         write_atomic(root / tmp_tag / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
         final = root / tag
         if final.exists():  # saving the same iteration again: keep the old one until the swap
