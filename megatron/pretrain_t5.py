@@ -216,9 +216,11 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                 meta = load_checkpoint(step, ckpt, layout_now, runtime.device_type)
             if meta is None:
                 writer.write_text(f"no checkpoint in {ckpt.load}: starting from scratch")
-            elif ckpt.finetune:
+            elif ckpt.finetune or meta.get("format") == "weights":
+                how = "--finetune" if ckpt.finetune else "a weights-only checkpoint"
                 writer.write_text(f"loaded the weights of {ckpt.load} iteration "
-                                  f"{meta['iteration']} (--finetune)")
+                                  f"{meta['iteration']} ({how}: optimizer, LR schedule and "
+                                  f"data start fresh)")
             else:
                 state.iteration, state.consumed_samples = meta["iteration"], \
                     meta["consumed_samples"]

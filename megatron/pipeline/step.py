@@ -125,6 +125,11 @@ class PipelineStep(EngineStep):
         self.loss.evaluating = False
         return EvalResult(sums[0], sums[1])
 
+    def _weight_names(self):
+        from megatron.pipeline.module import single_process_names
+
+        return single_process_names(self.engine.module)
+
     # Pieces ----------------------------------------------------------------------------------
     def _feed(self, batches: Iterator[Batch], count: int, inputs: Optional[torch.Tensor]):
         """DeepSpeed's (inputs, labels) pairs from `count` batches; counts encoder tokens."""

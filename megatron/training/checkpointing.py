@@ -145,6 +145,8 @@ def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool) -> L
         if iteration is None:
             return []
         meta = read_meta(root, iteration)
+        if meta.get("format") == "weights":
+            return weights_checkpoint_problems(load, weights_only)
         return layout_problems(meta["layout"], now, load, weights_only)
     except CheckpointError as e:
         return [f"--load {load}: {e}"]
@@ -230,6 +232,15 @@ def read_meta(load_dir: Path, iteration: int) -> Dict[str, Any]:
                               f"incomplete") from None
 
 
+def weights_checkpoint_problems(load: str, weights_only: bool) -> List[str]:
+    """A weights-only checkpoint (data_tools/convert_checkpoint.py) loads into any layout, as
+    weights only."""
+    if weights_only:
+        return []
+    return [f"--load {load} holds weights only (written by data_tools/convert_checkpoint.py): "
+            f"start from it with --finetune (or --no-load-optim --no-load-rng)"]
+
+
 def layout_problems(saved: Dict[str, int], now: Dict[str, int], load: str,
                     weights_only: bool) -> List[str]:
     """Why a checkpoint in `load` saved with layout `saved` cannot be loaded by a run of layout
@@ -251,10 +262,12 @@ def layout_problems(saved: Dict[str, int], now: Dict[str, int], load: str,
     if not weights_only and saved["zero_stage"] < 3 and now["zero_stage"] < 3:
         hint = ("; the weights alone of a ZeRO 0-2 checkpoint load on another data-parallel "
                 "size or stage with --no-load-optim")
+    command = (f"python data_tools/convert_checkpoint.py --load {load} --to megatron OUT "
+               f"--target-tensor-parallel-size {now['tensor_model_parallel_size']} "
+               f"--target-pipeline-parallel-size {now['pipeline_model_parallel_size']}")
     return [f"--load {load}: the checkpoint was saved with another layout "
-            f"({'; '.join(changed)}); a checkpoint is resharded to another tensor or "
-            f"pipeline size by the conversion tool data_tools/convert_checkpoint.py, which this "
-            f"version does not have yet{hint}"]
+            f"({'; '.join(changed)}){hint}; to start this layout from its weights, convert "
+            f"it: `{command}`, then --load OUT --finetune (the optimizer starts fresh)"]
 
 
 def load_checkpoint(step, config: CheckpointConfig, layout_now: Dict[str, int],
@@ -270,6 +283,12 @@ def load_checkpoint(step, config: CheckpointConfig, layout_now: Dict[str, int],
     if iteration is None:
         return None
     meta = read_meta(root, iteration)
+    if meta.get("format") == "weights":  # converted: full tensors, any layout
+        problems = weights_checkpoint_problems(config.load, config.weights_only)
+        if problems:
+            raise CheckpointError(problems[0])
+        step.load_weights(root / tag_for(iteration))
+        return meta
     problems = layout_problems(meta["layout"], layout_now, config.load, config.weights_only)
     if problems:  # validate() finds these first; a checkpoint may have appeared since
         raise CheckpointError(problems[0])

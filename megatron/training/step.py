@@ -80,6 +80,19 @@ class TrainStep(abc.ABC):
         """Read root/tag (weights only: no optimizer states); False when the engine found
         nothing to load (collective)."""
 
+    def load_weights(self, folder: Path) -> None:
+        """Read the full weights of a weights-only checkpoint folder (megatron/checkpoint/
+        weights.py) into this rank's part of the model (collective under ZeRO-3)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load a weights checkpoint")
+
+
+def module_vocab_size(module) -> int:
+    """The unpadded vocabulary of a T5Model or of a pipeline stage (its loss function knows)."""
+    config = getattr(module, "config", None)
+    if config is not None:
+        return config.vocab_size
+    return module.loss_fn.vocab_size
+
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: batch[k].to(device, non_blocking=True) for k in BATCH_KEYS}
@@ -107,6 +120,24 @@ class EngineStep(TrainStep):
                                               load_lr_scheduler_states=False,
                                               load_module_only=weights_only)
         return path is not None
+
+    def load_weights(self, folder: Path) -> None:
+        from megatron.checkpoint.weights import WeightsError, WeightsReader, load_into
+
+        module = self.engine.module
+        problems = load_into(module, self._weight_names(), WeightsReader(folder),
+                             module_vocab_size(module),
+                             parallel_state.get_tensor_model_parallel_rank(),
+                             parallel_state.get_tensor_model_parallel_world_size())
+        if problems:
+            raise WeightsError("; ".join(problems))
+        refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
+        if refresh is not None:  # the fp32 masters of ZeRO and the 16-bit optimizers
+            refresh()
+
+    def _weight_names(self) -> Dict[str, str]:
+        """{this rank's parameter name: our full name}."""
+        return {name: name for name, _ in self.engine.module.named_parameters()}
 
     # DeepSpeed internals, read in one place.
     def _loss_scale(self) -> float:

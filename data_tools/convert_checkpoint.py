@@ -1,0 +1,224 @@
+"""Convert checkpoints: ours <-> Hugging Face, ours -> one fp32 state dict, any layout -> any
+layout (weights), and inspect. A thin command line over megatron/checkpoint/; no process groups
+or GPUs: it runs on a login node, one tensor at a time.
+
+    # a Hugging Face folder (config, safetensors, tokenizer) from any checkpoint of ours
+    python data_tools/convert_checkpoint.py --load ckpt/run --to hf out/t5-hf \\
+        [--iteration N] [--tokenizer-model spm.model] [--max-shard-size 5GB] [--dtype bf16]
+    # start our trainer from Hugging Face weights (then: --load out/ckpt --finetune)
+    python data_tools/convert_checkpoint.py --from hf google-t5-folder --to megatron out/ckpt \\
+        --target-tensor-parallel-size 4 --target-pipeline-parallel-size 2
+    # our checkpoint for another layout (weights; a fresh optimizer)
+    python data_tools/convert_checkpoint.py --load ckpt/run --to megatron out/ckpt-tp4 \\
+        --target-tensor-parallel-size 4
+    # one consolidated fp32 state dict (safetensors, our names) from any layout and ZeRO stage
+    python data_tools/convert_checkpoint.py --load ckpt/run --to fp32 out/fp32
+    python data_tools/convert_checkpoint.py --inspect ckpt/run
+
+Weights come from the fp32 master copy where the checkpoint has one (ZeRO 1-3, bf16 and fp16
+runs). Output is written to OUT.tmp and renamed; an existing OUT is refused without --force.
+Exit status: 0 done, 2 bad command line, 1 a checkpoint that cannot be read or written (one
+message naming the file and the tensor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 1)[1])
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--load", metavar="CKPT", help="one of our checkpoint folders (the "
+                        "trainer's --save; or a weights checkpoint this tool wrote)")
+    source.add_argument("--from", dest="from_format", choices=("hf",),
+                        help="the source's format when it is not ours")
+    source.add_argument("--inspect", metavar="CKPT", help="describe a checkpoint and stop")
+    p.add_argument("source_dir", nargs="?", metavar="DIR", help="with --from hf: the folder")
+    p.add_argument("--to", nargs=2, metavar=("FORMAT", "OUT"),
+                   help="hf, megatron or fp32, and the output folder")
+    p.add_argument("--iteration", type=int, default=None,
+                   help="the checkpoint to read (default: the tracker's)")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--tokenizer-model", default=None,
+                   help="--to hf: the SentencePiece model (default: the run's, from its flags)")
+    p.add_argument("--max-shard-size", default="5GB", help="split weight files above this")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="--to hf: the weights' dtype (default fp32)")
+    p.add_argument("--force", action="store_true", help="replace an existing OUT")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+class CommandLineError(ValueError):
+    pass
+
+
+def check(args) -> List[str]:
+    problems = []
+    if args.inspect is not None:
+        if args.to is not None:
+            problems.append("--inspect stops after describing; --to has no effect with it")
+        return problems
+    if args.from_format == "hf" and args.source_dir is None:
+        problems.append("--from hf needs the Hugging Face folder: --from hf DIR")
+    if args.load is not None and args.source_dir is not None:
+        problems.append(f"unexpected argument {args.source_dir!r} (--load takes the folder)")
+    if args.to is None:
+        problems.append("--to FORMAT OUT is required (hf, megatron or fp32)")
+        return problems
+    kind, out = args.to
+    if kind not in ("hf", "megatron", "fp32"):
+        problems.append(f"--to {kind}: not one of hf, megatron, fp32")
+    if args.from_format == "hf" and kind == "hf":
+        problems.append("--from hf --to hf: nothing to convert")
+    for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size"):
+        value = getattr(args, flag)
+        if value < 1:
+            problems.append(f"--{flag.replace('_', '-')} must be >= 1")
+        elif value != 1 and kind != "megatron":
+            problems.append(f"--{flag.replace('_', '-')} has effect only with --to megatron")
+    if args.dtype is not None and kind != "hf":
+        problems.append("--dtype has effect only with --to hf")
+    if args.tokenizer_model is not None and kind != "hf":
+        problems.append("--tokenizer-model has effect only with --to hf")
+    if args.tokenizer_model is not None and not Path(args.tokenizer_model).is_file():
+        problems.append(f"--tokenizer-model {args.tokenizer_model}: no such file")
+    if args.iteration is not None and args.load is None:
+        problems.append("--iteration needs --load")
+    if Path(out).exists() and not args.force:
+        problems.append(f"{out} exists; pass --force to replace it")
+    return problems
+
+
+def _progress(enabled: bool, total: Optional[int], what: str):
+    if not enabled:
+        return lambda name: None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is a dependency; without it, no bar
+        return lambda name: None
+    bar = tqdm(total=total, desc=what, unit="tensor", file=sys.stderr)
+    return lambda name: bar.update(1)
+
+
+def read_source(args) -> Tuple[dict, Iterator, dict, Optional[int]]:
+    """(model meta, iterator of full tensors under our names, source description, tensor count
+    or None)."""
+    if args.from_format == "hf":
+        from megatron.checkpoint.hf import read_hf_folder
+
+        config, tensors = read_hf_folder(args.source_dir)
+        meta = {"config": config.to_dict(), "make_vocab_size_divisible_by": 128,
+                "precision": "fp32"}
+        return meta, tensors, {"format": "hf", "path": str(Path(args.source_dir).resolve())}, None
+    from megatron.checkpoint import deepspeed as ours
+
+    folder = ours.find_iteration(Path(args.load), args.iteration)
+    meta = ours.read_meta(folder)
+    source = {"format": "megatron", "path": str(folder.resolve()),
+              "iteration": meta.get("iteration"), "layout": meta.get("layout")}
+    model = dict(meta["model"]) if "model" in meta else \
+        {"config": ours.model_config(meta).to_dict()}
+    return model, ours.iter_full_tensors(folder), source, None
+
+
+def tokenizer_of(args, source_meta_path: Optional[Path]) -> Optional[str]:
+    if args.tokenizer_model is not None:
+        return args.tokenizer_model
+    if source_meta_path is None:
+        return None
+    try:
+        flags = json.loads(source_meta_path.read_text())["flags"]
+    except (OSError, ValueError, KeyError):
+        return None
+    path = flags.get("tokenizer_model")
+    return path if path and Path(path).is_file() else None
+
+
+def run(args) -> int:
+    if args.inspect is not None:
+        from megatron.checkpoint.deepspeed import describe, find_iteration
+
+        print(json.dumps(describe(find_iteration(Path(args.inspect), args.iteration)),
+                         indent=1, sort_keys=True, default=str))
+        return 0
+    kind, out = args.to[0], Path(args.to[1])
+    model_meta, tensors, source, total = read_source(args)
+    progress = _progress(not args.no_progress, total, f"--to {kind}")
+    if kind == "megatron":
+        from megatron.checkpoint.weights import write_weights_checkpoint
+
+        layout = {"tensor_model_parallel_size": args.target_tensor_parallel_size,
+                  "pipeline_model_parallel_size": args.target_pipeline_parallel_size}
+        write_weights_checkpoint(out, tensors, model_meta, source=source, target_layout=layout,
+                                 max_shard_size=args.max_shard_size, force=args.force,
+                                 progress=progress)
+        (out / "model_config.json").write_text(json.dumps(model_meta["config"], indent=1))
+        print(f"wrote {out}: start the trainer with --load {out} --finetune (any tensor, "
+              f"pipeline and data-parallel size; --model-config {out / 'model_config.json'}); "
+              f"the optimizer starts fresh")
+        return 0
+    if kind == "fp32":
+        import torch
+
+        from megatron.checkpoint.weights import write_weights_checkpoint
+
+        fp32 = ((name, t.to(torch.float32)) for name, t in tensors)
+        write_weights_checkpoint(out, fp32, model_meta, source=source,
+                                 max_shard_size=args.max_shard_size, force=args.force,
+                                 progress=progress)
+        print(f"wrote {out}: full fp32 tensors under our names (safetensors in "
+              f"{out}/iter_*/); it also loads into the trainer with --finetune")
+        return 0
+    from megatron.checkpoint.hf import write_hf_folder
+    from megatron.model.config import T5Config
+
+    config = T5Config.from_dict(model_meta["config"], source="the checkpoint's meta.json")
+    meta_path = Path(source["path"]) / "meta.json" if source.get("format") == "megatron" \
+        else None
+    tokenizer = tokenizer_of(args, meta_path)
+    if tokenizer is None:
+        print("warning: no tokenizer (give --tokenizer-model): the folder has weights and "
+              "config only", file=sys.stderr)
+    dtype = None
+    if args.dtype is not None:
+        import torch
+
+        dtype = getattr(torch, DTYPES[args.dtype])
+    write_hf_folder(out, config, tensors, max_shard_size=args.max_shard_size,
+                    tokenizer_model=tokenizer, dtype=dtype, force=args.force,
+                    progress=progress)
+    print(f"wrote {out}: T5ForConditionalGeneration.from_pretrained({str(out)!r})")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    problems = check(args)
+    if problems:
+        print("error: the command line cannot run:\n" + "\n".join(f"  - {p}" for p in problems),
+              file=sys.stderr)
+        return 2
+    try:
+        return run(args)
+    except (ValueError, OSError) as e:  # our readers' errors name the file and the tensor
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

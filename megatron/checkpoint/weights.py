@@ -1,0 +1,272 @@
+"""Weights-only checkpoints: what the conversion tool writes for the trainer to start from.
+
+    OUT/latest_checkpointed_iteration.txt
+    OUT/iter_NNNNNNN/meta.json                    "format": "weights", the model, the source
+    OUT/iter_NNNNNNN/model.safetensors            full, unpadded tensors under our names
+        (or model-0000K-of-0000N.safetensors with model.safetensors.index.json)
+
+The tensors are whole, so the checkpoint fits any layout: every rank reads only its tensor-
+parallel slice of the tensors its pipeline stage holds (safetensors reads slices from the mapped
+file), and ZeRO-3 ranks load through DeepSpeed's gathered parameters. The trainer takes it with
+`--load OUT --finetune` (weights only: a fresh optimizer, LR schedule and data position). The
+target sizes given to the tool are recorded in meta.json and checked nowhere: any TP x PP x DP
+and ZeRO stage can load it.
+
+Written to OUT.tmp and renamed; the tracker is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+FORMAT = "weights"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+TRACKER = "latest_checkpointed_iteration.txt"
+VOCAB_PARAMETERS = ("shared.weight", "lm_head.weight")
+
+
+class WeightsError(ValueError):
+    """A weights checkpoint that cannot be written or read; the message names the file."""
+
+
+def parse_size(text) -> int:
+    """'5GB', '500MB', '2GiB' or a byte count."""
+    if isinstance(text, int):
+        return text
+    units = {"kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "kb": 10 ** 3, "mb": 10 ** 6,
+             "gb": 10 ** 9, "b": 1}
+    value = str(text).strip().lower()
+    for unit, scale in units.items():
+        if value.endswith(unit):
+            return int(float(value[:-len(unit)]) * scale)
+    return int(value)
+
+
+class ShardWriter:
+    """Safetensors shards written as they fill (never the whole model in memory), then the
+    index; `close()` returns the files written."""
+
+    def __init__(self, folder: Path, max_shard_bytes: int, metadata: Optional[Dict] = None):
+        self.folder, self.max_bytes = folder, max_shard_bytes
+        self.metadata = metadata or {"format": "pt"}
+        self.pending: Dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: List[List[str]] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor.detach().contiguous().cpu()
+        self.pending_bytes += size
+        self.total += size
+
+    def _flush(self) -> None:
+        import safetensors.torch
+
+        index = len(self.shards)
+        safetensors.torch.save_file(self.pending, self.folder / f"shard-{index}.tmp",
+                                    metadata=self.metadata)
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> List[str]:
+        if self.pending or not self.shards:
+            self._flush()
+        n = len(self.shards)
+        if n == 1:
+            os.replace(self.folder / "shard-0.tmp", self.folder / SINGLE)
+            return [SINGLE]
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        weight_map = {}
+        for i, (name, keys) in enumerate(zip(names, self.shards)):
+            os.replace(self.folder / f"shard-{i}.tmp", self.folder / name)
+            weight_map.update({k: name for k in keys})
+        (self.folder / INDEX).write_text(json.dumps(
+            {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))
+        return names + [INDEX]
+
+
+def write_weights_checkpoint(out: Path, tensors: Iterable[Tuple[str, torch.Tensor]],
+                             model_meta: Dict[str, Any], iteration: int = 0,
+                             source: Optional[Dict[str, Any]] = None,
+                             target_layout: Optional[Dict[str, int]] = None,
+                             max_shard_size="5GB", force: bool = False,
+                             progress: Optional[Callable[[str], None]] = None) -> Path:
+    """Write OUT (see the module docstring) from full tensors given one at a time."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise WeightsError(f"{out} exists; pass --force to replace it")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tag = f"iter_{iteration:07d}"
+    folder = tmp / tag
+    folder.mkdir(parents=True)
+    try:
+        writer = ShardWriter(folder, parse_size(max_shard_size))
+        count = 0
+        for name, tensor in tensors:
+            writer.add(name, tensor)
+            count += tensor.numel()
+            if progress:
+                progress(name)
+        files = writer.close()
+        meta = {"format": FORMAT, "iteration": iteration, "consumed_samples": 0,
+                "model": model_meta, "parameters": count, "files": files,
+                "layout": target_layout or {}, "source": source or {},
+                "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        (folder / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+        (tmp / TRACKER).write_text(f"{iteration}\n")
+        (tmp / "latest").write_text(tag)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def is_weights_checkpoint(meta: Dict[str, Any]) -> bool:
+    return meta.get("format") == FORMAT
+
+
+class WeightsReader:
+    """Reads tensors, or slices of them, from a weights checkpoint's iteration folder."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        index = self.folder / INDEX
+        if index.is_file():
+            try:
+                self.weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError) as e:
+                raise WeightsError(f"{index}: unreadable ({e})") from None
+        elif (self.folder / SINGLE).is_file():
+            self.weight_map = None
+        else:
+            raise WeightsError(f"{self.folder}: no {SINGLE} or {INDEX}")
+        self._open: Dict[str, Any] = {}
+
+    def names(self) -> List[str]:
+        if self.weight_map is not None:
+            return sorted(self.weight_map)
+        return sorted(self._file(SINGLE).keys())
+
+    def _file(self, name: str):
+        from safetensors import safe_open
+
+        if name not in self._open:
+            path = self.folder / name
+            try:
+                self._open[name] = safe_open(str(path), framework="pt")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own types
+                raise WeightsError(f"{path}: not a readable safetensors file ({e})") from None
+        return self._open[name]
+
+    def slice(self, name: str, dim: Optional[int] = None, start: int = 0,
+              stop: Optional[int] = None) -> torch.Tensor:
+        """Tensor `name`, or its [start, stop) range along `dim`."""
+        file = SINGLE if self.weight_map is None else self.weight_map.get(name)
+        if file is None or name not in self._file(file).keys():
+            raise WeightsError(f"{self.folder}: no tensor {name!r}")
+        try:
+            view = self._file(file).get_slice(name)
+            if dim is None:
+                return view[:]
+            index = [slice(None)] * len(view.get_shape())
+            index[dim] = slice(start, stop)
+            return view[tuple(index)]
+        except WeightsError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise WeightsError(f"{self.folder / file}: tensor {name!r} unreadable ({e})") \
+                from None
+
+
+def load_into(module: torch.nn.Module, names: Dict[str, str], reader: WeightsReader,
+              vocab_size: int, tensor_rank: int, tensor_size: int) -> List[str]:
+    """Copy each parameter of `module` (its name -> our full name in `names`) from the reader:
+    this tensor rank's slice, vocabulary rows padded with zeros. Under ZeRO-3 the parameters are
+    gathered around the copy (every data-parallel rank reads the same values). Returns the
+    problems (missing tensors, shapes), all of them; nothing is copied when there are any."""
+    plan, problems = [], []
+    params = dict(module.named_parameters())
+    available = set(reader.names())
+    for local, full in names.items():
+        if full not in available:
+            problems.append(f"{reader.folder}: no tensor {full!r} (for {local})")
+            continue
+        plan.append((params[local], full))
+    if problems:
+        return problems
+    for param, full in plan:
+        problem = _copy(param, full, reader, vocab_size, tensor_rank, tensor_size)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def _copy(param, full: str, reader: WeightsReader, vocab_size: int, tensor_rank: int,
+          tensor_size: int) -> Optional[str]:
+    zero3 = hasattr(param, "ds_id")
+    if zero3:
+        import deepspeed
+
+        context = deepspeed.zero.GatheredParameters([param], modifier_rank=0)
+    else:
+        import contextlib
+
+        context = contextlib.nullcontext()
+    with context:
+        sharded = getattr(param, "tensor_model_parallel", False) and tensor_size > 1
+        dim = param.partition_dim if sharded else None
+        if sharded and getattr(param, "partition_stride", 1) != 1:
+            tensor = reader.slice(full)
+            from megatron.tensor_parallel.layers import shard
+
+            tensor = _pad_vocab(full, tensor, vocab_size, param, tensor_size)
+            tensor = shard(tensor, dim, param.partition_stride, tensor_rank, tensor_size)
+        elif sharded:
+            length = param.shape[dim]
+            start, stop = tensor_rank * length, (tensor_rank + 1) * length
+            if full in VOCAB_PARAMETERS and dim == 0:
+                # rows beyond vocab_size are padding: read what exists, zero-fill the rest
+                tensor = reader.slice(full, 0, min(start, vocab_size), min(stop, vocab_size))
+                if tensor.shape[0] != length:
+                    pad = tensor.new_zeros(length - tensor.shape[0], *tensor.shape[1:])
+                    tensor = torch.cat([tensor, pad])
+            else:
+                tensor = reader.slice(full, dim, start, stop)
+        else:
+            tensor = _pad_vocab(full, reader.slice(full), vocab_size, param, 1)
+        if tuple(tensor.shape) != tuple(param.shape):
+            return (f"{reader.folder}: tensor {full!r} has shape {tuple(tensor.shape)}, this "
+                    f"rank's parameter {tuple(param.shape)}: another model")
+        with torch.no_grad():
+            param.data.copy_(tensor.to(param.dtype))
+    return None
+
+
+def _pad_vocab(full, tensor, vocab_size, param, tensor_size):
+    if full not in VOCAB_PARAMETERS or tensor.shape[0] != vocab_size:
+        return tensor
+    padded = param.shape[0] * (tensor_size if getattr(param, "tensor_model_parallel", False)
+                                else 1)
+    if padded <= vocab_size:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(padded - vocab_size, *tensor.shape[1:])])
+
+
+def full_tensors(reader: WeightsReader) -> Iterator[Tuple[str, torch.Tensor]]:
+    for name in reader.names():
+        yield name, reader.slice(name)
