@@ -1,0 +1,41 @@
+"""convert_checkpoint.py's command line: combinations that cannot run are refused with exit 2
+and one line per problem, before anything is read."""
+
+import pytest
+
+from data_tools import convert_checkpoint
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--load", "CKPT"], "--to FORMAT OUT is required"),
+    (["--from", "hf", "--to", "megatron", "OUT"], "--from hf needs the Hugging Face folder"),
+    (["--load", "CKPT", "--to", "xml", "OUT"], "--to xml: not one of hf, megatron, fp32"),
+    (["--load", "CKPT", "--to", "hf", "OUT", "--target-tensor-parallel-size", "2"],
+     "--target-tensor-parallel-size has effect only with --to megatron"),
+    (["--load", "CKPT", "--to", "megatron", "OUT", "--target-pipeline-parallel-size", "0"],
+     "--target-pipeline-parallel-size must be >= 1"),
+    (["--load", "CKPT", "--to", "fp32", "OUT", "--dtype", "bf16"],
+     "--dtype has effect only with --to hf"),
+    (["--from", "hf", "DIR", "--to", "hf", "OUT"], "nothing to convert"),
+    (["--from", "hf", "DIR", "--to", "megatron", "OUT", "--iteration", "3"],
+     "--iteration needs --load"),
+    (["--inspect", "CKPT", "--to", "hf", "OUT"], "--to has no effect"),
+])
+def test_bad_command_lines(argv, expect, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert convert_checkpoint.main(argv) == 2
+    err = capsys.readouterr().err
+    assert expect in err
+
+
+def test_an_existing_output_is_refused_without_force(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    argv = ["--load", str(tmp_path / "ckpt"), "--to", "fp32", str(tmp_path / "out")]
+    assert convert_checkpoint.main(argv) == 2
+    assert "exists; pass --force" in capsys.readouterr().err
+
+
+def test_load_and_from_exclude_each_other():
+    with pytest.raises(SystemExit) as e:
+        convert_checkpoint.main(["--load", "A", "--from", "hf", "B", "--to", "hf", "C"])
+    assert e.value.code == 2
