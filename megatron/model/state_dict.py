@@ -5,18 +5,16 @@ Our parameter names are Hugging Face's; the differences are only that Hugging Fa
 the tied copies (`encoder.embed_tokens.weight`, `decoder.embed_tokens.weight`, and `lm_head.weight`
 when tied) and that our vocabulary rows are padded for tensor parallelism. A copy is dropped only
 when it equals the embedding; whether a checkpoint's head is tied is decided from its tensors, as
-Hugging Face decides it (`from_hf_checkpoint`, `read_hf_checkpoint` for a folder).
+Hugging Face decides it (`from_hf_checkpoint`; for a folder `read_hf_checkpoint`, or
+megatron.checkpoint.hf.read_hf_folder to stream it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
-from typing import Dict, Tuple, Union
+from typing import Dict, Iterable, Optional, Tuple, Union
 
-import safetensors
-import safetensors.torch
 import torch
 import torch.distributed as dist
 
@@ -36,33 +34,22 @@ class StateDictError(ValueError):
 
 
 def read_hf_checkpoint(directory: Union[str, Path]) -> Tuple[T5Config, StateDict]:
-    """(our config, our full state dict) of a Hugging Face T5 folder (`save_pretrained`'s
-    config.json with model.safetensors, its sharded index, or pytorch_model.bin), as Hugging
-    Face's `from_pretrained` would build the model (see `from_hf_checkpoint`).
+    """(our config, our full state dict) of a Hugging Face T5 folder, as Hugging Face's
+    `from_pretrained` would build the model (see `from_hf_checkpoint`): the whole of
+    `megatron.checkpoint.hf.read_hf_folder` (safetensors or pytorch_model.bin, sharded or not)
+    in one dict. Use that function to stream the tensors one at a time instead.
 
     Raises:
         ConfigError: config.json missing or invalid.
-        StateDictError: no weights file, or tensors the model would not use.
+        StateDictError: no weights file, unreadable files, or tensors the model would not use
+            (`megatron.checkpoint.hf.HFFolderError`, a subclass).
     """
-    directory = Path(directory)
-    config = T5Config.from_json(directory / "config.json")
-    index = directory / "model.safetensors.index.json"
-    bin_file = directory / "pytorch_model.bin"
-    if not any(p.is_file() for p in (directory / "model.safetensors", index, bin_file)):
-        raise StateDictError(f"{directory}: no model.safetensors, model.safetensors.index.json "
-                             f"or pytorch_model.bin")
-    try:
-        if (directory / "model.safetensors").is_file():
-            hf = safetensors.torch.load_file(directory / "model.safetensors")
-        elif index.is_file():
-            hf = {}
-            for shard_name in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-                hf.update(safetensors.torch.load_file(directory / shard_name))
-        else:
-            hf = torch.load(bin_file, map_location="cpu", weights_only=True)
-    except (OSError, ValueError, KeyError, safetensors.SafetensorError) as err:
-        raise StateDictError(f"{directory}: cannot read the weights: {err}") from None
-    return from_hf_checkpoint(config, hf)
+    # The folder reader lives with the other checkpoint formats; imported here, not at the top,
+    # so that the model package does not load them.
+    from megatron.checkpoint.hf import read_hf_folder
+
+    config, tensors = read_hf_folder(directory)
+    return config, dict(tensors)
 
 
 def from_hf_checkpoint(config: T5Config, hf: StateDict) -> Tuple[T5Config, StateDict]:
@@ -75,7 +62,7 @@ def from_hf_checkpoint(config: T5Config, hf: StateDict) -> Tuple[T5Config, State
     stays a separate head (with a warning), one that is equal or absent is tied. So here: the head
     is untied exactly when the checkpoint holds an `lm_head.weight` that is not equal to the
     embedding, whatever the config's `tie_word_embeddings` says; `scale_decoder_outputs` stays as
-    the config has it.
+    the config has it (`resolve_hf_tie`).
 
     Args:
         config: read from the checkpoint's config.json (`T5Config.from_json`).
@@ -84,10 +71,44 @@ def from_hf_checkpoint(config: T5Config, hf: StateDict) -> Tuple[T5Config, State
     Raises:
         StateDictError: a tensor that the model would not use (see `from_hf_state_dict`).
     """
-    tied = "lm_head.weight" not in hf or _same(hf["lm_head.weight"], _embedding(hf))
+    config = resolve_hf_tie(config, hf.get("lm_head.weight"), hf_embedding(hf))
+    return config, from_hf_state_dict(hf, config)
+
+
+def resolve_hf_tie(config: T5Config, lm_head: Optional[torch.Tensor],
+                   embedding: Optional[torch.Tensor]) -> T5Config:
+    """`config` with `tie_word_embeddings` as Hugging Face decides it from a checkpoint's
+    tensors: tied unless an `lm_head.weight` is present and differs from the embedding (None:
+    absent). The decoder-output scaling is left as the config has it."""
+    tied = lm_head is None or _same(lm_head, embedding)
     if tied != config.tie_word_embeddings:
         config = dataclasses.replace(config, tie_word_embeddings=tied)
-    return config, from_hf_state_dict(hf, config)
+    return config
+
+
+def hf_copies(config: T5Config) -> Tuple[str, ...]:
+    """The Hugging Face names that are copies of `shared.weight` under `config`."""
+    return HF_TIED_COPIES + (("lm_head.weight",) if config.tie_word_embeddings else ())
+
+
+def hf_embedding_source(names: Iterable[str],
+                        copies: Tuple[str, ...] = HF_TIED_COPIES + ("lm_head.weight",)
+                        ) -> Optional[str]:
+    """The Hugging Face name that holds the embedding: `shared.weight`, or (absent) the first of
+    `copies` that is there, as Hugging Face ties them; None if there is none."""
+    names = set(names)
+    return next((n for n in ("shared.weight", *copies) if n in names), None)
+
+
+def hf_copy_problem(name: str, tensor: torch.Tensor, embedding) -> Optional[str]:
+    """Why the tied copy `name` cannot be dropped (it differs from the embedding), or None."""
+    if _same(tensor, embedding):
+        return None
+    why = ("the config ties the head to the embedding (tie_word_embeddings true), so it "
+           "would be lost; read the config with from_hf_checkpoint, which unties it as "
+           "Hugging Face does" if name == "lm_head.weight" else
+           "this model has one embedding for the encoder and the decoder")
+    return f"{name} differs from shared.weight: {why}"
 
 
 def from_hf_state_dict(hf: StateDict, config: T5Config) -> StateDict:
@@ -104,36 +125,60 @@ def from_hf_state_dict(hf: StateDict, config: T5Config) -> StateDict:
             which unties it as Hugging Face does), or separate encoder / decoder embeddings,
             which this model cannot hold.
     """
-    copies = HF_TIED_COPIES + (("lm_head.weight",) if config.tie_word_embeddings else ())
-    embedding = _embedding(hf, copies)
+    copies = hf_copies(config)
+    embedding = hf_embedding(hf, copies)
     out = {k: v for k, v in hf.items() if k not in copies and k not in HF_IGNORED}
     if embedding is not None:
         out["shared.weight"] = embedding
-    problems = []
-    for name in copies:
-        if name in hf and not _same(hf[name], embedding):
-            why = ("the config ties the head to the embedding (tie_word_embeddings true), so it "
-                   "would be lost; read the config with from_hf_checkpoint, which unties it as "
-                   "Hugging Face does" if name == "lm_head.weight" else
-                   "this model has one embedding for the encoder and the decoder")
-            problems.append(f"{name} differs from shared.weight: {why}")
+    problems = [hf_copy_problem(name, hf[name], embedding) for name in copies if name in hf]
+    problems = [p for p in problems if p]
     if problems:
         raise StateDictError("Hugging Face state dict: " + "; ".join(problems))
     return out
 
 
-def _embedding(hf: StateDict, copies=HF_TIED_COPIES + ("lm_head.weight",)):
-    """`shared.weight`, or (absent) the first copy that is there, as Hugging Face ties it."""
-    for name in ("shared.weight", *copies):
-        if name in hf:
-            return hf[name]
-    return None
+def hf_embedding(hf: StateDict, copies: Tuple[str, ...] = HF_TIED_COPIES + ("lm_head.weight",)
+                 ) -> Optional[torch.Tensor]:
+    """`shared.weight`, or (absent) the first of `copies` that is there, as Hugging Face ties
+    it; None if there is none."""
+    name = hf_embedding_source(hf, copies)
+    return None if name is None else hf[name]
 
 
 def _same(a: torch.Tensor, b) -> bool:
     """Equal shape, dtype and values (Hugging Face's test for tying two checkpoint tensors)."""
     return b is not None and (a is b or (a.shape == b.shape and a.dtype == b.dtype
                                          and torch.equal(a, b)))
+
+
+def full_parameter_shapes(config: T5Config) -> Dict[str, Tuple[int, ...]]:
+    """Name -> shape of every parameter of the full, unpadded model (our names, which are
+    Hugging Face's without the tied copies), in the order the model lists them."""
+    d, inner, ff, heads = config.d_model, config.inner_dim, config.d_ff, config.num_heads
+    wi = ("wi_0", "wi_1") if config.is_gated_act else ("wi",)
+    out = {"shared.weight": (config.vocab_size, d)}
+    for stack, layers in (("encoder", config.num_layers), ("decoder", config.num_decoder_layers)):
+        attentions = ("SelfAttention", "EncDecAttention") if stack == "decoder" else \
+            ("SelfAttention",)
+        for i in range(layers):
+            block = f"{stack}.block.{i}.layer"
+            for j, attention in enumerate(attentions):
+                for proj, shape in (("q", (inner, d)), ("k", (inner, d)), ("v", (inner, d)),
+                                    ("o", (d, inner))):
+                    out[f"{block}.{j}.{attention}.{proj}.weight"] = shape
+                if i == 0 and j == 0:
+                    out[f"{block}.0.SelfAttention.relative_attention_bias.weight"] = (
+                        config.relative_attention_num_buckets, heads)
+                out[f"{block}.{j}.layer_norm.weight"] = (d,)
+            j = len(attentions)
+            for name in wi:
+                out[f"{block}.{j}.DenseReluDense.{name}.weight"] = (ff, d)
+            out[f"{block}.{j}.DenseReluDense.wo.weight"] = (d, ff)
+            out[f"{block}.{j}.layer_norm.weight"] = (d,)
+        out[f"{stack}.final_layer_norm.weight"] = (d,)
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = (config.vocab_size, d)
+    return out
 
 
 def to_hf_state_dict(full: StateDict, config: T5Config) -> StateDict:

@@ -1,0 +1,573 @@
+"""Hugging Face T5 folders, written from and read as a stream of full tensors under our names.
+
+    config.json                 T5Config.to_hf_dict plus the ids, dtype and tie transformers reads
+    generation_config.json      decoder start, eos and pad ids
+    model.safetensors           or model-0000K-of-0000N.safetensors + model.safetensors.index.json
+    spiece.model                the SentencePiece model (with a tokenizer model)
+    tokenizer.json              the same ids as megatron.data.tokenizer.T5Tokenizer (below)
+    tokenizer_config.json, special_tokens_map.json
+
+Memory is bounded by one shard when writing and by two vocabulary-sized tensors when reading.
+A folder is written to OUT.tmp and renamed into place, so a failure leaves nothing behind.
+
+What transformers 5.x does that shapes this module:
+- Its T5Config forces `tie_word_embeddings` to true whatever config.json says (the old value only
+  sets `scale_decoder_outputs`) and its from_pretrained decides the tie from the tensors: an
+  `lm_head.weight` that is present and differs from `shared.weight` stays untied. save_pretrained
+  writes `shared.weight` alone for a tied model and `shared.weight` + `lm_head.weight` for an
+  untied one, never the `embed_tokens` copies; so do we. Loading an untied model therefore
+  always logs "... both are present in the checkpoints with different values, so we will NOT tie
+  them" (its own saves too; passing `tie_word_embeddings=False` to from_pretrained instead leaves
+  the encoder and decoder embeddings untied and missing). We write `tie_word_embeddings: false`
+  for an untied model, which transformers 4.x needs to untie and to leave the outputs unscaled.
+- Its T5Tokenizer rebuilds the Unigram model with `byte_fallback=False` from the vocabulary of
+  tokenizer.json or spiece.model, so characters outside the vocabulary become `<unk>`. We write
+  `tokenizer_class: PreTrainedTokenizerFast`, with which AutoTokenizer loads tokenizer.json as it
+  is (byte fallback kept); `T5Tokenizer.from_pretrained` still works, without byte fallback.
+- It writes no pytorch_model.bin any more (`safe_serialization` is ignored) but still reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+
+import torch
+
+from megatron.model.config import T5Config
+from megatron.model.state_dict import (
+    HF_IGNORED,
+    StateDictError,
+    full_parameter_shapes,
+    hf_copies,
+    hf_copy_problem,
+    hf_embedding_source,
+    resolve_hf_tie,
+)
+
+PathLike = Union[str, os.PathLike]
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
+BIN_SINGLE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+SPIECE = "spiece.model"
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+# Keys of transformers' generic PretrainedConfig that older versions wrote into every config.json
+# (generation defaults, output switches, label maps): none changes the weights.
+GENERIC_HF_KEYS = frozenset({
+    "return_dict", "output_hidden_states", "output_attentions", "torchscript", "torch_dtype",
+    "use_bfloat16", "tf_legacy_loss", "chunk_size_feed_forward", "cross_attention_hidden_size",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens", "finetuning_task", "prefix", "sep_token_id",
+    "_commit_hash", "_attn_implementation_autoset", "_attn_implementation", "xla_device",
+    "label_smoothing", "chunk_size", "is_composition", "attn_implementation",
+})
+# Generic keys that would change the model if set: accepted at these values only.
+GENERIC_HF_OFF = {"pruned_heads": {}, "tie_encoder_decoder": False, "add_cross_attention": False}
+
+
+class HFFolderError(StateDictError):
+    """A Hugging Face folder that cannot be written or read; the message names the file and,
+    where there is one, the tensor."""
+
+
+def parse_size(value: Union[int, str]) -> int:
+    """Bytes of `value`: an int, or '5GB', '500MB', '50KB' (powers of 10, as transformers) or
+    '2GiB', '10MiB' (powers of 2)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    units = {"kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40, "kb": 10 ** 3,
+             "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12, "b": 1}
+    text = str(value).strip().lower()
+    unit = next((u for u in units if text.endswith(u)), "")
+    try:
+        size = int(float(text[:len(text) - len(unit)]) * units.get(unit, 1))
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise HFFolderError(f"max_shard_size {value!r} is not a size such as '5GB' or 2000000")
+    return size
+
+
+# Writing ----------------------------------------------------------------------------------------
+
+def write_hf_folder(out_dir: PathLike, config: T5Config,
+                    tensors: Iterable[Tuple[str, torch.Tensor]],
+                    max_shard_size: Union[int, str] = "5GB",
+                    tokenizer_model: Optional[PathLike] = None,
+                    dtype: Optional[Union[torch.dtype, str]] = None, extra_ids: int = 100,
+                    force: bool = False,
+                    progress: Optional[Callable[[str], None]] = None) -> Path:
+    """Write a folder that `T5ForConditionalGeneration.from_pretrained` (and AutoTokenizer, with
+    a tokenizer model) loads as the model the tensors describe.
+
+    Args:
+        out_dir: the folder to create.
+        config: the architecture (`tie_word_embeddings` says whether `lm_head.weight` comes).
+        tensors: (name, full unpadded tensor) pairs under our names, one at a time, each name of
+            the model once (`full_parameter_shapes(config)`); any order.
+        max_shard_size: weight files above this are split (transformers' rule: a tensor starts a
+            new file when it would take the current one over the size).
+        tokenizer_model: our SentencePiece model; adds spiece.model and the tokenizer files.
+        dtype: cast floating tensors to it (torch dtype or its name); None keeps theirs.
+        extra_ids: the tokenizer's sentinels (`<extra_id_N>`), as in T5Tokenizer.
+        force: replace an existing `out_dir`.
+        progress: called with each tensor's name once it is taken.
+
+    Raises:
+        HFFolderError: `out_dir` exists without `force`, a name that is not the model's, given
+            twice or missing, a shape that does not fit, or a tokenizer model that cannot be
+            converted (all before anything is left behind).
+    """
+    out = Path(out_dir)
+    if out.exists() and not force:
+        raise HFFolderError(f"{out} exists; pass force=True (--force) to replace it")
+    dtype = _torch_dtype(dtype)
+    tokenizer = None
+    if tokenizer_model is not None:  # checked before the weights stream in
+        tokenizer = hf_tokenizer_files(tokenizer_model, extra_ids)
+        if tokenizer.vocab_size > config.vocab_size:
+            raise HFFolderError(f"{tokenizer_model}: {tokenizer.vocab_size} token ids (with "
+                                f"{extra_ids} sentinels) do not fit the model's vocab_size "
+                                f"{config.vocab_size}")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        expected = full_parameter_shapes(config)
+        writer = _ShardWriter(tmp, parse_size(max_shard_size))
+        seen = set()
+        first_dtype = None
+        for name, tensor in tensors:
+            if name not in expected:
+                extra = " (the config ties the head to shared.weight)" \
+                    if name == "lm_head.weight" else ""
+                raise HFFolderError(f"{out}: tensor {name} is not a parameter of this model"
+                                    f"{extra}")
+            if name in seen:
+                raise HFFolderError(f"{out}: tensor {name} given twice")
+            if tuple(tensor.shape) != expected[name]:
+                raise HFFolderError(f"{out}: tensor {name} has shape {tuple(tensor.shape)}, the "
+                                    f"config needs {expected[name]}")
+            seen.add(name)
+            tensor = tensor.detach().to("cpu")
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            if first_dtype is None and tensor.is_floating_point():
+                first_dtype = tensor.dtype
+            writer.add(name, tensor)
+            if progress is not None:
+                progress(name)
+        missing = [n for n in expected if n not in seen]
+        if missing:
+            raise HFFolderError(f"{out}: {len(missing)} tensor(s) of the model not given: "
+                                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        writer.close()
+        _write_json(tmp / CONFIG, hf_config_dict(config, first_dtype))
+        _write_json(tmp / GENERATION_CONFIG, {
+            "decoder_start_token_id": config.decoder_start_token_id,
+            "eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id})
+        if tokenizer is not None:
+            tokenizer.write(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def hf_config_dict(config: T5Config, dtype: Optional[torch.dtype] = None) -> Dict:
+    """config.json for `config`: what transformers 4.x and 5.x read (the tie as 4.x reads it,
+    `scale_decoder_outputs` as 5.x does, the activation keys both write) and our own
+    T5Config.from_json reads back unchanged."""
+    values = config.to_hf_dict()
+    values.update(dense_act_fn=config.activation, is_gated_act=config.is_gated_act,
+                  use_cache=True)
+    if dtype is not None:  # "dtype" for transformers 5.x, "torch_dtype" for 4.x
+        values["dtype"] = values["torch_dtype"] = DTYPE_NAMES.get(
+            dtype, str(dtype).removeprefix("torch."))
+    return dict(sorted(values.items()))
+
+
+class _ShardWriter:
+    """safetensors files written as they fill, named as transformers names them at the end."""
+
+    def __init__(self, folder: Path, max_bytes: int) -> None:
+        self.folder, self.max_bytes = folder, max_bytes
+        self.pending: Dict[str, torch.Tensor] = {}
+        self.storages: set = set()
+        self.pending_bytes = 0
+        self.shards: List[List[str]] = []
+        self.total_bytes = self.total_parameters = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        tensor = tensor.contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        if storage in self.storages:
+            tensor = tensor.clone()  # safetensors refuses two views of the same memory
+        self.storages.add(tensor.untyped_storage().data_ptr())
+        self.pending[name] = tensor
+        self.pending_bytes += size
+        self.total_bytes += size
+        self.total_parameters += tensor.numel()
+
+    def _flush(self) -> None:
+        import safetensors.torch
+
+        path = self.folder / f"shard-{len(self.shards)}.partial"
+        safetensors.torch.save_file(self.pending, path, metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.storages, self.pending_bytes = {}, set(), 0
+
+    def close(self) -> None:
+        if self.pending or not self.shards:
+            self._flush()
+        n = len(self.shards)
+        if n == 1:
+            os.replace(self.folder / "shard-0.partial", self.folder / SAFE_SINGLE)
+            return
+        weight_map = {}
+        for i, names in enumerate(self.shards):
+            file = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.folder / f"shard-{i}.partial", self.folder / file)
+            weight_map.update((name, file) for name in names)
+        _write_json(self.folder / SAFE_INDEX, {
+            "metadata": {"total_parameters": self.total_parameters,
+                         "total_size": self.total_bytes},
+            "weight_map": dict(sorted(weight_map.items()))})
+
+
+def _torch_dtype(dtype) -> Optional[torch.dtype]:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+             **{name: d for d, name in DTYPE_NAMES.items()}}
+    if dtype not in names:
+        raise HFFolderError(f"dtype {dtype!r} is not one of {', '.join(names)}")
+    return names[dtype]
+
+
+def _write_json(path: Path, values) -> None:
+    path.write_text(json.dumps(values, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# The tokenizer ----------------------------------------------------------------------------------
+
+class HFTokenizerFiles:
+    """The tokenizer files of a folder, built (and checked) before anything is written."""
+
+    def __init__(self, spm_model: Path, tokenizer, vocab_size: int, special: Dict[str, str],
+                 sentinels: List[str]) -> None:
+        self.spm_model, self.tokenizer, self.vocab_size = spm_model, tokenizer, vocab_size
+        self.special, self.sentinels = special, sentinels
+
+    def write(self, folder: Path) -> None:
+        shutil.copyfile(self.spm_model, folder / SPIECE)
+        self.tokenizer.save(str(folder / "tokenizer.json"))
+        specials = {**self.special, "additional_special_tokens": self.sentinels}
+        _write_json(folder / "special_tokens_map.json", specials)
+        _write_json(folder / "tokenizer_config.json", {
+            # Not T5Tokenizer: transformers 5.x rebuilds that one without byte fallback.
+            "tokenizer_class": "PreTrainedTokenizerFast", **specials,
+            "extra_ids": len(self.sentinels), "clean_up_tokenization_spaces": False})
+
+
+def hf_tokenizer_files(spm_model: PathLike, extra_ids: int = 100) -> HFTokenizerFiles:
+    """tokenizer.json (a `tokenizers` Unigram model) and its configs for our SentencePiece model:
+    transformers then encodes every text to the ids of `megatron.data.tokenizer.T5Tokenizer`
+    (byte pieces for characters outside the vocabulary included) and decodes them back.
+
+    Raises:
+        HFFolderError: not a T5-layout SentencePiece model (see T5Tokenizer), or one whose
+            settings tokenizer.json cannot reproduce (BPE, whitespace as suffix).
+    """
+    from megatron.data.tokenizer import SENTINEL_FORMAT, T5Tokenizer
+
+    path = Path(spm_model)
+    try:
+        ours = T5Tokenizer(str(path), extra_ids)
+        from sentencepiece import sentencepiece_model_pb2  # needs protobuf
+    except ImportError as err:
+        raise HFFolderError(f"writing tokenizer.json needs the protobuf package ({err})") \
+            from None
+    except ValueError as err:
+        raise HFFolderError(str(err)) from None
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(path.read_bytes())
+    trainer = proto.trainer_spec
+    if trainer.model_type != trainer.UNIGRAM or trainer.treat_whitespace_as_suffix:
+        kind = trainer.ModelType.Name(trainer.model_type).lower()
+        if trainer.treat_whitespace_as_suffix:
+            kind += " with whitespace as a suffix"
+        raise HFFolderError(f"{path}: tokenizer.json is written for unigram SentencePiece models "
+                            f"with whitespace as a prefix (T5's); this one is {kind}")
+    sentinels = [SENTINEL_FORMAT.format(i) for i in range(extra_ids)]
+    special = {"eos_token": ours.id_to_piece(ours.eos_id),
+               "unk_token": ours.id_to_piece(ours.unk_id),
+               "pad_token": ours.id_to_piece(ours.pad_id)}
+    tokenizer = _unigram_tokenizer(proto, sentinels, list(special.values()), ours.unk_id,
+                                   ours.eos_id)
+    return HFTokenizerFiles(path, tokenizer, ours.vocab_size, special, sentinels)
+
+
+def _unigram_tokenizer(proto, sentinels: List[str], special: List[str], unk_id: int,
+                       eos_id: int):
+    """SentencePiece's pipeline in `tokenizers` terms: the model's precompiled normalization
+    map, its whitespace rule (runs of spaces to one, none at the ends), `▁` for spaces with the
+    dummy prefix, the pieces with their scores and byte fallback as the model has it. Byte,
+    control and unused pieces are never matched in text by SentencePiece, so they get a score no
+    segmentation picks (tokenizers would otherwise read the text "<0x41>" as a byte piece). The
+    special pieces and the sentinels are special tokens, cut out of the text first; eos is
+    appended as transformers' T5 tokenizer appends it."""
+    try:
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers
+        from tokenizers import pre_tokenizers, processors
+        from tokenizers.models import Unigram
+    except ImportError as err:
+        raise HFFolderError(f"writing tokenizer.json needs the tokenizers package ({err})") \
+            from None
+    trainer, norm = proto.trainer_spec, proto.normalizer_spec
+    piece_type = type(proto).SentencePiece
+    scored = (piece_type.NORMAL, piece_type.UNKNOWN, piece_type.USER_DEFINED)
+    normal = [p.score for p in proto.pieces if p.type == piece_type.NORMAL]
+    never = min(normal, default=0.0) - 1000.0
+    vocab = [(p.piece, p.score if p.type in scored else never) for p in proto.pieces]
+    vocab += [(s, 0.0) for s in reversed(sentinels)]  # <extra_id_0> has the highest id
+    tokenizer = Tokenizer(Unigram(vocab, unk_id=unk_id, byte_fallback=trainer.byte_fallback))
+    steps = []
+    if norm.precompiled_charsmap:
+        steps.append(normalizers.Precompiled(norm.precompiled_charsmap))
+    if norm.remove_extra_whitespaces:
+        steps += [normalizers.Replace(Regex(" {2,}"), " "),
+                  normalizers.Replace(Regex(r"\A +| +\z"), "")]
+    if steps:
+        tokenizer.normalizer = normalizers.Sequence(steps)
+    metaspace = dict(replacement="\u2581", split=trainer.split_by_whitespace,
+                     prepend_scheme="always" if norm.add_dummy_prefix else "never")
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(**metaspace)
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.ByteFallback()] * trainer.byte_fallback + [decoders.Metaspace(**metaspace)])
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                  for t in special + sentinels])
+    eos = proto.pieces[eos_id].piece
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=["$A", eos], pair=["$A", eos, "$B", eos], special_tokens=[(eos, eos_id)])
+    return tokenizer
+
+
+# Reading ----------------------------------------------------------------------------------------
+
+def read_hf_config(path: PathLike) -> T5Config:
+    """Our config from a T5 / mT5 config.json written by any transformers version.
+
+    Raises:
+        HFFolderError: no such file, not JSON, not a T5 model, or a generic switch that would
+            change the model (pruned heads, encoder tied to decoder).
+        ConfigError: T5 values that cannot be built (T5Config.from_dict).
+    """
+    path = Path(path)
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise HFFolderError(f"{path}: cannot read the model config ({err.strerror})") from None
+    except ValueError as err:
+        raise HFFolderError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(values, dict):
+        raise HFFolderError(f"{path}: expected a JSON object")
+    model_type = values.get("model_type", "t5")
+    if model_type not in ("t5", "mt5"):
+        raise HFFolderError(f"{path}: model_type {model_type!r} is not T5: only T5 and mT5 "
+                            f"(T5ForConditionalGeneration, MT5ForConditionalGeneration) folders "
+                            f"are read")
+    problems = [f"{key} {values[key]!r} is not supported (only {off!r})"
+                for key, off in GENERIC_HF_OFF.items() if values.get(key, off) not in (off, None)]
+    if problems:
+        raise HFFolderError(f"{path}: " + "; ".join(problems))
+    kept = {k: v for k, v in values.items() if k not in GENERIC_HF_KEYS and k not in GENERIC_HF_OFF}
+    if model_type == "mt5":
+        # MT5ForConditionalGeneration never scales the decoder output (transformers 5.x; 4.x
+        # scaled when tied, and released mT5 models are untied), though 5.x writes
+        # tie_word_embeddings true into every mT5 config.json.
+        kept["scale_decoder_outputs"] = False
+    return T5Config.from_dict(kept, source=str(path))
+
+
+def read_hf_folder(directory: PathLike) -> Tuple[T5Config, Iterator[Tuple[str, torch.Tensor]]]:
+    """(our config, an iterator of (our name, full tensor)) of a Hugging Face T5 folder written by
+    any transformers version: model.safetensors, pytorch_model.bin, or either sharded with its
+    index. The model is the one transformers' from_pretrained builds: the head is untied exactly
+    when an `lm_head.weight` is present and differs from the embedding; the tied copies
+    (`encoder/decoder.embed_tokens.weight`, a tied `lm_head.weight`) are dropped when equal to
+    the embedding, `HF_IGNORED` always. Every name, shape and copy is checked before the first
+    tensor comes; then the tensors come one at a time, file by file.
+
+    Raises:
+        HFFolderError: no weights, an unreadable or truncated file, an index that does not
+            match its shards, names the model lacks or does not have, shapes that differ, a copy
+            that differs from the embedding, or a model that is not T5 (the file and tensor
+            named).
+        ConfigError: config.json values that cannot be built.
+    """
+    directory = Path(directory)
+    config = read_hf_config(directory / CONFIG)
+    files = _weight_files(directory)
+    shapes = {}  # hf name -> (file, shape)
+    for file, names in files.items():
+        with _WeightFile(file) as tensors:
+            for name in tensors.names():
+                if names is not None and name not in names:
+                    raise HFFolderError(f"{file}: holds {name}, which its index does not list")
+                shapes[name] = (file, tensors.shape(name))
+            lacking = sorted((names or set()) - set(tensors.names()))
+            if lacking:
+                raise HFFolderError(f"{file}: lacks {lacking[0]}, which the index places there")
+
+    def load(name):
+        with _WeightFile(shapes[name][0]) as tensors:
+            return tensors.get(name)
+
+    head = load("lm_head.weight") if "lm_head.weight" in shapes else None
+    source = hf_embedding_source(shapes)
+    embedding = load(source) if source is not None else None
+    config = resolve_hf_tie(config, head, embedding)
+    del head
+    copies = hf_copies(config)
+    source = hf_embedding_source(shapes, copies)
+    indexed = any(names is not None for names in files.values())
+    _check_names(directory, config, shapes, source, copies, indexed)
+    problems = []
+    for name in copies:  # one vocabulary-sized tensor at a time beside the embedding
+        if name in shapes and name != source:
+            problem = hf_copy_problem(name, load(name), embedding)
+            if problem:
+                problems.append(f"{shapes[name][0].name}: {problem}")
+    del embedding
+    if problems:
+        raise HFFolderError(f"{directory}: " + "; ".join(problems))
+    dropped = set(copies) - {source} | set(HF_IGNORED)
+    return config, _stream(files, dropped, source)
+
+
+def _check_names(directory, config, shapes, source, copies, indexed) -> None:
+    expected = full_parameter_shapes(config)
+    ours = {("shared.weight" if n == source else n): n for n in shapes
+            if n not in HF_IGNORED and (n == source or n not in copies)}
+    problems = []
+    missing = [n for n in expected if n not in ours]
+    if missing:
+        where = "the index lists" if indexed else "the weights hold"
+        problems.append(f"{len(missing)} tensor(s) of the model missing ({where} none of "
+                        f"them): {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    for name, hf_name in ours.items():
+        file, shape = shapes[hf_name]
+        if name not in expected:
+            problems.append(f"{file.name}: {hf_name} is not a parameter of this T5 model")
+        elif shape != expected[name]:
+            problems.append(f"{file.name}: {hf_name} has shape {shape}, config.json needs "
+                            f"{expected[name]}")
+    if problems:
+        raise HFFolderError(f"{directory}: " + "; ".join(problems))
+
+
+def _stream(files: Dict[Path, Optional[set]], dropped: set, source: Optional[str]):
+    for file in files:
+        with _WeightFile(file) as tensors:
+            for name in tensors.names():
+                if name in dropped:
+                    continue
+                yield ("shared.weight" if name == source else name), tensors.get(name)
+
+
+def _weight_files(directory: Path) -> Dict[Path, Optional[set]]:
+    """Weight file -> the names its index places there (None without an index), in the order
+    transformers prefers them."""
+    if (directory / SAFE_SINGLE).is_file():
+        return {directory / SAFE_SINGLE: None}
+    for index in (SAFE_INDEX, BIN_INDEX):
+        path = directory / index
+        if path.is_file():
+            try:
+                weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
+                assert isinstance(weight_map, dict)
+            except (OSError, ValueError, KeyError, TypeError, AssertionError) as err:
+                raise HFFolderError(f"{path}: not a weights index with a weight_map "
+                                    f"({err!r})") from None
+            files: Dict[Path, set] = {}
+            for name, file in weight_map.items():
+                shard = directory / file
+                if not shard.is_file():
+                    raise HFFolderError(f"{path}: places {name} in {file}, which is missing")
+                files.setdefault(shard, set()).add(name)
+            return dict(sorted(files.items()))
+    if (directory / BIN_SINGLE).is_file():
+        return {directory / BIN_SINGLE: None}
+    raise HFFolderError(f"{directory}: no {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE} or "
+                        f"{BIN_INDEX}")
+
+
+class _WeightFile:
+    """One weight file, opened lazily: safetensors through safe_open, pytorch_model.bin through
+    torch.load with mmap (a file too old for mmap is loaded whole)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self):
+        try:
+            if self.path.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                self.handle = safe_open(str(self.path), framework="pt", device="cpu")
+                self.file, self.dict = self.handle.__enter__(), None
+            else:
+                self.handle = None
+                self.dict = _torch_load(self.path)
+        except Exception as err:  # safetensors, zip, pickle and OS errors alike
+            raise HFFolderError(f"{self.path}: cannot read the weights (truncated or not a "
+                                f"weights file?): {err}") from None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.handle is not None:
+            self.handle.__exit__(*exc)
+        self.dict = None
+
+    def names(self) -> List[str]:
+        return list(self.dict) if self.dict is not None else list(self.file.keys())
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        if self.dict is not None:
+            return tuple(self.dict[name].shape)
+        return tuple(self.file.get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self.dict[name] if self.dict is not None else self.file.get_tensor(name)
+        except Exception as err:
+            raise HFFolderError(f"{self.path}: cannot read tensor {name}: {err}") from None
+
+
+def _torch_load(path: Path) -> Dict[str, torch.Tensor]:
+    try:
+        loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError as err:
+        if "mmap can only be used" not in str(err):
+            raise
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(loaded, dict) or not all(isinstance(t, torch.Tensor)
+                                               for t in loaded.values()):
+        raise ValueError("not a state dict of tensors")
+    return loaded
