@@ -143,7 +143,7 @@ def write_hf_folder(out_dir: PathLike, config: T5Config,
     tmp.mkdir(parents=True)
     try:
         expected = full_parameter_shapes(config)
-        writer = _ShardWriter(tmp, parse_size(max_shard_size))
+        writer = ShardWriter(tmp, parse_size(max_shard_size))
         seen = set()
         first_dtype = None
         for name, tensor in tensors:
@@ -199,7 +199,7 @@ def hf_config_dict(config: T5Config, dtype: Optional[torch.dtype] = None) -> Dic
     return dict(sorted(values.items()))
 
 
-class _ShardWriter:
+class ShardWriter:
     """safetensors files written as they fill, named as transformers names them at the end."""
 
     def __init__(self, folder: Path, max_bytes: int) -> None:

@@ -26,6 +26,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch
 
+from megatron.checkpoint.hf import ShardWriter, parse_size
+
 FORMAT = "weights"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -35,65 +37,6 @@ VOCAB_PARAMETERS = ("shared.weight", "lm_head.weight")
 
 class WeightsError(ValueError):
     """A weights checkpoint that cannot be written or read; the message names the file."""
-
-
-def parse_size(text) -> int:
-    """'5GB', '500MB', '2GiB' or a byte count."""
-    if isinstance(text, int):
-        return text
-    units = {"kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "kb": 10 ** 3, "mb": 10 ** 6,
-             "gb": 10 ** 9, "b": 1}
-    value = str(text).strip().lower()
-    for unit, scale in units.items():
-        if value.endswith(unit):
-            return int(float(value[:-len(unit)]) * scale)
-    return int(value)
-
-
-class ShardWriter:
-    """Safetensors shards written as they fill (never the whole model in memory), then the
-    index; `close()` returns the files written."""
-
-    def __init__(self, folder: Path, max_shard_bytes: int, metadata: Optional[Dict] = None):
-        self.folder, self.max_bytes = folder, max_shard_bytes
-        self.metadata = metadata or {"format": "pt"}
-        self.pending: Dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: List[List[str]] = []
-        self.total = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self._flush()
-        self.pending[name] = tensor.detach().contiguous().cpu()
-        self.pending_bytes += size
-        self.total += size
-
-    def _flush(self) -> None:
-        import safetensors.torch
-
-        index = len(self.shards)
-        safetensors.torch.save_file(self.pending, self.folder / f"shard-{index}.tmp",
-                                    metadata=self.metadata)
-        self.shards.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
-
-    def close(self) -> List[str]:
-        if self.pending or not self.shards:
-            self._flush()
-        n = len(self.shards)
-        if n == 1:
-            os.replace(self.folder / "shard-0.tmp", self.folder / SINGLE)
-            return [SINGLE]
-        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        weight_map = {}
-        for i, (name, keys) in enumerate(zip(names, self.shards)):
-            os.replace(self.folder / f"shard-{i}.tmp", self.folder / name)
-            weight_map.update({k: name for k in keys})
-        (self.folder / INDEX).write_text(json.dumps(
-            {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))
-        return names + [INDEX]
 
 
 def write_weights_checkpoint(out: Path, tensors: Iterable[Tuple[str, torch.Tensor]],
@@ -119,7 +62,8 @@ def write_weights_checkpoint(out: Path, tensors: Iterable[Tuple[str, torch.Tenso
             count += tensor.numel()
             if progress:
                 progress(name)
-        files = writer.close()
+        writer.close()
+        files = sorted(p.name for p in folder.iterdir())
         meta = {"format": FORMAT, "iteration": iteration, "consumed_samples": 0,
                 "model": model_meta, "parameters": count, "files": files,
                 "layout": target_layout or {}, "source": source or {},
