@@ -38,13 +38,16 @@ setup(
         "nltk>=3.8",
         "tqdm",
         "tensorboard",
+        "safetensors",
     ],
     extras_require={
+        # data_tools/convert_checkpoint.py --to hf: the tokenizer.json with byte fallback
+        "convert": ["tokenizers", "protobuf"],
         "test": [
             "pytest>=7",
             "megatron-core>=0.9",
             "transformers>=4.40",
-            "safetensors",
+            "tokenizers",
             "protobuf",
             "psutil",
         ],
