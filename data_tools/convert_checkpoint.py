@@ -24,6 +24,7 @@ message naming the file and the tensor).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -164,7 +165,8 @@ def run(args) -> int:
 
         layout = {"tensor_model_parallel_size": args.target_tensor_parallel_size,
                   "pipeline_model_parallel_size": args.target_pipeline_parallel_size}
-        write_weights_checkpoint(out, tensors, model_meta, source=source, target_layout=layout,
+        write_weights_checkpoint(out, tensors, model_meta, iteration=source.get("iteration") or 0,
+                                 source=source, target_layout=layout,
                                  max_shard_size=args.max_shard_size, force=args.force,
                                  progress=progress)
         (out / "model_config.json").write_text(json.dumps(model_meta["config"], indent=1))
@@ -178,9 +180,9 @@ def run(args) -> int:
         from megatron.checkpoint.weights import write_weights_checkpoint
 
         fp32 = ((name, t.to(torch.float32)) for name, t in tensors)
-        write_weights_checkpoint(out, fp32, model_meta, source=source,
-                                 max_shard_size=args.max_shard_size, force=args.force,
-                                 progress=progress)
+        write_weights_checkpoint(out, fp32, model_meta, iteration=source.get("iteration") or 0,
+                                 source=source, max_shard_size=args.max_shard_size,
+                                 force=args.force, progress=progress)
         print(f"wrote {out}: full fp32 tensors under our names (safetensors in "
               f"{out}/iter_*/); it also loads into the trainer with --finetune")
         return 0
@@ -214,6 +216,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               file=sys.stderr)
         return 2
     try:
+        # DeepSpeed logs its accelerator choice to stdout on import: keep stdout for our output
+        with contextlib.redirect_stdout(sys.stderr):
+            import deepspeed  # noqa: F401
         return run(args)
     except (ValueError, OSError) as e:  # our readers' errors name the file and the tensor
         print(f"error: {e}", file=sys.stderr)

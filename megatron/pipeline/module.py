@@ -301,6 +301,7 @@ def build_pipeline_module(config: T5Config, cut: Cut, topology, padded_vocab_siz
                           checkpoint_num_layers: int, device=None, dtype=None):
     """This stage's part of the model as a DeepSpeed PipelineModule (collective: it creates
     the tied-weight groups and broadcasts the tied weights)."""
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
     from deepspeed.pipe import PipelineModule
 
     from megatron.tensor_parallel.random import checkpoint
@@ -332,8 +333,9 @@ def build_pipeline_module(config: T5Config, cut: Cut, topology, padded_vocab_siz
             for key, tied in self.tied_modules.items():
                 comm = self.tied_comms.get(key)
                 if comm is None or self.global_rank == min(comm["ranks"]):
-                    checkpoint_engine.save(state_dict=tied.state_dict(),
-                                           path=self._tied_path(save_dir, key))
+                    # a view into ZeRO's flat buffer would save the whole buffer: clone
+                    state = clone_tensors_for_torch_save(tied.state_dict())
+                    checkpoint_engine.save(state_dict=state, path=self._tied_path(save_dir, key))
             if self.global_rank == 0:
                 with open(os.path.join(save_dir, LAYERS_FILE), "w", encoding="utf-8") as f:
                     json.dump({"layers": names, "stage_starts": parts,
