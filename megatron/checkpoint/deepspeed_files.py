@@ -17,6 +17,7 @@ code, which reads one tensor rank and stage at a time and never joins whole part
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import pickle
@@ -52,6 +53,19 @@ def allowed_globals() -> list:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
+@contextlib.contextmanager
+def _only(classes):
+    """Exactly `classes` allowed while loading: globals another library registered for the
+    whole process (megatron-core adds argparse.Namespace, for one) are set aside meanwhile."""
+    registered = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        with torch.serialization.safe_globals(classes):
+            yield
+    finally:
+        torch.serialization.add_safe_globals(registered)
+
+
 def load_file(path: Path) -> Any:
     """A DeepSpeed file, memory-mapped (tensors are read when touched), `ALLOWED_GLOBALS` only.
 
@@ -61,7 +75,7 @@ def load_file(path: Path) -> Any:
     if not path.is_file():
         raise CheckpointReadError(f"{path}: missing; the checkpoint is incomplete")
     try:
-        with torch.serialization.safe_globals(allowed_globals()):
+        with _only(allowed_globals()):
             return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))

@@ -571,3 +571,16 @@ def _torch_load(path: Path) -> Dict[str, torch.Tensor]:
                                                for t in loaded.values()):
         raise ValueError("not a state dict of tensors")
     return loaded
+
+
+def read_hf_checkpoint(directory: PathLike) -> Tuple[T5Config, Dict[str, torch.Tensor]]:
+    """(our config, our full state dict) of a Hugging Face T5 folder, as Hugging Face's
+    `from_pretrained` would build the model: the whole of `read_hf_folder` in one dict (use
+    that function to stream the tensors one at a time instead).
+
+    Raises:
+        ConfigError: config.json missing or invalid.
+        HFFolderError: no weights file, unreadable files, or tensors the model would not use.
+    """
+    config, tensors = read_hf_folder(directory)
+    return config, dict(tensors)

@@ -5,7 +5,7 @@ Our parameter names are Hugging Face's; the differences are only that Hugging Fa
 the tied copies (`encoder.embed_tokens.weight`, `decoder.embed_tokens.weight`, and `lm_head.weight`
 when tied) and that our vocabulary rows are padded for tensor parallelism. A copy is dropped only
 when it equals the embedding; whether a checkpoint's head is tied is decided from its tensors, as
-Hugging Face decides it (`from_hf_checkpoint`; for a folder `read_hf_checkpoint`, or
+Hugging Face decides it (`from_hf_checkpoint`; for a folder `megatron.checkpoint.hf.read_hf_checkpoint`, or
 megatron.checkpoint.hf.read_hf_folder to stream it).
 """
 
@@ -31,25 +31,6 @@ HF_IGNORED = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.w
 
 class StateDictError(ValueError):
     """Names or shapes that do not fit the model; the message lists all of them."""
-
-
-def read_hf_checkpoint(directory: Union[str, Path]) -> Tuple[T5Config, StateDict]:
-    """(our config, our full state dict) of a Hugging Face T5 folder, as Hugging Face's
-    `from_pretrained` would build the model (see `from_hf_checkpoint`): the whole of
-    `megatron.checkpoint.hf.read_hf_folder` (safetensors or pytorch_model.bin, sharded or not)
-    in one dict. Use that function to stream the tensors one at a time instead.
-
-    Raises:
-        ConfigError: config.json missing or invalid.
-        StateDictError: no weights file, unreadable files, or tensors the model would not use
-            (`megatron.checkpoint.hf.HFFolderError`, a subclass).
-    """
-    # The folder reader lives with the other checkpoint formats; imported here, not at the top,
-    # so that the model package does not load them.
-    from megatron.checkpoint.hf import read_hf_folder
-
-    config, tensors = read_hf_folder(directory)
-    return config, dict(tensors)
 
 
 def from_hf_checkpoint(config: T5Config, hf: StateDict) -> Tuple[T5Config, StateDict]:

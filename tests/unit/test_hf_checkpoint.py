@@ -11,13 +11,13 @@ from test_hf_parity import CONFIGS, VOCAB, hf_model, padded_batch
 from transformers import T5ForConditionalGeneration
 
 from megatron.model import T5Config, T5Model
+from megatron.checkpoint.hf import read_hf_checkpoint
 from megatron.model.state_dict import (
     StateDictError,
     from_hf_checkpoint,
     from_hf_state_dict,
     gather_full_state_dict,
     load_full_state_dict,
-    read_hf_checkpoint,
     to_hf_state_dict,
 )
 

@@ -19,7 +19,12 @@ from transformers import AutoTokenizer, MT5Config, MT5ForConditionalGeneration
 from transformers import T5Config as HFConfig
 from transformers import T5ForConditionalGeneration, T5Tokenizer
 
-from megatron.checkpoint.hf import HFFolderError, read_hf_folder, write_hf_folder
+from megatron.checkpoint.hf import (
+    HFFolderError,
+    read_hf_checkpoint,
+    read_hf_folder,
+    write_hf_folder,
+)
 from megatron.data.tokenizer import T5Tokenizer as OurTokenizer
 from megatron.model import T5Config, T5Model
 from megatron.model.state_dict import (
@@ -28,7 +33,6 @@ from megatron.model.state_dict import (
     full_parameter_shapes,
     gather_full_state_dict,
     load_full_state_dict,
-    read_hf_checkpoint,
 )
 
 VOCAB = 4100  # the session tokenizer's ids: 4000 pieces + 100 sentinels (tests/conftest.py)
