@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
