@@ -29,6 +29,7 @@ What transformers 5.x does that shapes this module:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -77,6 +78,23 @@ GENERIC_HF_OFF = {"pruned_heads": {}, "tie_encoder_decoder": False, "add_cross_a
 class HFFolderError(StateDictError):
     """A Hugging Face folder that cannot be written or read; the message names the file and,
     where there is one, the tensor."""
+
+
+@contextlib.contextmanager
+def staged_folder(out: Path) -> Iterator[Path]:
+    """OUT.tmp to write into: on success it replaces OUT, on any failure it is removed, so
+    nothing half-written is left."""
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def parse_size(value: Union[int, str]) -> int:
@@ -138,10 +156,7 @@ def write_hf_folder(out_dir: PathLike, config: T5Config,
             raise HFFolderError(f"{tokenizer_model}: {tokenizer.vocab_size} token ids (with "
                                 f"{extra_ids} sentinels) do not fit the model's vocab_size "
                                 f"{config.vocab_size}")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged_folder(out) as tmp:
         expected = full_parameter_shapes(config)
         writer = ShardWriter(tmp, parse_size(max_shard_size))
         seen = set()
@@ -177,12 +192,6 @@ def write_hf_folder(out_dir: PathLike, config: T5Config,
             "eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id})
         if tokenizer is not None:
             tokenizer.write(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

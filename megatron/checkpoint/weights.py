@@ -18,15 +18,13 @@ Written to OUT.tmp and renamed; the tracker is written last.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint.hf import ShardWriter, parse_size
+from megatron.checkpoint.hf import ShardWriter, parse_size, staged_folder
 
 FORMAT = "weights"
 INDEX = "model.safetensors.index.json"
@@ -49,12 +47,10 @@ def write_weights_checkpoint(out: Path, tensors: Iterable[Tuple[str, torch.Tenso
     out = Path(out)
     if out.exists() and not force:
         raise WeightsError(f"{out} exists; pass --force to replace it")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     tag = f"iter_{iteration:07d}"
-    folder = tmp / tag
-    folder.mkdir(parents=True)
-    try:
+    with staged_folder(out) as tmp:
+        folder = tmp / tag
+        folder.mkdir()
         writer = ShardWriter(folder, parse_size(max_shard_size))
         count = 0
         for name, tensor in tensors:
@@ -71,12 +67,6 @@ def write_weights_checkpoint(out: Path, tensors: Iterable[Tuple[str, torch.Tenso
         (folder / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
         (tmp / TRACKER).write_text(f"{iteration}\n")
         (tmp / "latest").write_text(tag)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

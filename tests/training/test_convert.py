@@ -24,8 +24,9 @@ def trained(train_data, tmp_path_factory):
 
 def module_weights(ckpt, vocab_size):
     """The one-process checkpoint's full weights (its module file), vocabulary unpadded."""
-    state = torch.load(ckpt / "iter_0000002" / "mp_rank_00_model_states.pt",
-                       weights_only=False)["module"]
+    from megatron.checkpoint.deepspeed_files import load_file  # weights_only, allow-listed
+
+    state = load_file(ckpt / "iter_0000002" / "mp_rank_00_model_states.pt")["module"]
     return {k: (v[:vocab_size] if k in ("shared.weight", "lm_head.weight") else v)
             for k, v in sorted(state.items())}
 
