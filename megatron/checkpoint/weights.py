@@ -162,27 +162,9 @@ def _copy(param, full: str, reader: WeightsReader, vocab_size: int, tensor_rank:
 
         context = contextlib.nullcontext()
     with context:
-        sharded = getattr(param, "tensor_model_parallel", False) and tensor_size > 1
-        dim = param.partition_dim if sharded else None
-        if sharded and getattr(param, "partition_stride", 1) != 1:
-            tensor = reader.slice(full)
-            from megatron.tensor_parallel.layers import shard
-
-            tensor = _pad_vocab(full, tensor, vocab_size, param, tensor_size)
-            tensor = shard(tensor, dim, param.partition_stride, tensor_rank, tensor_size)
-        elif sharded:
-            length = param.shape[dim]
-            start, stop = tensor_rank * length, (tensor_rank + 1) * length
-            if full in VOCAB_PARAMETERS and dim == 0:
-                # rows beyond vocab_size are padding: read what exists, zero-fill the rest
-                tensor = reader.slice(full, 0, min(start, vocab_size), min(stop, vocab_size))
-                if tensor.shape[0] != length:
-                    pad = tensor.new_zeros(length - tensor.shape[0], *tensor.shape[1:])
-                    tensor = torch.cat([tensor, pad])
-            else:
-                tensor = reader.slice(full, dim, start, stop)
-        else:
-            tensor = _pad_vocab(full, reader.slice(full), vocab_size, param, 1)
+        if getattr(param, "partition_stride", 1) != 1:
+            return f"{full}: strided tensor-parallel shards are not supported"
+        tensor = _local_tensor(param, full, reader, vocab_size, tensor_rank, tensor_size)
         if tuple(tensor.shape) != tuple(param.shape):
             return (f"{reader.folder}: tensor {full!r} has shape {tuple(tensor.shape)}, this "
                     f"rank's parameter {tuple(param.shape)}: another model")
@@ -191,14 +173,21 @@ def _copy(param, full: str, reader: WeightsReader, vocab_size: int, tensor_rank:
     return None
 
 
-def _pad_vocab(full, tensor, vocab_size, param, tensor_size):
-    if full not in VOCAB_PARAMETERS or tensor.shape[0] != vocab_size:
+def _local_tensor(param, full: str, reader: WeightsReader, vocab_size: int, rank: int,
+                  size: int) -> torch.Tensor:
+    """This rank's part of tensor `full`: its slice along the partition dimension (all our
+    layers shard with stride 1); vocabulary rows beyond vocab_size are padding, zero."""
+    sharded = getattr(param, "tensor_model_parallel", False) and size > 1
+    dim = param.partition_dim if sharded else 0
+    length = param.shape[dim]
+    start = rank * length if sharded else 0
+    if full in VOCAB_PARAMETERS and dim == 0:
+        tensor = reader.slice(full, 0, min(start, vocab_size), min(start + length, vocab_size))
+        if tensor.shape[0] < length:
+            tensor = torch.cat([tensor, tensor.new_zeros(length - tensor.shape[0],
+                                                         *tensor.shape[1:])])
         return tensor
-    padded = param.shape[0] * (tensor_size if getattr(param, "tensor_model_parallel", False)
-                                else 1)
-    if padded <= vocab_size:
-        return tensor
-    return torch.cat([tensor, tensor.new_zeros(padded - vocab_size, *tensor.shape[1:])])
+    return reader.slice(full, dim, start, start + length) if sharded else reader.slice(full)
 
 
 def full_tensors(reader: WeightsReader) -> Iterator[Tuple[str, torch.Tensor]]:
