@@ -7,7 +7,9 @@
     tokenizer.json              the same ids as megatron.data.tokenizer.T5Tokenizer (below)
     tokenizer_config.json, special_tokens_map.json
 
-Memory is bounded by one shard when writing and by two vocabulary-sized tensors when reading.
+Memory is bounded by one tensor when writing (megatron.checkpoint.shards writes each tensor's
+bytes to its file as it comes, never a whole shard) and by two vocabulary-sized tensors when
+reading.
 A folder is written to OUT.tmp and renamed into place, so a failure leaves nothing behind.
 
 What transformers 5.x does that shapes this module:
@@ -38,6 +40,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Un
 
 import torch
 
+from megatron.checkpoint.shards import ShardWriter
 from megatron.model.config import T5Config
 from megatron.model.state_dict import (
     HF_IGNORED,
@@ -206,57 +209,6 @@ def hf_config_dict(config: T5Config, dtype: Optional[torch.dtype] = None) -> Dic
         values["dtype"] = values["torch_dtype"] = DTYPE_NAMES.get(
             dtype, str(dtype).removeprefix("torch."))
     return dict(sorted(values.items()))
-
-
-class ShardWriter:
-    """safetensors files written as they fill, named as transformers names them at the end."""
-
-    def __init__(self, folder: Path, max_bytes: int) -> None:
-        self.folder, self.max_bytes = folder, max_bytes
-        self.pending: Dict[str, torch.Tensor] = {}
-        self.storages: set = set()
-        self.pending_bytes = 0
-        self.shards: List[List[str]] = []
-        self.total_bytes = self.total_parameters = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self._flush()
-        tensor = tensor.contiguous()
-        storage = tensor.untyped_storage().data_ptr()
-        if storage in self.storages:
-            tensor = tensor.clone()  # safetensors refuses two views of the same memory
-        self.storages.add(tensor.untyped_storage().data_ptr())
-        self.pending[name] = tensor
-        self.pending_bytes += size
-        self.total_bytes += size
-        self.total_parameters += tensor.numel()
-
-    def _flush(self) -> None:
-        import safetensors.torch
-
-        path = self.folder / f"shard-{len(self.shards)}.partial"
-        safetensors.torch.save_file(self.pending, path, metadata={"format": "pt"})
-        self.shards.append(list(self.pending))
-        self.pending, self.storages, self.pending_bytes = {}, set(), 0
-
-    def close(self) -> None:
-        if self.pending or not self.shards:
-            self._flush()
-        n = len(self.shards)
-        if n == 1:
-            os.replace(self.folder / "shard-0.partial", self.folder / SAFE_SINGLE)
-            return
-        weight_map = {}
-        for i, names in enumerate(self.shards):
-            file = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(self.folder / f"shard-{i}.partial", self.folder / file)
-            weight_map.update((name, file) for name in names)
-        _write_json(self.folder / SAFE_INDEX, {
-            "metadata": {"total_parameters": self.total_parameters,
-                         "total_size": self.total_bytes},
-            "weight_map": dict(sorted(weight_map.items()))})
 
 
 def _torch_dtype(dtype) -> Optional[torch.dtype]:
