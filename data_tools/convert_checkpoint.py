@@ -8,7 +8,8 @@ or GPUs: it runs on a login node, one tensor at a time.
     # start our trainer from Hugging Face weights (then: --load out/ckpt --finetune)
     python data_tools/convert_checkpoint.py --from hf google-t5-folder --to megatron out/ckpt \\
         --target-tensor-parallel-size 4 --target-pipeline-parallel-size 2
-    # our checkpoint for another layout (weights; a fresh optimizer)
+    # our checkpoint for another layout, with its optimizer states (then: --load out/ckpt-tp4
+    # resumes the run; --weights-only leaves them out)
     python data_tools/convert_checkpoint.py --load ckpt/run --to megatron out/ckpt-tp4 \\
         --target-tensor-parallel-size 4
     # one consolidated fp32 state dict (safetensors, our names) from any layout and ZeRO stage
@@ -16,8 +17,9 @@ or GPUs: it runs on a login node, one tensor at a time.
     python data_tools/convert_checkpoint.py --inspect ckpt/run
 
 Weights come from the fp32 master copy where the checkpoint has one (ZeRO 1-3, bf16 and fp16
-runs). Output is written to OUT.tmp and renamed; an existing OUT is refused without --force.
-Exit status: 0 done, 2 bad command line, 1 a checkpoint that cannot be read or written (one
+runs; fp16 without ZeRO gives its fp16 weights, with a warning). `--to megatron` from one of our
+checkpoints carries Adam's states too, so that the run resumes in the new layout. Output is
+written to OUT.tmp and renamed; an existing OUT is refused without --force. Exit status: 0 done, 2 bad command line, 1 a checkpoint that cannot be read or written (one
 message naming the file and the tensor).
 """
 
@@ -59,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", help="split weight files above this")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                    help="--to hf: the weights' dtype (default fp32)")
+    p.add_argument("--weights-only", action="store_true",
+                   help="--to megatron: leave the optimizer states out (default: carried "
+                        "where the source has them, so that --load resumes the run)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -92,6 +97,8 @@ def check(args) -> List[str]:
             problems.append(f"--{flag.replace('_', '-')} must be >= 1")
         elif value != 1 and kind != "megatron":
             problems.append(f"--{flag.replace('_', '-')} has effect only with --to megatron")
+    if args.weights_only and kind != "megatron":
+        problems.append("--weights-only has effect only with --to megatron")
     if args.dtype is not None and kind != "hf":
         problems.append("--dtype has effect only with --to hf")
     if args.tokenizer_model is not None and kind != "hf":
@@ -105,7 +112,7 @@ def check(args) -> List[str]:
     return problems
 
 
-def _progress(enabled: bool, total: Optional[int], what: str):
+def _progress(enabled: bool, total: int, what: str):
     if not enabled:
         return lambda name: None
     try:
@@ -116,16 +123,17 @@ def _progress(enabled: bool, total: Optional[int], what: str):
     return lambda name: bar.update(1)
 
 
-def read_source(args) -> Tuple[dict, Iterator, dict, Optional[int]]:
-    """(model meta, iterator of full tensors under our names, source description, tensor count
-    or None)."""
+def read_source(args) -> Tuple[dict, Iterator, dict, int]:
+    """(model meta, iterator of full tensors under our names, source description, tensor
+    count)."""
     if args.from_format == "hf":
         from megatron.checkpoint.hf import read_hf_folder
 
         config, tensors = read_hf_folder(args.source_dir)
         meta = {"config": config.to_dict(), "make_vocab_size_divisible_by": 128,
                 "precision": "fp32"}
-        return meta, tensors, {"format": "hf", "path": str(Path(args.source_dir).resolve())}, None
+        return meta, tensors, {"format": "hf", "path": str(Path(args.source_dir).resolve())}, \
+            _count(meta)
     from megatron.checkpoint import deepspeed as ours
 
     folder = ours.find_iteration(Path(args.load), args.iteration)
@@ -134,7 +142,21 @@ def read_source(args) -> Tuple[dict, Iterator, dict, Optional[int]]:
               "iteration": meta.get("iteration"), "layout": meta.get("layout")}
     model = dict(meta["model"]) if "model" in meta else \
         {"config": ours.model_config(meta).to_dict()}
-    return model, ours.iter_full_tensors(folder), source, None
+    kind = "master"
+    if (meta.get("layout") or {}).get("zero_stage") == 0 and model.get("precision") == "fp16":
+        print("warning: fp16 without ZeRO keeps its fp32 masters inside DeepSpeed's fp16 "
+              "optimizer, without parameter names: reading the fp16 weights", file=sys.stderr)
+        kind = "weights"
+    return model, ours.iter_full_tensors(folder, kind), source, _count(model)
+
+
+def _count(model_meta: dict) -> int:
+    """The tensors a model has under our names (the progress bar's total)."""
+    from megatron.checkpoint.deepspeed import model_parameters
+    from megatron.model.config import T5Config
+
+    config = T5Config.from_dict(model_meta["config"], source="the checkpoint's meta.json")
+    return len(model_parameters(config, model_meta.get("make_vocab_size_divisible_by", 128)))
 
 
 def tokenizer_of(args, source_meta_path: Optional[Path]) -> Optional[str]:
@@ -150,6 +172,49 @@ def tokenizer_of(args, source_meta_path: Optional[Path]) -> Optional[str]:
     return path if path and Path(path).is_file() else None
 
 
+def optimizer_states(args, source: dict):
+    """What write_weights_checkpoint takes to carry the source's optimizer states, or None (with
+    a warning saying why) where they cannot be carried."""
+    if args.load is None or args.weights_only:
+        return None
+    from megatron.checkpoint import deepspeed as ours
+
+    folder = Path(source["path"])
+    try:
+        step = ours.check_optimizer_states(folder)
+    except ours.CheckpointReadError as e:
+        print(f"warning: the optimizer states cannot be carried ({e}); writing weights only",
+              file=sys.stderr)
+        return None
+    meta = ours.read_meta(folder)
+    return {"step": step, "exp_avg": ours.iter_full_tensors(folder, "exp_avg"),
+            "exp_avg_sq": ours.iter_full_tensors(folder, "exp_avg_sq"),
+            "resume": {k: meta.get(k) for k in ("consumed_samples", "lr_schedule")}}
+
+
+def to_megatron(args, out: Path, model_meta: dict, tensors, source: dict, progress,
+                optimizer) -> int:
+    from megatron.checkpoint.weights import write_weights_checkpoint
+
+    layout = {"tensor_model_parallel_size": args.target_tensor_parallel_size,
+              "pipeline_model_parallel_size": args.target_pipeline_parallel_size}
+    write_weights_checkpoint(out, tensors, model_meta, iteration=source.get("iteration") or 0,
+                             source=source, target_layout=layout,
+                             max_shard_size=args.max_shard_size, force=args.force,
+                             progress=progress, optimizer=optimizer)
+    (out / "model_config.json").write_text(json.dumps(model_meta["config"], indent=1))
+    config = f"--model-config {out / 'model_config.json'}"
+    if optimizer is not None:
+        print(f"wrote {out} with the optimizer states (Adam step {optimizer['step']}): resume "
+              f"with --load {out} at iteration {source.get('iteration')}, in any tensor, "
+              f"pipeline and data-parallel size and ZeRO stage ({config}); or start from its "
+              f"weights with --finetune")
+    else:
+        print(f"wrote {out}: start the trainer with --load {out} --finetune (any tensor, "
+              f"pipeline and data-parallel size; {config}); the optimizer starts fresh")
+    return 0
+
+
 def run(args) -> int:
     if args.inspect is not None:
         from megatron.checkpoint.deepspeed import describe, find_iteration
@@ -159,21 +224,12 @@ def run(args) -> int:
         return 0
     kind, out = args.to[0], Path(args.to[1])
     model_meta, tensors, source, total = read_source(args)
+    optimizer = optimizer_states(args, source) if kind == "megatron" else None
+    if optimizer is not None:
+        total *= 3  # the weights, then each moment
     progress = _progress(not args.no_progress, total, f"--to {kind}")
     if kind == "megatron":
-        from megatron.checkpoint.weights import write_weights_checkpoint
-
-        layout = {"tensor_model_parallel_size": args.target_tensor_parallel_size,
-                  "pipeline_model_parallel_size": args.target_pipeline_parallel_size}
-        write_weights_checkpoint(out, tensors, model_meta, iteration=source.get("iteration") or 0,
-                                 source=source, target_layout=layout,
-                                 max_shard_size=args.max_shard_size, force=args.force,
-                                 progress=progress)
-        (out / "model_config.json").write_text(json.dumps(model_meta["config"], indent=1))
-        print(f"wrote {out}: start the trainer with --load {out} --finetune (any tensor, "
-              f"pipeline and data-parallel size; --model-config {out / 'model_config.json'}); "
-              f"the optimizer starts fresh")
-        return 0
+        return to_megatron(args, out, model_meta, tensors, source, progress, optimizer)
     if kind == "fp32":
         import torch
 

@@ -216,7 +216,7 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                 meta = load_checkpoint(step, ckpt, layout_now, runtime.device_type)
             if meta is None:
                 writer.write_text(f"no checkpoint in {ckpt.load}: starting from scratch")
-            elif ckpt.finetune or meta.get("format") == "weights":
+            elif ckpt.finetune or (meta.get("format") == "weights" and "optimizer" not in meta):
                 how = "--finetune" if ckpt.finetune else "a weights-only checkpoint"
                 writer.write_text(f"loaded the weights of {ckpt.load} iteration "
                                   f"{meta['iteration']} ({how}: optimizer, LR schedule and "
@@ -229,8 +229,10 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                                                        ckpt.lr_policy)
                 except ValueError as e:
                     raise CheckpointError(f"--load {ckpt.load}: {e}") from None
+                converted = "; converted to this layout: the random generators start afresh" \
+                    if meta.get("format") == "weights" else ""
                 writer.write_text(f"resumed from {ckpt.load} at iteration {state.iteration} "
-                                  f"({state.consumed_samples} samples consumed)")
+                                  f"({state.consumed_samples} samples consumed{converted})")
         with watchdog.watch("data: building the datasets (index caches; another rank may be "
                             "building them)", runtime.data_cache_timeout_s + 60):
             train_loader, valid_loader, test_loader = build_data(

@@ -46,6 +46,7 @@ import torch
 
 from megatron.checkpoint.deepspeed_files import (
     ALLOWED_GLOBALS,
+    OPTIMIZER_PARAMETERS,
     CheckpointReadError,
     Files,
     Shard,
@@ -56,13 +57,15 @@ from megatron.checkpoint.deepspeed_files import (
 from megatron.model.config import ConfigError, T5Config
 from megatron.model.state_dict import VOCAB_PARAMETERS, _unshard
 
-__all__ = ["ALLOWED_GLOBALS", "CheckpointReadError", "SOURCES", "describe", "find_iteration",
-           "iter_full_tensors", "load_file", "model_config", "model_parameters", "read_meta"]
+__all__ = ["ALLOWED_GLOBALS", "CheckpointReadError", "SOURCES", "check_optimizer_states",
+           "describe", "find_iteration", "iter_full_tensors", "load_file", "model_config",
+           "model_parameters", "optimizer_step", "read_meta"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
 LAYERS_FILE = "pipeline_layers.json"
-SOURCES = ("master", "weights")
+SOURCES = ("master", "weights", "exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 PathLike = Union[str, Path]
 
@@ -198,7 +201,9 @@ def iter_full_tensors(iter_dir: PathLike, source: str = "master"
         optimizer files), else the weights (fp32 ZeRO-0, where they are the masters);
         'weights' reads the module weights in the training precision (under ZeRO-3, which
         saves no weights, the masters cast to it: what DeepSpeed copies into the parameters).
-        A weights-only checkpoint (megatron/checkpoint/weights.py) has one copy: either gives it.
+        'exp_avg' and 'exp_avg_sq' read Adam's moments (fp32; see `optimizer_step`).
+        A weights-only checkpoint (megatron/checkpoint/weights.py) has one copy of the weights
+        (either source gives it) and the moments where it was converted with them.
 
     Raises:
         CheckpointReadError: a missing, truncated or foreign file, or tensors that do not fit
@@ -210,7 +215,7 @@ def iter_full_tensors(iter_dir: PathLike, source: str = "master"
     folder = Path(iter_dir)
     meta = read_meta(folder)
     if _is_weights_format(meta):
-        yield from _weights_format_tensors(folder)
+        yield from _weights_format_tensors(folder, source if source in MOMENTS else "model")
         return
     config = model_config(meta, folder / META)
     divisible = int(meta["model"].get("make_vocab_size_divisible_by", 128))
@@ -274,11 +279,11 @@ def _check_names(found: Dict[str, Shard], params, folder: Path, tensor_rank: int
                                   f"the model meta.json describes: {'; '.join(parts)}")
 
 
-def _weights_format_tensors(folder: Path) -> Iterator[Tuple[str, torch.Tensor]]:
+def _weights_format_tensors(folder: Path, prefix: str) -> Iterator[Tuple[str, torch.Tensor]]:
     from megatron.checkpoint.weights import WeightsError, WeightsReader, full_tensors
 
     try:
-        yield from full_tensors(WeightsReader(folder))
+        yield from full_tensors(WeightsReader(folder, prefix))
     except WeightsError as e:
         raise CheckpointReadError(str(e)) from None
 
@@ -288,6 +293,8 @@ def _tensor_rank_shards(files: Files, meta: Dict[str, Any], source: str,
     """{our name: its shard on `tensor_rank`} from whichever files hold it."""
     layout, precision = meta["layout"], _precision(meta)
     zero = layout["zero_stage"]
+    if source in MOMENTS:
+        return _moments(files, layout, precision, source, tensor_rank)
     if source == "master" and zero == 0 and precision == "fp16":
         raise CheckpointReadError(
             f"{files.folder}: fp16 with ZeRO-0 keeps its fp32 masters inside DeepSpeed's fp16 "
@@ -311,6 +318,106 @@ def _tensor_rank_shards(files: Files, meta: Dict[str, Any], source: str,
 
 def _owned(state: Dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return state[name].clone()
+
+
+def _moments(files: Files, layout: Dict[str, int], precision: str, key: str,
+             tensor_rank: int) -> Dict[str, Shard]:
+    """{our name: Adam's `key` on `tensor_rank`}: from the ZeRO files' flat partitions (laid out
+    as the masters), or under ZeRO-0 from torch's optimizer state_dict in the model-states file,
+    named by the trainer's OPTIMIZER_PARAMETERS record; a tied parameter from its first stage."""
+    zero, bf16 = layout["zero_stage"], precision == "bf16"
+    if zero == 0 and precision == "fp16":
+        raise CheckpointReadError(f"{files.folder}: fp16 with ZeRO-0 keeps its optimizer inside "
+                                  f"DeepSpeed's fp16 optimizer state, without parameter names")
+    stages = layout["pipeline_model_parallel_size"]
+    tensor_size = layout["tensor_model_parallel_size"]
+    out: Dict[str, Shard] = {}
+    for stage in range(stages):
+        rank = stage * tensor_size + tensor_rank
+        local = zero_masters(files, layout, rank, bf16, key) if zero > 0 \
+            else _zero0_moments(files, model_file(rank, layout), key)
+        if stages > 1:
+            layers, tied = _pipeline_layers(files.folder)
+            local = _single_process(local, layers, tied, files.folder)
+        for name, shard in local.items():
+            out.setdefault(name, shard)
+    return out
+
+
+def _zero0_moments(files: Files, name: str, key: str) -> Dict[str, Shard]:
+    state = files.field(name, "optimizer")
+    order = files.get(name).get(OPTIMIZER_PARAMETERS)
+    where = files.folder / name
+    if not order:
+        raise CheckpointReadError(f"{where}: no {OPTIMIZER_PARAMETERS!r} record, so the "
+                                  f"parameters of its optimizer state are unknown (saved by an "
+                                  f"earlier version of the trainer)")
+    groups, per = state.get("param_groups") or [], state.get("state") or {}
+    if len(groups) != len(order) or any(len(g["params"]) != len(names)
+                                        for g, names in zip(groups, order)):
+        raise CheckpointReadError(f"{where}: the optimizer's groups hold "
+                                  f"{[len(g['params']) for g in groups]} parameters; its "
+                                  f"{OPTIMIZER_PARAMETERS!r} names {[len(n) for n in order]}")
+    out = {}
+    for group, names in zip(groups, order):
+        for index, param in zip(group["params"], names):
+            entry = per.get(index)
+            if not isinstance(entry, dict) or not torch.is_tensor(entry.get(key)):
+                raise CheckpointReadError(f"{where}: no optimizer state {key!r} for {param} (an "
+                                          f"optimizer other than Adam, or saved before its "
+                                          f"first step)")
+            out[param] = partial(_owned, entry, key)
+    return out
+
+
+def check_optimizer_states(iter_dir: PathLike) -> int:
+    """Adam's step count, once the files of every tensor rank are found to hold both moments
+    for every parameter (what `iter_full_tensors` checks before its first tensor).
+
+    Raises:
+        CheckpointReadError: why the checkpoint's optimizer states cannot be read."""
+    folder = Path(iter_dir)
+    meta = read_meta(folder)
+    step = optimizer_step(folder)
+    if _is_weights_format(meta):
+        return step
+    config = model_config(meta, folder / META)
+    params = model_parameters(config, int(meta["model"].get("make_vocab_size_divisible_by", 128)))
+    files = Files(folder)
+    for key in MOMENTS:
+        for t in range(meta["layout"]["tensor_model_parallel_size"]):
+            _check_names(_tensor_rank_shards(files, meta, key, t), params, folder, t)
+    return step
+
+
+def optimizer_step(iter_dir: PathLike) -> int:
+    """Adam's step count in a checkpoint (the same in every group and on every rank).
+
+    Raises:
+        CheckpointReadError: a checkpoint without optimizer states."""
+    folder = Path(iter_dir)
+    meta = read_meta(folder)
+    if _is_weights_format(meta):
+        step = (meta.get("optimizer") or {}).get("step")
+        if not isinstance(step, int):
+            raise CheckpointReadError(f"{folder / META}: a weights checkpoint without optimizer "
+                                      f"states")
+        return step
+    layout, files = meta["layout"], Files(folder)
+    if layout["zero_stage"] > 0:
+        name = files.zero_name(0, 0, _precision(meta) == "bf16")
+        state = files.field(name, "optimizer_state_dict")
+        base = state.get("optimizer_state_dict" if layout["zero_stage"] == 3
+                         else "base_optimizer_state") or {}
+    else:
+        name = model_file(0, layout)
+        base = files.field(name, "optimizer")
+    try:
+        step = next(iter(base["state"].values()))["step"]
+        return int(step.item() if torch.is_tensor(step) else step)
+    except (KeyError, TypeError, StopIteration, AttributeError, ValueError):
+        raise CheckpointReadError(f"{files.folder / name}: no Adam step count in its optimizer "
+                                  f"state") from None
 
 
 def _pipeline_shards(files: Files, layout: Dict[str, int], precision: str, masters: bool,
@@ -372,7 +479,8 @@ def _single_process(local: Dict[str, Shard], layers: List[str], tied: Dict[str, 
 def describe(iter_dir: PathLike) -> Dict[str, Any]:
     """What an iteration folder holds, for `convert_checkpoint.py --inspect`: iteration,
     consumed samples, layout, precision and dtypes, the model and its parameter count (full,
-    unpadded), where the masters are, whether optimizer states are present, the files and
+    unpadded), where the masters are, whether optimizer states are present (and whether the
+    conversion tool can carry them to another layout: Adam's step), the files and
     their sizes, and `problems` (missing or unreadable files, an unknown model) rather than an
     exception where a file is damaged.
 
@@ -389,8 +497,11 @@ def describe(iter_dir: PathLike) -> Dict[str, Any]:
         "layout": meta.get("layout"), "files": listing,
         "total_bytes": sum(f["bytes"] for f in listing), "problems": []}
     if _is_weights_format(meta):
+        optimizer = meta.get("optimizer")
         out.update(format="weights", model=meta.get("model"), parameters=meta.get("parameters"),
-                   optimizer_states=False, masters="none (full weights only)")
+                   optimizer_states=optimizer is not None,
+                   optimizer_step=(optimizer or {}).get("step"),
+                   masters="the weights (fp32, full)" if optimizer else "none (weights only)")
         return out
     layout, precision = meta["layout"], _precision(meta)
     out.update(format="deepspeed", precision=precision, model=None, parameters=None)
@@ -415,6 +526,13 @@ def describe(iter_dir: PathLike) -> Dict[str, Any]:
         out["optimizer_states"] = zero > 0 or first.get("optimizer") is not None
     except CheckpointReadError as e:
         out["problems"].append(str(e))
+    out["optimizer_step"] = out["optimizer_states_convertible"] = None
+    if out.get("optimizer_states"):
+        try:
+            out["optimizer_step"] = check_optimizer_states(folder)
+            out["optimizer_states_convertible"] = True
+        except CheckpointReadError as e:  # not damage: the tool then writes weights only
+            out["optimizer_states_convertible"] = f"no: {e}"
     out["masters"] = (
         f"ZeRO-{zero} optimizer files (fp32, partitioned over "
         f"{layout['data_parallel_size']} data-parallel ranks)" if zero > 0 else

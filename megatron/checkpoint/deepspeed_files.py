@@ -36,6 +36,11 @@ ALLOWED_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
 scaler (static; dynamic under fp16), the ZeRO stage, the fragment addresses of
 param_slice_mappings."""
 
+OPTIMIZER_PARAMETERS = "optimizer_parameters"
+"""What the trainer saves beside a plain torch optimizer's state (ZeRO-0, in the model-states
+file): its parameters' names, group by group, in its order; torch's state_dict numbers them
+only (training/step.py writes it, deepspeed.py reads it)."""
+
 Shard = Callable[[], torch.Tensor]
 """Reads one tensor rank's part of a parameter (a new tensor) when called."""
 
@@ -147,10 +152,11 @@ class Flat:
         return out
 
 
-def zero_masters(files: Files, layout: Dict[str, int], model_rank: int,
-                 bf16: bool) -> Dict[str, Shard]:
+def zero_masters(files: Files, layout: Dict[str, int], model_rank: int, bf16: bool,
+                 key: str = "fp32") -> Dict[str, Shard]:
     """{DeepSpeed's parameter name: its fp32 master on this model rank} from the ZeRO files of
-    every data-parallel rank."""
+    every data-parallel rank; with `key` 'exp_avg' or 'exp_avg_sq', that Adam moment instead
+    (the optimizer keeps its states in flat partitions laid out as the masters')."""
     shapes = files.field(model_file(model_rank, layout), "param_shapes")
     names = [files.zero_name(d, model_rank, bf16) for d in range(layout["data_parallel_size"])]
     states = [files.field(n, "optimizer_state_dict") for n in names]
@@ -161,9 +167,30 @@ def zero_masters(files: Files, layout: Dict[str, int], model_rank: int,
         raise CheckpointReadError(f"{files.folder / names[0]}: partitioned over {count} ranks; "
                                   f"meta.json's layout has {len(names)}")
     where = f"{files.folder / names[0]} (and its {len(names) - 1} data-parallel siblings)"
+    if key != "fp32":
+        states = [_with_moment(s, key, f"{files.folder / n}") for s, n in zip(states, names)]
     if layout["zero_stage"] == 3:
         return _zero3(shapes, states, where)
     return _zero12(shapes, states, where)
+
+
+def _with_moment(state: Dict[str, Any], key: str, where: str) -> Dict[str, Any]:
+    """`state` with its flat masters replaced by the optimizer's `key` partitions, group by
+    group (ZeRO-1/2 and the BF16 optimizer keep the base optimizer's state under
+    'base_optimizer_state', ZeRO-3 under 'optimizer_state_dict'; one entry per flat group)."""
+    masters = "fp32_flat_groups" if "fp32_flat_groups" in state \
+        else "single_partition_of_fp32_groups"
+    base = state.get("optimizer_state_dict" if masters == "fp32_flat_groups"
+                     else "base_optimizer_state")
+    groups = base.get("state") if isinstance(base, dict) else None
+    count = len(state.get(masters) or ())
+    if not isinstance(groups, dict) or sorted(groups) != list(range(count)) \
+            or not all(isinstance(g, dict) and torch.is_tensor(g.get(key))
+                       for g in groups.values()):
+        raise CheckpointReadError(f"{where}: no optimizer state {key!r} for each of its {count} "
+                                  f"flat groups (an optimizer other than Adam, or a checkpoint "
+                                  f"saved before its first step)")
+    return {**state, masters: [groups[g][key] for g in range(count)]}
 
 
 def _zero12(shapes: List[Dict[str, Any]], states: List[Dict[str, Any]],

@@ -1,16 +1,25 @@
-"""Weights-only checkpoints: what the conversion tool writes for the trainer to start from.
+"""Checkpoints of full tensors: what the conversion tool writes for the trainer to start from.
 
     OUT/latest_checkpointed_iteration.txt
     OUT/iter_NNNNNNN/meta.json                    "format": "weights", the model, the source
     OUT/iter_NNNNNNN/model.safetensors            full, unpadded tensors under our names
         (or model-0000K-of-0000N.safetensors with model.safetensors.index.json)
+    OUT/iter_NNNNNNN/exp_avg.safetensors, exp_avg_sq.safetensors
+                                                  with optimizer states: Adam's moments, fp32,
+                                                  named and sharded as the weights
 
 The tensors are whole, so the checkpoint fits any layout: every rank reads only its tensor-
 parallel slice of the tensors its pipeline stage holds (safetensors reads slices from the mapped
-file), and ZeRO-3 ranks load through DeepSpeed's gathered parameters. The trainer takes it with
-`--load OUT --finetune` (weights only: a fresh optimizer, LR schedule and data position). The
-target sizes given to the tool are recorded in meta.json and checked nowhere: any TP x PP x DP
-and ZeRO stage can load it.
+file), and ZeRO-3 ranks load through DeepSpeed's gathered parameters. The target sizes given to
+the tool are recorded in meta.json and checked nowhere: any TP x PP x DP and ZeRO stage can load
+it.
+
+Without optimizer states the trainer takes it with `--load OUT --finetune` (weights only: a
+fresh optimizer, LR schedule and data position). With them (converted from one of our
+checkpoints), model.safetensors holds the fp32 masters, meta.json carries Adam's step count and
+what a resume needs (iteration, consumed samples, the LR schedule), and `--load OUT` resumes the
+run in the new layout (megatron/training/optimizer_state.py puts the states into DeepSpeed's
+optimizer).
 
 Written to OUT.tmp and renamed; the tracker is written last.
 """
@@ -27,8 +36,7 @@ import torch
 from megatron.checkpoint.hf import ShardWriter, parse_size, staged_folder
 
 FORMAT = "weights"
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+MOMENTS = ("exp_avg", "exp_avg_sq")
 TRACKER = "latest_checkpointed_iteration.txt"
 VOCAB_PARAMETERS = ("shared.weight", "lm_head.weight")
 
@@ -42,8 +50,14 @@ def write_weights_checkpoint(out: Path, tensors: Iterable[Tuple[str, torch.Tenso
                              source: Optional[Dict[str, Any]] = None,
                              target_layout: Optional[Dict[str, int]] = None,
                              max_shard_size="5GB", force: bool = False,
-                             progress: Optional[Callable[[str], None]] = None) -> Path:
-    """Write OUT (see the module docstring) from full tensors given one at a time."""
+                             progress: Optional[Callable[[str], None]] = None,
+                             optimizer: Optional[Dict[str, Any]] = None) -> Path:
+    """Write OUT (see the module docstring) from full tensors given one at a time.
+
+    optimizer: with optimizer states, {'step': Adam's step count, 'exp_avg' and 'exp_avg_sq':
+        iterables of (name, full fp32 tensor) for the same names as `tensors`, 'resume': the
+        source's iteration, consumed_samples and lr_schedule} (`tensors` are then the masters).
+    """
     out = Path(out)
     if out.exists() and not force:
         raise WeightsError(f"{out} exists; pass --force to replace it")
@@ -51,23 +65,42 @@ def write_weights_checkpoint(out: Path, tensors: Iterable[Tuple[str, torch.Tenso
     with staged_folder(out) as tmp:
         folder = tmp / tag
         folder.mkdir()
-        writer = ShardWriter(folder, parse_size(max_shard_size))
-        count = 0
-        for name, tensor in tensors:
-            writer.add(name, tensor)
-            count += tensor.numel()
-            if progress:
-                progress(name)
-        writer.close()
-        files = sorted(p.name for p in folder.iterdir())
+        names, count = _write_tensors(folder, "model", tensors, max_shard_size, progress)
         meta = {"format": FORMAT, "iteration": iteration, "consumed_samples": 0,
-                "model": model_meta, "parameters": count, "files": files,
+                "model": model_meta, "parameters": count,
                 "layout": target_layout or {}, "source": source or {},
                 "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        if optimizer is not None:
+            for key in MOMENTS:
+                got, _ = _write_tensors(folder, key, optimizer[key], max_shard_size, progress)
+                if got != names:
+                    missing = sorted(set(names) - set(got)) or sorted(set(got) - set(names))
+                    raise WeightsError(f"{key}: the optimizer state does not name the weights' "
+                                       f"tensors ({', '.join(missing[:4])} ...)")
+            resume = optimizer.get("resume") or {}
+            meta.update(consumed_samples=resume.get("consumed_samples", 0),
+                        lr_schedule=resume.get("lr_schedule"),
+                        optimizer={"step": int(optimizer["step"]), "states": list(MOMENTS)})
+        meta["files"] = sorted(p.name for p in folder.iterdir())
         (folder / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
         (tmp / TRACKER).write_text(f"{iteration}\n")
         (tmp / "latest").write_text(tag)
     return out
+
+
+def _write_tensors(folder: Path, prefix: str, tensors: Iterable[Tuple[str, torch.Tensor]],
+                   max_shard_size, progress) -> Tuple[List[str], int]:
+    """PREFIX.safetensors (or its shards and index) in `folder`; (names in order, elements)."""
+    writer = ShardWriter(folder, parse_size(max_shard_size), prefix=prefix)
+    names, count = [], 0
+    for name, tensor in tensors:
+        writer.add(name, tensor)
+        names.append(name)
+        count += tensor.numel()
+        if progress:
+            progress(name)
+    writer.close()
+    return names, count
 
 
 def is_weights_checkpoint(meta: Dict[str, Any]) -> bool:
@@ -75,26 +108,28 @@ def is_weights_checkpoint(meta: Dict[str, Any]) -> bool:
 
 
 class WeightsReader:
-    """Reads tensors, or slices of them, from a weights checkpoint's iteration folder."""
+    """Reads tensors, or slices of them, from a weights checkpoint's iteration folder: the
+    weights ('model'), or with `prefix` an optimizer state ('exp_avg', 'exp_avg_sq')."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, prefix: str = "model") -> None:
         self.folder = Path(folder)
-        index = self.folder / INDEX
+        self.single = f"{prefix}.safetensors"
+        index = self.folder / f"{prefix}.safetensors.index.json"
         if index.is_file():
             try:
                 self.weight_map = json.loads(index.read_text())["weight_map"]
             except (OSError, ValueError, KeyError) as e:
                 raise WeightsError(f"{index}: unreadable ({e})") from None
-        elif (self.folder / SINGLE).is_file():
+        elif (self.folder / self.single).is_file():
             self.weight_map = None
         else:
-            raise WeightsError(f"{self.folder}: no {SINGLE} or {INDEX}")
+            raise WeightsError(f"{self.folder}: no {self.single} or {index.name}")
         self._open: Dict[str, Any] = {}
 
     def names(self) -> List[str]:
         if self.weight_map is not None:
             return sorted(self.weight_map)
-        return sorted(self._file(SINGLE).keys())
+        return sorted(self._file(self.single).keys())
 
     def _file(self, name: str):
         from safetensors import safe_open
@@ -110,7 +145,7 @@ class WeightsReader:
     def slice(self, name: str, dim: Optional[int] = None, start: int = 0,
               stop: Optional[int] = None) -> torch.Tensor:
         """Tensor `name`, or its [start, stop) range along `dim`."""
-        file = SINGLE if self.weight_map is None else self.weight_map.get(name)
+        file = self.single if self.weight_map is None else self.weight_map.get(name)
         if file is None or name not in self._file(file).keys():
             raise WeightsError(f"{self.folder}: no tensor {name!r}")
         try:
@@ -179,7 +214,7 @@ def _local_tensor(param, full: str, reader: WeightsReader, vocab_size: int, rank
     layers shard with stride 1); vocabulary rows beyond vocab_size are padding, zero."""
     sharded = getattr(param, "tensor_model_parallel", False) and size > 1
     dim = param.partition_dim if sharded else 0
-    length = param.shape[dim]
+    length = _shape(param)[dim]
     start = rank * length if sharded else 0
     if full in VOCAB_PARAMETERS and dim == 0:
         tensor = reader.slice(full, 0, min(start, vocab_size), min(start + length, vocab_size))
@@ -188,6 +223,11 @@ def _local_tensor(param, full: str, reader: WeightsReader, vocab_size: int, rank
                                                          *tensor.shape[1:])])
         return tensor
     return reader.slice(full, dim, start, start + length) if sharded else reader.slice(full)
+
+
+def _shape(param) -> Tuple[int, ...]:
+    """A parameter's shape on this rank; under ZeRO-3 (partitioned, empty) DeepSpeed's record."""
+    return tuple(getattr(param, "ds_shape", None) or param.shape)
 
 
 def full_tensors(reader: WeightsReader) -> Iterator[Tuple[str, torch.Tensor]]:

@@ -146,7 +146,7 @@ def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool) -> L
             return []
         meta = read_meta(root, iteration)
         if meta.get("format") == "weights":
-            return weights_checkpoint_problems(load, weights_only)
+            return weights_checkpoint_problems(load, weights_only, "optimizer" in meta)
         return layout_problems(meta["layout"], now, load, weights_only)
     except CheckpointError as e:
         return [f"--load {load}: {e}"]
@@ -232,10 +232,11 @@ def read_meta(load_dir: Path, iteration: int) -> Dict[str, Any]:
                               f"incomplete") from None
 
 
-def weights_checkpoint_problems(load: str, weights_only: bool) -> List[str]:
-    """A weights-only checkpoint (data_tools/convert_checkpoint.py) loads into any layout, as
-    weights only."""
-    if weights_only:
+def weights_checkpoint_problems(load: str, weights_only: bool,
+                                with_optimizer: bool = False) -> List[str]:
+    """A checkpoint of full tensors (data_tools/convert_checkpoint.py) loads into any layout:
+    as weights only, or as a resume where it carries optimizer states."""
+    if weights_only or with_optimizer:
         return []
     return [f"--load {load} holds weights only (written by data_tools/convert_checkpoint.py): "
             f"start from it with --finetune (or --no-load-optim --no-load-rng)"]
@@ -266,8 +267,9 @@ def layout_problems(saved: Dict[str, int], now: Dict[str, int], load: str,
                f"--target-tensor-parallel-size {now['tensor_model_parallel_size']} "
                f"--target-pipeline-parallel-size {now['pipeline_model_parallel_size']}")
     return [f"--load {load}: the checkpoint was saved with another layout "
-            f"({'; '.join(changed)}){hint}; to start this layout from its weights, convert "
-            f"it: `{command}`, then --load OUT --finetune (the optimizer starts fresh)"]
+            f"({'; '.join(changed)}){hint}; to go on in this layout, convert it: `{command}`, "
+            f"then --load OUT (it carries the optimizer states: the run resumes where it "
+            f"stopped)"]
 
 
 def load_checkpoint(step, config: CheckpointConfig, layout_now: Dict[str, int],
@@ -284,10 +286,14 @@ def load_checkpoint(step, config: CheckpointConfig, layout_now: Dict[str, int],
         return None
     meta = read_meta(root, iteration)
     if meta.get("format") == "weights":  # converted: full tensors, any layout
-        problems = weights_checkpoint_problems(config.load, config.weights_only)
+        optimizer = meta.get("optimizer")
+        problems = weights_checkpoint_problems(config.load, config.weights_only,
+                                               optimizer is not None)
         if problems:
             raise CheckpointError(problems[0])
-        step.load_weights(root / tag_for(iteration))
+        with_states = optimizer is not None and not config.weights_only
+        step.load_weights(root / tag_for(iteration),
+                          optimizer_step=int(optimizer["step"]) if with_states else None)
         return meta
     problems = layout_problems(meta["layout"], layout_now, config.load, config.weights_only)
     if problems:  # validate() finds these first; a checkpoint may have appeared since

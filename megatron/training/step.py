@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import abc
 from pathlib import Path
-from typing import Dict, Iterator, NamedTuple, Optional
+from typing import Dict, Iterator, List, NamedTuple, Optional
 
 import torch
 
 from megatron import parallel_state
+from megatron.checkpoint.deepspeed_files import OPTIMIZER_PARAMETERS
 
 BATCH_KEYS = ("encoder_input_ids", "decoder_input_ids", "encoder_attention_mask",
               "decoder_attention_mask", "labels")
@@ -80,9 +81,10 @@ class TrainStep(abc.ABC):
         """Read root/tag (weights only: no optimizer states); False when the engine found
         nothing to load (collective)."""
 
-    def load_weights(self, folder: Path) -> None:
-        """Read the full weights of a weights-only checkpoint folder (megatron/checkpoint/
-        weights.py) into this rank's part of the model (collective under ZeRO-3)."""
+    def load_weights(self, folder: Path, optimizer_step: Optional[int] = None) -> None:
+        """Read the full weights of a weights checkpoint folder (megatron/checkpoint/weights.py)
+        into this rank's part of the model (collective under ZeRO-3); with `optimizer_step`,
+        its optimizer states too, Adam's step set to it."""
         raise NotImplementedError(f"{type(self).__name__} cannot load a weights checkpoint")
 
 
@@ -111,8 +113,23 @@ class EngineStep(TrainStep):
         self.engine.train(mode)
 
     def save(self, root: Path, tag: str, iteration: int) -> None:
-        self.engine.save_checkpoint(str(root), tag=tag, client_state={"iteration": iteration},
+        client_state = {"iteration": iteration}
+        order = self._optimizer_parameters()
+        if order is not None:
+            client_state[OPTIMIZER_PARAMETERS] = order
+        self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state,
                                     save_latest=False)
+
+    def _optimizer_parameters(self) -> Optional[List[List[str]]]:
+        """The names of a plain torch optimizer's parameters, group by group (its state_dict
+        numbers them only); None where DeepSpeed's ZeRO optimizers record them themselves."""
+        optimizer = self.engine.optimizer
+        if self.engine.zero_optimization_stage() != 0 \
+                or not isinstance(optimizer, torch.optim.Optimizer):
+            return None
+        names = {id(p): n for n, p in self.engine.module.named_parameters()}
+        groups = [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
+        return None if any(n is None for g in groups for n in g) else groups
 
     def load(self, root: Path, tag: str, weights_only: bool) -> bool:
         path, _ = self.engine.load_checkpoint(str(root), tag=tag,
@@ -121,7 +138,7 @@ class EngineStep(TrainStep):
                                               load_module_only=weights_only)
         return path is not None
 
-    def load_weights(self, folder: Path) -> None:
+    def load_weights(self, folder: Path, optimizer_step: Optional[int] = None) -> None:
         from megatron.checkpoint.weights import WeightsError, WeightsReader, load_into
 
         module = self.engine.module
@@ -134,6 +151,13 @@ class EngineStep(TrainStep):
         refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
         if refresh is not None:  # the fp32 masters of ZeRO and the 16-bit optimizers
             refresh()
+        if optimizer_step is not None:
+            from megatron.training.optimizer_state import load_optimizer_state
+
+            load_optimizer_state(self.engine, self._weight_names(), folder, optimizer_step,
+                                 module_vocab_size(module),
+                                 parallel_state.get_tensor_model_parallel_rank(),
+                                 parallel_state.get_tensor_model_parallel_world_size())
 
     def _weight_names(self) -> Dict[str, str]:
         """{this rank's parameter name: our full name}."""

@@ -20,6 +20,8 @@ from data_tools import convert_checkpoint
     (["--from", "hf", "DIR", "--to", "megatron", "OUT", "--iteration", "3"],
      "--iteration needs --load"),
     (["--inspect", "CKPT", "--to", "hf", "OUT"], "--to has no effect"),
+    (["--load", "CKPT", "--to", "fp32", "OUT", "--weights-only"],
+     "--weights-only has effect only with --to megatron"),
 ])
 def test_bad_command_lines(argv, expect, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
