@@ -18,7 +18,8 @@ Tools, each a separate process on the same iteration folder, its output removed 
                        (its default output, one pytorch_model.bin), and with
                        --safe_serialization (model.safetensors, the format ours writes)
     both again with 256 MB output shards (ours --max-shard-size 256MB, DeepSpeed
-    --max_shard_size 256MB): both hold one output shard in memory at a time, 5 GB by default
+    --max_shard_size 256MB): DeepSpeed holds one output shard in memory at a time, 5 GB by
+    default; ours writes each tensor to its shard file as it comes (megatron/checkpoint/shards.py)
 
 and `python -c "import deepspeed"`, what every tool's process costs before it reads anything
 (both tools import deepspeed). Each runs --rounds times (every tool on every size, then again);
@@ -484,21 +485,24 @@ size for ours. Neither tool holds the checkpoint: both read only the fp32 master
 third of an Adam checkpoint; the moments are never touched), and those pages stay mapped until
 the process ends: RssFile less the import's {_g(base_file)} GiB of libraries is
 {spread([(r.top('file') - base_file) / m for r, m in zip(fp32, masters)])}x the masters' size.
-What grows in RssAnon is the output: with the default 5GB shard size each tool assembles the
-whole state dict before writing its only file (ours: ShardWriter keeps every tensor of a shard
-until the shard is full), so RssAnon is the import's plus the output plus
-{spread([_g(r.top('anon') - base.top('anon') - r.output_bytes) for r in fp32], '{}')} GiB for
-ours and {spread([_g(r.top('anon') - base.top('anon') - r.output_bytes) for r in peer], '{}')}
-GiB for DeepSpeed (ours' peak varies from run to run: its RssAnon over the runs spans
+What grows in DeepSpeed's RssAnon is the output: with the default 5GB shard size it assembles
+the whole state dict before writing its only file, so its RssAnon is the import's plus the output
+plus {spread([_g(r.top('anon') - base.top('anon') - r.output_bytes) for r in peer], '{}')} GiB.
+Ours never holds the output: ShardWriter writes each tensor's bytes to its file as the tensor
+comes and lets it go, so its RssAnon is the import's plus
+{spread([_g(r.top('anon') - base.top('anon')) for r in fp32], '{}')} GiB (the full tensors being
+assembled) for outputs of {spread([_g(r.output_bytes) for r in fp32], '{}')} GiB (the peaks
+vary from run to run: ours' RssAnon over the runs spans
 {spread([_g(r.top('anon') - min(x['anon'] for x in r.runs)) for r in fp32], '{}')} GiB,
 DeepSpeed's {spread([_g(r.top('anon') - min(x['anon'] for x in r.runs)) for r in peer], '{}')}
-GiB). With {SHARD} shards RssAnon is
-{spread([_g(r.top('anon')) for r in sharded], '{}')} GiB for ours and
-{spread([_g(r.top('anon')) for r in ds_sharded], '{}')} GiB for DeepSpeed: the import's, at
-most one shard and the tensors being assembled, whatever the checkpoint size. The memory of
-ours --to fp32 is therefore bounded by --max-shard-size (and the mapped masters, which the page cache can reclaim), not by a layer;
-with the defaults its peak RSS is DeepSpeed's and up to
-{100 * (max(a.top('hwm') / b.top('hwm') for a, b in zip(fp32, peer)) - 1):.0f}% more.
+GiB). With {SHARD} shards RssAnon is {spread([_g(r.top('anon')) for r in ds_sharded], '{}')} GiB
+for DeepSpeed: the import's, at most one shard and the tensors being assembled, whatever the
+checkpoint size; for ours it is {spread([_g(r.top('anon')) for r in sharded], '{}')} GiB, as
+with 5GB shards ({spread([_g(r.top('anon')) for r in fp32], '{}')} GiB): the shard size does
+not matter to it. The memory of ours --to fp32 is therefore bounded by the tensors being
+assembled (and the mapped masters, which the page cache can reclaim), neither by the output nor
+by --max-shard-size; with the defaults its peak RSS is
+{spread([a.top('hwm') / b.top('hwm') for a, b in zip(fp32, peer)])}x DeepSpeed's.
 """)
 
 
