@@ -42,6 +42,9 @@ How a sample is made
    `encoder_length - 1`, which "adds one extra token"); so consecutive windows share one token and
    every window is exactly `encoder_length` tokens long: the encoder input is never padded.
    Windows are then served in an order shuffled by the same RandomState (after the documents).
+   A split whose documents hold fewer tokens than one window is not refused: as in CPM-2, the
+   epochs added until there are `num_samples` windows make windows that run from one epoch into
+   the next (the same document can then appear twice in one window).
 2. Sentinels. Scanning a window left to right, the c-th placeholder met (c from 0, counting across
    the documents of the window) is replaced by sentinel c (`<s_c>` in CPM-2, our
    `sentinel_ids[c]`). Its span is fetched through the offsets of the document it came from,
@@ -61,9 +64,16 @@ How a sample is made
    as `encoder_eod_mask`.
 
 CPM-2 splits by document (sequence) ranges; here the caller gives the range (see
-`builder.parse_split`, which rounds as Megatron does). Sample i is a pure function of (seed, i, the
-files). Differences from CPM-2: it asserts or crashes on bad data, here a ValueError names the
-file; `len()` is `num_samples` rather than every window of every epoch. CPM-2 stores everything as
+`builder.parse_split`, which rounds as CPM-2 and Megatron do). Sample i is a pure function of
+(seed, i, the files). tests/unit/test_cpm2_reference.py checks all of this against CPM-2's own
+reader on data made by CPM-2's own tool: the same samples for every window, field by field.
+Differences from CPM-2: it asserts or crashes on bad data, here a ValueError names the file;
+`len()` is `num_samples` rather than every window of every epoch (the windows past it remain
+reachable as `window(shuffle_idx[i])`); labels are -100 where CPM-2's loss mask is 0 (CPM-2 keeps
+the token there, or `<pad>`); `doc_idx` numbers the split's documents from 0 where CPM-2 keeps
+their absolute numbers; CPM-2's decoder mask lets padding rows attend to padding keys (ours
+masks those keys), rows that carry no loss either way. The optional position and attention resets of CPM-2's
+`--reset-position-ids/--reset-attention-mask` are not made here. CPM-2 stores everything as
 uint16, so a document with more than 65535 target tokens, or with so many spans that
 `placeholder_base + k` passes 65535, was already corrupt when written; offsets that wrapped fail
 here with a ValueError when read, placeholders that wrapped only in `validate()`.
@@ -203,10 +213,11 @@ class CPM2Dataset:
         self._sizes = np.asarray(self.context.sequence_lengths[start:end], dtype=np.int64)
         tokens_per_epoch = int(self._sizes.sum())
         window = self.encoder_length - 1
-        if tokens_per_epoch < 1 or (tokens_per_epoch - 1) // window < 1:
-            raise ValueError(
-                f"{name} split of {self.prefix}: {end - start} documents hold {tokens_per_epoch} "
-                f"context tokens, fewer than one window of {self.encoder_length}")
+        # A split shorter than one window is not refused: as in CPM-2, epochs are added until
+        # there are enough windows (CPM-2's --split 949,50,1 often leaves valid that short).
+        if tokens_per_epoch < 1:
+            raise ValueError(f"{name} split of {self.prefix}: documents [{start}, {end}) hold "
+                             "no context tokens")
         if num_samples < 0:
             raise ValueError(f"num_samples {num_samples} must not be negative")
         self.num_samples = int(num_samples)

@@ -278,10 +278,26 @@ def test_split_range_uses_only_its_documents(tmp_path):
     write_docs(prefix, [DOC_A, DOC_B])
     ds = make(prefix, tmp_path, 1, 4, 6, docs=(1, 2))  # document B only
     np.testing.assert_array_equal(ds.window(0)["encoder_input_ids"], [20, 200, 22, 201])
-    with pytest.raises(ValueError, match="fewer than one window"):
-        make(prefix, tmp_path, 1, 6, 6, docs=(1, 2))
+    with pytest.raises(ValueError, match=r"documents \[1, 1\) hold no context tokens"):
+        make(prefix, tmp_path, 1, 4, 6, docs=(1, 1))
     with pytest.raises(ValueError, match="outside the 2 documents"):
         make(prefix, tmp_path, 1, 4, 6, docs=(1, 3))
+
+
+def test_split_shorter_than_a_window_repeats_its_documents(tmp_path):
+    """CPM-2 adds epochs until there are enough windows, even when one epoch holds less than a
+    window (its --split 949,50,1 often leaves the valid split that short)."""
+    prefix = str(tmp_path / "ab")
+    write_docs(prefix, [DOC_A, DOC_B])
+    ds = make(prefix, tmp_path, 3, 6, 6, docs=(1, 2))  # document B: 4 context tokens
+    assert ds.num_epochs == 4 and ds.num_windows == 3  # (4 * 4 - 1) // 5 windows
+    # stream B B B B = 20 100 22 101 | 20 100 22 101 | ...; window 0 holds B and half of B
+    w0 = ds.window(0)
+    np.testing.assert_array_equal(w0["encoder_input_ids"], [20, 200, 22, 201, 20, 202])
+    np.testing.assert_array_equal(w0["decoder_input_ids"], [1, 200, 21, 201, EOD, 202])
+    np.testing.assert_array_equal(w0["labels"], [200, 21, 201, EOD, -100, 21])
+    # window 1 = 100 22 101 20 100 22: its sentinels count from 0 again
+    np.testing.assert_array_equal(ds.window(1)["encoder_input_ids"], [200, 22, 201, 20, 202, 22])
 
 
 # -- errors ------------------------------------------------------------------------------------
