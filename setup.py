@@ -43,6 +43,10 @@ setup(
     extras_require={
         # data_tools/convert_checkpoint.py --to hf: the tokenizer.json with byte fallback
         "convert": ["tokenizers", "protobuf"],
+        # CPM-2's vocab.txt tokenizer (megatron/data/cpm2_tokenizer.py) cuts words with jieba.
+        # Pinned: the ids depend on jieba's dictionary; 0.42.1 (its last release) gives the
+        # reference ids of tests/data/cpm2/reference_ids.json
+        "cpm2": ["jieba==0.42.1"],
         "test": [
             "pytest>=7",
             "megatron-core>=0.9",
@@ -50,6 +54,7 @@ setup(
             "tokenizers",
             "protobuf",
             "psutil",
+            "jieba==0.42.1",
         ],
     },
     entry_points={
