@@ -61,8 +61,8 @@ class T5Config:
     feed_forward_proj: str = "relu"
     """'relu' (T5 v1.0), 'gated-gelu' (T5 v1.1, CPM-2: tanh GELU), or [gated-]{relu,gelu,silu}."""
     tie_word_embeddings: bool = True
-    """True: the LM head is the input embedding (T5 v1.0, CPM-2). False: a separate lm_head
-    (T5 v1.1, mT5). Hugging Face 5.x writes true for every T5; for its checkpoints the tensors
+    """True: the LM head is the input embedding (T5 v1.0). False: a separate lm_head (T5 v1.1,
+    mT5, CPM-2). Hugging Face 5.x writes true for every T5; for its checkpoints the tensors
     decide, as in its from_pretrained (`state_dict.from_hf_checkpoint`)."""
     scale_decoder_outputs: Optional[bool] = None
     """Multiply the decoder output by d_model ** -0.5 before the LM head. None: as
