@@ -26,9 +26,10 @@ from megatron.data.data_args import (
     check_data_args,
     data_config_from_args,
     sample_counts_from_args,
+    tokenizer_spec_from_args,
 )
 from megatron.data.t5_dataset import T5SpecialTokens
-from megatron.data.tokenizer import T5Tokenizer
+from megatron.data.tokenizer import build_tokenizer
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -38,15 +39,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"note: ignoring flags that do not concern the data: {' '.join(unknown)}",
               file=sys.stderr)
     problems = check_data_args(args)
+    try:
+        spec = tokenizer_spec_from_args(args)
+    except ValueError as e:
+        problems.append(str(e))
     if problems:
         parser.error("; ".join(problems))
     start = time.time()
     try:
-        tokenizer = T5Tokenizer(args.tokenizer_model, extra_ids=args.vocab_extra_ids)
+        tokenizer = build_tokenizer(spec, extra_ids=args.vocab_extra_ids)
         tokens = T5SpecialTokens.from_tokenizer(tokenizer, whole_word=args.whole_word_masking)
         counts = sample_counts_from_args(args)
         datasets = build_datasets(data_config_from_args(args), tokens, counts)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     for name, dataset in datasets.items():

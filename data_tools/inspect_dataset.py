@@ -44,7 +44,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("prefix", help="dataset path without .bin/.idx")
     p.add_argument("--data-impl", default="infer", choices=IMPLS)
-    p.add_argument("--tokenizer-model", default=None, help="SentencePiece model to decode with")
+    p.add_argument("--tokenizer-model", "--tokenizer-path", dest="tokenizer_model", default=None,
+                   help="to decode with: SentencePiece model, CPM-2 vocab.txt, or a folder "
+                        "holding one")
     p.add_argument("--document", type=int, action="append", default=[],
                    help="print this document decoded (repeatable; needs --tokenizer-model)")
     p.add_argument("--bins", type=int, default=12, help="histogram bins")
@@ -68,9 +70,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("sequence length histogram:")
     print("\n".join(histogram_lines(lengths, args.bins)))
     if args.document:
-        from megatron.data.tokenizer import T5Tokenizer
+        from megatron.data.tokenizer import build_tokenizer, resolve_tokenizer
 
-        tokenizer = T5Tokenizer(args.tokenizer_model)
+        try:
+            tokenizer = build_tokenizer(resolve_tokenizer(args.tokenizer_model))
+        except (ValueError, ImportError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         for doc in args.document:
             try:
                 sequences = ds.document(doc)

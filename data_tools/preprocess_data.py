@@ -5,7 +5,8 @@
         --append-eod --workers 8
 
 writes `data/mix_text_document.{bin,idx}` (`_sentence` with `--split-sentences`), one pair per
-`--json-keys` key. What it does beyond Megatron's tool:
+`--json-keys` key. CPM-2's tokenizer instead: `--tokenizer-path bpe_cn` (a folder holding CPM-2's
+vocab.txt), or `--tokenizer-type CPM2Tokenizer --vocab-file bpe_cn/vocab.txt` (needs jieba). What it does beyond Megatron's tool:
 - one streaming pass: the main process reads chunks of whole lines, worker processes parse,
   split sentences (offline Punkt, see megatron/data/sentence_splitter.py) and tokenize, the main
   process writes in input order; memory is bounded by the chunks in flight, not the input size;
@@ -41,8 +42,7 @@ from megatron.data.indexed_dataset import (
     optimal_dtype,
 )
 from megatron.data.jsonl import BadLine, Chunk, expand_inputs, parse_line, read_chunks
-
-TOKENIZER_TYPES = ("SentencePieceTokenizer",)
+from megatron.data.tokenizer import TOKENIZER_TYPES, build_tokenizer, resolve_tokenizer
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -68,12 +68,20 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "--punkt-params for others)")
 
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", default="SentencePieceTokenizer", choices=TOKENIZER_TYPES)
-    g.add_argument("--tokenizer-model", required=True, help="SentencePiece model file")
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
+                   help="default: from the file (a CPM-2 vocab.txt: CPM2Tokenizer, else "
+                        "SentencePieceTokenizer)")
+    g.add_argument("--tokenizer-model", "--tokenizer-path", dest="tokenizer_model",
+                   help="SentencePiece model file, CPM-2 vocab.txt, or a folder holding one "
+                        "(CPM-2's bpe_cn)")
+    g.add_argument("--vocab-file", default=None,
+                   help="CPM-2 vocab.txt (with --tokenizer-type CPM2Tokenizer, as Megatron "
+                        "spells it)")
     g.add_argument("--vocab-extra-ids", type=int, default=100,
-                   help="T5 sentinels <extra_id_i> appended after the SentencePiece pieces")
+                   help="T5 sentinels <extra_id_i> appended after the SentencePiece pieces (a "
+                        "CPM-2 vocabulary has its own <s_i>)")
     g.add_argument("--append-eod", action="store_true",
-                   help="append the end-of-document id (EOS) to each document")
+                   help="append the end-of-document id (T5: EOS; CPM-2: <eod>) to each document")
 
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True,
@@ -114,8 +122,11 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "data_tools/train_punkt.py and pass --punkt-params")
     if len(set(args.json_keys)) != len(args.json_keys):
         problems.append("--json-keys has a key twice")
-    if not os.path.isfile(args.tokenizer_model):
-        problems.append(f"--tokenizer-model {args.tokenizer_model}: no such file")
+    try:
+        args.tokenizer = resolve_tokenizer(args.tokenizer_model, args.tokenizer_type,
+                                           args.vocab_file)
+    except ValueError as e:
+        problems.append(str(e))
     if args.punkt_params and not os.path.isfile(args.punkt_params):
         problems.append(f"--punkt-params {args.punkt_params}: no such file")
     if problems:
@@ -137,9 +148,7 @@ def _init_worker(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    from megatron.data.tokenizer import T5Tokenizer
-
-    _worker["tokenizer"] = T5Tokenizer(args.tokenizer_model, extra_ids=args.vocab_extra_ids)
+    _worker["tokenizer"] = build_tokenizer(args.tokenizer, extra_ids=args.vocab_extra_ids)
     _worker["keys"] = list(args.json_keys)
     _worker["append_eod"] = args.append_eod
     _worker["strict"] = args.strict
@@ -341,12 +350,11 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from megatron.data.tokenizer import T5Tokenizer
-
+    flag = "--vocab-file" if args.vocab_file is not None else "--tokenizer-model"
     try:
-        tokenizer = T5Tokenizer(args.tokenizer_model, extra_ids=args.vocab_extra_ids)
-    except ValueError as e:
-        print(f"error: --tokenizer-model: {e}", file=sys.stderr)
+        tokenizer = build_tokenizer(args.tokenizer, extra_ids=args.vocab_extra_ids)
+    except (ValueError, ImportError) as e:
+        print(f"error: {flag}: {e}", file=sys.stderr)
         return 2
     if args.split_sentences:
         from megatron.data.sentence_splitter import make_splitter

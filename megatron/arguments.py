@@ -237,8 +237,7 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     problems: List[str] = []
     values = dict(vars(args))
     parallel = resolve_parallel(values, env, problems)
-    for flag, dest in (("--data-path", "data_path"), ("--tokenizer-model/--tokenizer-path",
-                       "tokenizer_model"), ("--model-config", "model_config")):
+    for flag, dest in (("--data-path", "data_path"), ("--model-config", "model_config")):
         if values[dest] is None:
             problems.append(f"{flag} is required")
     if (values["train_iters"] is None) == (values["train_samples"] is None):
@@ -273,8 +272,8 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
                                        too_few_samples)
     problems += data_problems
     if data is not None:
-        values.update(tokenizer_model=data.tokenizer_model,
-                      decoder_seq_length=data.decoder_seq_length)
+        values.update(tokenizer_model=data.tokenizer_model, tokenizer_type=data.tokenizer_type,
+                      vocab_file=None, decoder_seq_length=data.decoder_seq_length)
     lr_schedule = None
     if resolved.optimizer.lr is not None and values["train_iters"] is not None \
             and values["train_iters"] >= 1:

@@ -38,9 +38,9 @@ def build_data(data: DataSettings, batch: BatchConfig, device_type: str,
     from megatron.data.builder import build_datasets, split_sample_counts
     from megatron.data.samplers import PretrainingSampler
     from megatron.data.t5_dataset import T5SpecialTokens
-    from megatron.data.tokenizer import T5Tokenizer
+    from megatron.data.tokenizer import build_tokenizer
 
-    tokenizer = T5Tokenizer(data.tokenizer_model, extra_ids=data.vocab_extra_ids)
+    tokenizer = build_tokenizer(data.tokenizer, extra_ids=data.vocab_extra_ids)
     tokens = T5SpecialTokens.from_tokenizer(tokenizer, whole_word=data.dataset.t5.whole_word)
     counts = split_sample_counts(batch.train_iters, batch.global_batch_size, batch.eval_interval,
                                  batch.eval_iters)

@@ -18,6 +18,8 @@ from typing import Any, List, Mapping, Optional, Tuple
 from megatron.data.builder import OBJECTIVES, DataConfig, parse_data_path, split_sample_counts
 from megatron.data.indexed_dataset import IMPLS
 from megatron.data.t5_dataset import T5DatasetConfig
+from megatron.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, build_tokenizer, \
+    resolve_tokenizer
 
 
 @dataclass(frozen=True)
@@ -26,9 +28,17 @@ class DataSettings:
 
     dataset: DataConfig
     tokenizer_model: str = ""
+    """The tokenizer's file: a SentencePiece .model or a CPM-2 vocab.txt."""
     vocab_extra_ids: int = 100
     num_workers: int = 1
     """Data-loader worker processes."""
+
+    tokenizer_type: str = "SentencePieceTokenizer"
+    """`megatron.data.tokenizer.TOKENIZER_TYPES`: which tokenizer reads `tokenizer_model`."""
+
+    @property
+    def tokenizer(self) -> TokenizerSpec:
+        return TokenizerSpec(self.tokenizer_type, self.tokenizer_model)
 
     @property
     def encoder_seq_length(self) -> int:
@@ -59,10 +69,16 @@ def add_data_args(parser: argparse.ArgumentParser,
                    help="where index caches go (default: PREFIX_cache/ next to the data)")
     g.add_argument("--data-cache-timeout", type=float, default=3600.0,
                    help="seconds a rank waits for another to build an index cache")
-    g.add_argument("--tokenizer-model", "--tokenizer-path", dest="tokenizer_model", required=True,
-                   help="SentencePiece model (CPM-2's --tokenizer-path is accepted)")
+    g.add_argument("--tokenizer-model", "--tokenizer-path", dest="tokenizer_model",
+                   help="SentencePiece .model, CPM-2 vocab.txt, or a folder holding one "
+                        "(CPM-2's bpe_cn)")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                   help="default: from the file (vocab.txt: CPM2Tokenizer, else SentencePiece)")
+    g.add_argument("--vocab-file", default=None,
+                   help="CPM-2 vocab.txt (Megatron's spelling; instead of --tokenizer-model)")
     g.add_argument("--vocab-extra-ids", type=int, default=100,
-                   help="sentinel tokens <extra_id_i> on top of the SentencePiece pieces")
+                   help="sentinel tokens <extra_id_i> on top of the SentencePiece pieces (a "
+                        "CPM-2 vocabulary has its own <s_i>)")
     g.add_argument("--encoder-seq-length", "--seq-length", "--enc-seq-length",
                    dest="encoder_seq_length", type=int, default=512,
                    help="encoder tokens per sample")
@@ -74,7 +90,8 @@ def add_data_args(parser: argparse.ArgumentParser,
     g.add_argument("--mean-noise-span-length", type=float, default=3.0,
                    help="mean length of a corrupted span")
     g.add_argument("--whole-word-masking", action="store_true",
-                   help="noise spans never split a SentencePiece word")
+                   help="noise spans never split a word (SentencePiece: at '▁'; CPM-2: a piece "
+                        "and its ## continuations)")
     g.add_argument("--seed", type=int, default=1234,
                    help="seeds the data order, the noise and the weights")
     g.add_argument("--t5-objective", choices=OBJECTIVES, default="span-corruption",
@@ -144,35 +161,41 @@ def sample_counts_from_args(args: argparse.Namespace) -> Tuple[int, int, int]:
                                args.eval_iters)
 
 
-def resolve_tokenizer(path: str, problems: List[str]) -> Optional[str]:
-    """A SentencePiece model file; CPM-2's --tokenizer-path may name the folder holding it."""
-    p = Path(path)
-    if p.is_dir():
-        models = sorted(p.glob("*.model"))
-        if len(models) == 1:
-            return str(models[0])
-        problems.append(f"--tokenizer-path {path}: a folder must hold exactly one SentencePiece "
-                        f"*.model file; found {len(models)}")
-        return None
-    if not p.is_file():
-        problems.append(f"--tokenizer-model {path}: no such file")
-        return None
-    return str(p)
+def tokenizer_flag(args: argparse.Namespace) -> str:
+    """How messages name the tokenizer flag the user gave."""
+    if getattr(args, "vocab_file", None) is not None:
+        return "--vocab-file"
+    # A folder is CPM-2's spelling (--tokenizer-path bpe_cn); a file Megatron's.
+    path = args.tokenizer_model
+    return "--tokenizer-path" if path is not None and Path(path).is_dir() \
+        else "--tokenizer-model"
 
 
-def tokenizer_problems(model_path: str, extra_ids: int, vocab_size: int) -> List[str]:
-    """The tokenizer's ids must fit the model's embedding of `vocab_size` rows."""
-    from megatron.data.tokenizer import T5Tokenizer
+def tokenizer_spec_from_args(args: argparse.Namespace) -> TokenizerSpec:
+    """The tokenizer the flags name (`resolve_tokenizer`; raises its ValueError)."""
+    return resolve_tokenizer(args.tokenizer_model, args.tokenizer_type, args.vocab_file,
+                             path_flag=tokenizer_flag(args))
 
+
+def tokenizer_problems(spec: TokenizerSpec, extra_ids: int, vocab_size: int,
+                       flag: str = "--tokenizer-model") -> List[str]:
+    """The tokenizer must load and its ids must fit the model's embedding of `vocab_size`
+    rows."""
     try:
-        size = len(T5Tokenizer(model_path, extra_ids=extra_ids))
+        size = len(build_tokenizer(spec, extra_ids))
+    except (ValueError, ImportError) as e:  # their messages name the file
+        return [f"{flag}: {e}"]
     except Exception as e:  # noqa: BLE001 - sentencepiece raises plain RuntimeErrors
-        return [f"--tokenizer-model {model_path}: cannot be loaded ({e})"]
-    if size > vocab_size:
-        return [f"--tokenizer-model {model_path} has {size} ids (with {extra_ids} sentinels) but "
-                f"the model's vocab_size is {vocab_size}; raise vocab_size in "
-                f"--model-config or lower --vocab-extra-ids"]
-    return []
+        return [f"{flag} {spec.path}: cannot be loaded ({e})"]
+    if size <= vocab_size:
+        return []
+    if spec.tokenizer_type == "CPM2Tokenizer":
+        return [f"{flag} {spec.path} (a CPM-2 vocabulary) has {size} ids but the model's "
+                f"vocab_size is {vocab_size}; raise vocab_size in --model-config to at least "
+                f"{size}"]
+    return [f"{flag} {spec.path} has {size} ids (with {extra_ids} sentinels) but the model's "
+            f"vocab_size is {vocab_size}; raise vocab_size in --model-config or lower "
+            "--vocab-extra-ids"]
 
 
 def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
@@ -189,10 +212,13 @@ def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
     """
     problems: List[str] = []
     tokenizer = None
-    if flags["tokenizer_model"] is not None:
-        tokenizer = resolve_tokenizer(flags["tokenizer_model"], problems)
+    try:
+        tokenizer = tokenizer_spec_from_args(argparse.Namespace(**flags))
+    except ValueError as e:
+        problems.append(str(e))
     if tokenizer is not None and vocab_size is not None:
-        problems += tokenizer_problems(tokenizer, flags["vocab_extra_ids"], vocab_size)
+        problems += tokenizer_problems(tokenizer, flags["vocab_extra_ids"], vocab_size,
+                                       tokenizer_flag(argparse.Namespace(**flags)))
     if flags["data_path"] is not None:
         try:
             parse_data_path(flags["data_path"])
@@ -213,5 +239,5 @@ def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
     t5 = t5_config_from_args(view)
     t5 = dataclasses.replace(t5, decoder_seq_length=t5.lengths()[2])
     dataset = dataclasses.replace(data_config_from_args(view), t5=t5)
-    return DataSettings(dataset, tokenizer, flags["vocab_extra_ids"],
-                        flags["num_workers"]), problems
+    return DataSettings(dataset, tokenizer.path, flags["vocab_extra_ids"], flags["num_workers"],
+                        tokenizer.tokenizer_type), problems

@@ -42,15 +42,14 @@ class T5SpecialTokens:
     eos_id: int
     decoder_start_token_id: int
     sentinel_ids: Tuple[int, ...]
-    word_start: Optional[np.ndarray] = None  # bool[vocab]: the piece starts a word ("▁...")
+    word_start: Optional[np.ndarray] = None  # bool[vocab]: the piece starts a word
 
     @classmethod
     def from_tokenizer(cls, tokenizer, whole_word: bool = False) -> "T5SpecialTokens":
-        word_start = None
-        if whole_word:
-            word_start = np.zeros(tokenizer.vocab_size, dtype=bool)
-            for i in range(tokenizer.sp_vocab_size):
-                word_start[i] = tokenizer.id_to_piece(i).startswith("\u2581")
+        """The ids of either tokenizer type (megatron.data.tokenizer.build_tokenizer): T5's
+        pad, eos, pad as decoder start and <extra_id_N>; CPM-2's <pad>, <eod>, <s> and <s_N>.
+        Word starts: SentencePiece's "▁" pieces, CPM-2's pieces that are no "##" continuation."""
+        word_start = tokenizer.word_start_mask() if whole_word else None
         return cls(tokenizer.pad_id, tokenizer.eos_id, tokenizer.decoder_start_token_id,
                    tuple(tokenizer.sentinel_ids), word_start)
 

@@ -28,6 +28,10 @@ Known, deliberate differences from HF transformers 5.x (which re-implements the 
 * HF matches a literal ``<0xNN>`` in the text as a byte piece; SentencePiece (and we) do not.
 * ``decode`` turns byte pieces back into text; HF prints them as ``<0xNN>``.
 
+``build_tokenizer(resolve_tokenizer(...))`` is how the data tools and training make their
+tokenizer from the flags: this one for a SentencePiece model, ``CPM2Tokenizer``
+(``megatron/data/cpm2_tokenizer.py``) for a CPM-2 ``vocab.txt``; both have this interface.
+
 This module needs only numpy and sentencepiece (no torch), so data tools can import it cheaply.
 """
 
@@ -36,7 +40,8 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import sentencepiece as spm
@@ -182,6 +187,14 @@ class T5Tokenizer:
     def inv_vocab(self) -> Dict[int, str]:
         """id -> piece over the whole vocabulary (built on first use)."""
         return {i: p for p, i in self.vocab.items()}
+
+    def word_start_mask(self) -> np.ndarray:
+        """bool[vocab_size]: the piece starts a word (SentencePiece's ``▁``); sentinels do not.
+        For ``--whole-word-masking``."""
+        mask = np.zeros(self.vocab_size, dtype=bool)
+        for i in range(self.sp_vocab_size):
+            mask[i] = self._sp.id_to_piece(i).startswith(_SPACE)
+        return mask
 
     # -- encoding -----------------------------------------------------------------------------
 
@@ -332,4 +345,96 @@ class T5Tokenizer:
 
 SentencePieceTokenizer = T5Tokenizer
 
-__all__ = ["T5Tokenizer", "SentencePieceTokenizer", "SENTINEL_FORMAT"]
+
+# -- choosing the tokenizer type ------------------------------------------------------------------
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "CPM2Tokenizer")
+CPM2_VOCAB_NAME = "vocab.txt"
+
+
+class TokenizerSpec(NamedTuple):
+    """A tokenizer type and its file: a SentencePiece ``.model`` or a CPM-2 ``vocab.txt``."""
+
+    tokenizer_type: str
+    path: str
+
+
+def resolve_tokenizer(path: Optional[str] = None, tokenizer_type: Optional[str] = None,
+                      vocab_file: Optional[str] = None,
+                      path_flag: str = "--tokenizer-model") -> TokenizerSpec:
+    """The tokenizer that the flags name (nothing is loaded).
+
+    path: ``--tokenizer-model``/``--tokenizer-path``: a SentencePiece ``.model``, a CPM-2
+        ``vocab.txt`` (any ``*.txt``), or a folder holding one of them (CPM-2's ``bpe_cn``).
+    tokenizer_type: ``--tokenizer-type``; None infers it from the file.
+    vocab_file: ``--vocab-file``: a CPM-2 ``vocab.txt`` (Megatron's flag for vocabulary files).
+    path_flag: how messages name ``path``.
+
+    Raises:
+        ValueError: naming the flag and the file: none or both of path and vocab_file, no such
+            file, a folder holding neither or both kinds, a type that contradicts the file.
+    """
+    if tokenizer_type is not None and tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(f"--tokenizer-type {tokenizer_type}: choose one of "
+                         f"{', '.join(TOKENIZER_TYPES)}")
+    if vocab_file is not None:
+        if path is not None:
+            raise ValueError(f"give {path_flag} or --vocab-file, not both")
+        if tokenizer_type == "SentencePieceTokenizer":
+            raise ValueError("--vocab-file is a CPM-2 vocab.txt: it goes with --tokenizer-type "
+                             "CPM2Tokenizer (a SentencePiece model goes to --tokenizer-model)")
+        if not os.path.isfile(vocab_file):
+            raise ValueError(f"--vocab-file {vocab_file}: no such file")
+        return TokenizerSpec("CPM2Tokenizer", os.fspath(vocab_file))
+    if path is None:
+        raise ValueError(f"{path_flag} is required (a SentencePiece .model, a CPM-2 vocab.txt "
+                         "or a folder holding one), or --tokenizer-type CPM2Tokenizer "
+                         "--vocab-file vocab.txt")
+    if os.path.isdir(path):
+        return _resolve_folder(os.fspath(path), tokenizer_type, path_flag)
+    if not os.path.isfile(path):
+        raise ValueError(f"{path_flag} {path}: no such file")
+    inferred = "CPM2Tokenizer" if str(path).endswith(".txt") else "SentencePieceTokenizer"
+    return TokenizerSpec(tokenizer_type or inferred, os.fspath(path))
+
+
+def _resolve_folder(path: str, tokenizer_type: Optional[str], path_flag: str) -> TokenizerSpec:
+    models = sorted(str(p) for p in Path(path).glob("*.model"))
+    vocab = os.path.join(path, CPM2_VOCAB_NAME)
+    has_vocab = os.path.isfile(vocab)
+    if tokenizer_type == "CPM2Tokenizer" or (tokenizer_type is None and has_vocab and
+                                             not models):
+        if not has_vocab:
+            raise ValueError(f"{path_flag} {path}: --tokenizer-type CPM2Tokenizer needs the "
+                             f"folder's {CPM2_VOCAB_NAME}; there is none")
+        return TokenizerSpec("CPM2Tokenizer", vocab)
+    if tokenizer_type is None and has_vocab:
+        raise ValueError(f"{path_flag} {path}: the folder holds both a CPM-2 {CPM2_VOCAB_NAME} "
+                         f"and SentencePiece *.model files; name the file, or give "
+                         "--tokenizer-type")
+    if len(models) != 1:
+        what = "exactly one SentencePiece *.model file" if tokenizer_type else \
+            f"a CPM-2 {CPM2_VOCAB_NAME} or exactly one SentencePiece *.model file"
+        raise ValueError(f"{path_flag} {path}: a folder must hold {what}; found "
+                         f"{len(models)} *.model files")
+    return TokenizerSpec("SentencePieceTokenizer", models[0])
+
+
+def build_tokenizer(spec: TokenizerSpec, extra_ids: int = 100):
+    """The tokenizer of ``spec``: ``T5Tokenizer`` (with ``extra_ids`` sentinels) or
+    ``CPM2Tokenizer`` (its sentinels are the vocabulary's ``<s_N>``; ``extra_ids`` does not
+    apply). Both have the interface the data tools, the datasets and training use.
+
+    Raises:
+        ValueError: the file cannot be that tokenizer's (the message names it).
+        ImportError: CPM2Tokenizer without jieba installed.
+    """
+    if spec.tokenizer_type == "CPM2Tokenizer":
+        from megatron.data.cpm2_tokenizer import CPM2Tokenizer
+
+        return CPM2Tokenizer(spec.path)
+    return T5Tokenizer(spec.path, extra_ids=extra_ids)
+
+
+__all__ = ["T5Tokenizer", "SentencePieceTokenizer", "SENTINEL_FORMAT", "TOKENIZER_TYPES",
+           "TokenizerSpec", "resolve_tokenizer", "build_tokenizer"]
