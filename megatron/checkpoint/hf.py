@@ -126,7 +126,8 @@ def write_hf_folder(out_dir: PathLike, config: T5Config,
                     tokenizer_model: Optional[PathLike] = None,
                     dtype: Optional[Union[torch.dtype, str]] = None, extra_ids: int = 100,
                     force: bool = False,
-                    progress: Optional[Callable[[str], None]] = None) -> Path:
+                    progress: Optional[Callable[[str], None]] = None,
+                    tokenizer_files=None) -> Path:
     """Write a folder that `T5ForConditionalGeneration.from_pretrained` (and AutoTokenizer, with
     a tokenizer model) loads as the model the tensors describe.
 
@@ -142,6 +143,8 @@ def write_hf_folder(out_dir: PathLike, config: T5Config,
         extra_ids: the tokenizer's sentinels (`<extra_id_N>`), as in T5Tokenizer.
         force: replace an existing `out_dir`.
         progress: called with each tensor's name once it is taken.
+        tokenizer_files: instead of tokenizer_model, a tokenizer of another kind: an object
+            with `vocab_size` and `write(folder)` (megatron.checkpoint.cpm2.CPM2TokenizerFiles).
 
     Raises:
         HFFolderError: `out_dir` exists without `force`, a name that is not the model's, given
@@ -152,7 +155,7 @@ def write_hf_folder(out_dir: PathLike, config: T5Config,
     if out.exists() and not force:
         raise HFFolderError(f"{out} exists; pass force=True (--force) to replace it")
     dtype = _torch_dtype(dtype)
-    tokenizer = None
+    tokenizer = tokenizer_files
     if tokenizer_model is not None:  # checked before the weights stream in
         tokenizer = hf_tokenizer_files(tokenizer_model, extra_ids)
         if tokenizer.vocab_size > config.vocab_size:
