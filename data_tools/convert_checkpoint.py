@@ -15,6 +15,10 @@ or GPUs: it runs on a login node, one tensor at a time.
     # one consolidated fp32 state dict (safetensors, our names) from any layout and ZeRO stage
     python data_tools/convert_checkpoint.py --load ckpt/run --to fp32 out/fp32
     python data_tools/convert_checkpoint.py --inspect ckpt/run
+    # a CPM-2 checkpoint (CPM-2-Pretrain / -Finetune, any model-parallel size), with the run's
+    # --model-config (CPM-2's JSON or ours) and, for --to hf, its vocab.txt folder
+    python data_tools/convert_checkpoint.py --from cpm2 cpm2-ckpt/ --model-config \
+        enc_dec_xlarge_config.json --tokenizer-path bpe_cn/ --to hf out/cpm2-hf
 
 Weights come from the fp32 master copy where the checkpoint has one (ZeRO 1-3, bf16 and fp16
 runs; fp16 without ZeRO gives its fp16 weights, with a warning). `--to megatron` from one of our
@@ -46,16 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", metavar="CKPT", help="one of our checkpoint folders (the "
                         "trainer's --save; or a weights checkpoint this tool wrote)")
-    source.add_argument("--from", dest="from_format", choices=("hf",),
+    source.add_argument("--from", dest="from_format", choices=("hf", "cpm2"),
                         help="the source's format when it is not ours")
     source.add_argument("--inspect", metavar="CKPT", help="describe a checkpoint and stop")
-    p.add_argument("source_dir", nargs="?", metavar="DIR", help="with --from hf: the folder")
+    p.add_argument("source_dir", nargs="?", metavar="DIR",
+                   help="with --from: the folder (for cpm2 the --save folder of the run)")
     p.add_argument("--to", nargs=2, metavar=("FORMAT", "OUT"),
                    help="hf, megatron or fp32, and the output folder")
     p.add_argument("--iteration", type=int, default=None,
                    help="the checkpoint to read (default: the tracker's)")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--model-config", default=None, metavar="FILE",
+                   help="--from cpm2: the run's model config (CPM-2's enc_dec JSON or ours); "
+                        "CPM-2 checkpoints do not record it")
+    p.add_argument("--tokenizer-path", "--vocab-file", dest="vocab", default=None,
+                   metavar="PATH", help="--from cpm2: CPM-2's vocab.txt or the folder holding "
+                   "it (--to hf copies it; its special ids go into the config)")
     p.add_argument("--tokenizer-model", default=None,
                    help="--to hf: the SentencePiece model (default: the run's, from its flags)")
     p.add_argument("--max-shard-size", default="5GB", help="split weight files above this")
@@ -81,6 +92,25 @@ def check(args) -> List[str]:
         return problems
     if args.from_format == "hf" and args.source_dir is None:
         problems.append("--from hf needs the Hugging Face folder: --from hf DIR")
+    if args.from_format == "cpm2":
+        if args.source_dir is None:
+            problems.append("--from cpm2 needs the checkpoint folder: --from cpm2 DIR")
+        if args.model_config is None:
+            problems.append("--from cpm2 needs --model-config FILE: CPM-2 checkpoints do not "
+                            "record the model config; give the run's (CPM-2's enc_dec JSON or "
+                            "ours)")
+        elif not Path(args.model_config).is_file():
+            problems.append(f"--model-config {args.model_config}: no such file")
+        if args.tokenizer_model is not None:
+            problems.append("--tokenizer-model: CPM-2 has no SentencePiece model; give its "
+                            "vocab.txt with --tokenizer-path")
+        if args.vocab is not None and not Path(args.vocab).exists():
+            problems.append(f"--tokenizer-path {args.vocab}: no such file or folder")
+    else:
+        for flag, value in (("--model-config", args.model_config),
+                            ("--tokenizer-path", args.vocab)):
+            if value is not None:
+                problems.append(f"{flag} has effect only with --from cpm2")
     if args.load is not None and args.source_dir is not None:
         problems.append(f"unexpected argument {args.source_dir!r} (--load takes the folder)")
     if args.to is None:
@@ -105,8 +135,8 @@ def check(args) -> List[str]:
         problems.append("--tokenizer-model has effect only with --to hf")
     if args.tokenizer_model is not None and not Path(args.tokenizer_model).is_file():
         problems.append(f"--tokenizer-model {args.tokenizer_model}: no such file")
-    if args.iteration is not None and args.load is None:
-        problems.append("--iteration needs --load")
+    if args.iteration is not None and args.load is None and args.from_format != "cpm2":
+        problems.append("--iteration needs --load (or --from cpm2)")
     if Path(out).exists() and not args.force:
         problems.append(f"{out} exists; pass --force to replace it")
     return problems
@@ -126,6 +156,16 @@ def _progress(enabled: bool, total: int, what: str):
 def read_source(args) -> Tuple[dict, Iterator, dict, int]:
     """(model meta, iterator of full tensors under our names, source description, tensor
     count)."""
+    if args.from_format == "cpm2":
+        from megatron.checkpoint.cpm2 import read_cpm2_checkpoint
+
+        config, tensors, source, notes = read_cpm2_checkpoint(
+            args.source_dir, args.model_config, args.iteration, args.vocab)
+        for note in notes:
+            print(f"warning: {note}", file=sys.stderr)
+        meta = {"config": config.to_dict(), "make_vocab_size_divisible_by": 128,
+                "precision": "fp32"}
+        return meta, tensors, source, _count(meta)
     if args.from_format == "hf":
         from megatron.checkpoint.hf import read_hf_folder
 
@@ -215,6 +255,20 @@ def to_megatron(args, out: Path, model_meta: dict, tensors, source: dict, progre
     return 0
 
 
+def cpm2_tokenizer_files(args, config, source: dict):
+    """vocab.txt (when given) and the README naming CPM-2's tokenizer, for --to hf."""
+    from megatron.checkpoint.cpm2 import CPM2TokenizerFiles, vocab_file
+
+    vocab = vocab_file(args.vocab) if args.vocab is not None else None
+    if vocab is None:
+        print("warning: no vocab.txt (give --tokenizer-path, CPM-2's bpe_cn/ or bpe_cn_en/): the "
+              "folder has weights, config and a README only, and its special ids are bpe_cn's",
+              file=sys.stderr)
+    where = f"{source['path']} (iteration {source['iteration']}, model-parallel size " \
+        f"{source['model_parallel_size']})"
+    return CPM2TokenizerFiles(config, vocab, where)
+
+
 def run(args) -> int:
     if args.inspect is not None:
         from megatron.checkpoint.deepspeed import describe, find_iteration
@@ -248,19 +302,23 @@ def run(args) -> int:
     config = T5Config.from_dict(model_meta["config"], source="the checkpoint's meta.json")
     meta_path = Path(source["path"]) / "meta.json" if source.get("format") == "megatron" \
         else None
-    tokenizer = tokenizer_of(args, meta_path)
-    if tokenizer is None:
-        print("warning: no tokenizer (give --tokenizer-model): the folder has weights and "
-              "config only", file=sys.stderr)
-    dtype = None
-    if args.dtype is not None:
-        import torch
+    tokenizer, tokenizer_files = None, None
+    if source.get("format") == "cpm2":
+        tokenizer_files = cpm2_tokenizer_files(args, config, source)
+    else:
+        tokenizer = tokenizer_of(args, meta_path)
+        if tokenizer is None:
+            print("warning: no tokenizer (give --tokenizer-model): the folder has weights and "
+                  "config only", file=sys.stderr)
+    import torch
 
-        dtype = getattr(torch, DTYPES[args.dtype])
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype is not None else \
+        (torch.float32 if source.get("format") == "cpm2" else None)  # CPM-2 saved fp16
     write_hf_folder(out, config, tensors, max_shard_size=args.max_shard_size,
                     tokenizer_model=tokenizer, dtype=dtype, force=args.force,
-                    progress=progress)
-    print(f"wrote {out}: T5ForConditionalGeneration.from_pretrained({str(out)!r})")
+                    progress=progress, tokenizer_files=tokenizer_files)
+    tokenizer_note = "; tokenizer: see its README.md" if tokenizer_files is not None else ""
+    print(f"wrote {out}: T5ForConditionalGeneration.from_pretrained({str(out)!r}){tokenizer_note}")
     return 0
 
 
