@@ -40,15 +40,23 @@ def logged_losses(text: str) -> dict:
 
 
 def test_cpm2_command_line_runs_and_resumes(train_data, tmp_path):
-    """The 11B CPM-2 line of the training issue, with a tiny model, tiny data, 2 processes."""
-    (tmp_path / "bpe_cn").mkdir()
-    shutil.copy(train_data.spm, tmp_path / "bpe_cn" / "spm.model")
+    """The 11B CPM-2 line of the training issue, with a tiny model, tiny data, 2 processes, and
+    CPM-2's own tokenizer folder bpe_cn (its vocab.txt): the data is made from it by our
+    preprocess_data.py --tokenizer-path bpe_cn, then trained, then resumed."""
+    shutil.copytree(REPO / "tests" / "data" / "cpm2" / "bpe_cn", tmp_path / "bpe_cn")
+    made = subprocess.run(
+        [sys.executable, str(REPO / "data_tools" / "preprocess_data.py"), "--input",
+         str(train_data.root / "corpus.jsonl"), "--output-prefix", "mix", "--tokenizer-path",
+         "bpe_cn", "--append-eod", "--workers", "2", "--no-progress"],
+        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
     for suffix in (".bin", ".idx"):
-        shutil.copy(train_data.prefix + suffix, tmp_path / f"mix_cpm2_t5_document{suffix}")
+        os.rename(tmp_path / f"mix_text_document{suffix}",
+                  tmp_path / f"mix_cpm2_t5_document{suffix}")
     (tmp_path / "enc_dec_tiny_config.json").write_text(json.dumps({
         "d_model": 32, "num_heads": 4, "d_kv": 8, "d_ff": 64, "num_layers": 2,
         "num_decoder_layers": 2, "dropout_rate": 0.1, "layer_norm_epsilon": 1e-6,
-        "init_method_std": 0.02, "vocab_size": 4100, "feed_forward_proj": "gated-gelu"}))
+        "init_method_std": 0.02, "vocab_size": 26240, "feed_forward_proj": "gated-gelu"}))
     ds = json.loads((REPO / "configs/deepspeed/cpm2_11b_zero3_fp32.json").read_text())
     ds["train_micro_batch_size_per_gpu"] = 2
     (tmp_path / "ds_cpm2_tiny_fp32.json").write_text(json.dumps(ds))
@@ -81,6 +89,7 @@ def test_cpm2_command_line_runs_and_resumes(train_data, tmp_path):
         "iter_0000003", "iter_0000004"]
     log = (tmp_path / "log.txt").read_text()
     assert "validation loss at iteration 3" in log and "test loss at iteration 4" in log
+    assert '"tokenizer_model": "bpe_cn/vocab.txt", "tokenizer_type": "CPM2Tokenizer"' in log
     second = subprocess.run(line(6), cwd=tmp_path, env=env(), capture_output=True, text=True,
                             timeout=600)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
