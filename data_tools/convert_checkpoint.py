@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -332,7 +333,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         # DeepSpeed logs its accelerator choice to stdout on import: keep stdout for our output
         with contextlib.redirect_stdout(sys.stderr):
-            import deepspeed  # noqa: F401
+            importlib.import_module("deepspeed")
         return run(args)
     except (ValueError, OSError) as e:  # our readers' errors name the file and the tensor
         print(f"error: {e}", file=sys.stderr)
