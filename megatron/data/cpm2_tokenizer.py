@@ -41,8 +41,9 @@ Where CPM-2's code does something else (we chose not to follow it):
 
 jieba is imported when a tokenizer is made (a clear ImportError names the package when it is
 missing) and loads its dictionary at the first `encode` (about 0.5 s; its first use on a machine
-also writes its cache file `jieba.cache` to the temporary folder). Speed: one jieba pass per
-text, word pieces cached per word (see bench/RESULTS.md, section "cpm2_tokenizer").
+also writes its cache file `jieba.cache` to the temporary folder). Speed: jieba's cut is most of
+the cost; `megatron.data.jieba_segmenter` gives its words faster, and the word pieces are cached
+per word (see bench/RESULTS.md, section "cpm2_tokenizer").
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ import re
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from megatron.data.jieba_segmenter import JiebaSegmenter
 
 SENTINEL_FORMAT = "<s_{}>"
 SPACE_PIECE = "\u2582"    # "▂"
@@ -242,7 +245,9 @@ class CPM2Tokenizer:
         return text.translate(_FULL_TO_HALF)
 
     def _cut(self):
+        """jieba's precise-mode cut (text -> list of words), made at the first use."""
         if self._jieba is None:
+            # Our own jieba.Tokenizer: words added to jieba's global one elsewhere do not count.
             jieba_tokenizer = self._jieba_module.Tokenizer()
             log = logging.getLogger("jieba")  # its start-up lines would come from every worker
             level = log.level
@@ -251,7 +256,7 @@ class CPM2Tokenizer:
                 jieba_tokenizer.initialize()
             finally:
                 log.setLevel(level)
-            self._jieba = jieba_tokenizer
+            self._jieba = JiebaSegmenter(self._jieba_module, jieba_tokenizer)
         return self._jieba.cut
 
     def _word_ids(self, word: str) -> Tuple[int, ...]:

@@ -101,6 +101,20 @@ def test_whole_corpus_ids_equal_cpm2s(reference, tokenizers, documents):
         assert len(entry["documents"]) > 400
 
 
+def test_segmenter_gives_jiebas_words(reference, tokenizers, documents):
+    """megatron.data.jieba_segmenter against jieba.cut itself (a fresh jieba.Tokenizer)."""
+    import jieba
+
+    jieba_cut = jieba.Tokenizer().cut
+    ours = tokenizers["bpe_cn"]._cut()
+    texts = [case_text(c, documents) for c in reference["cases"]]
+    texts += [documents("zh_cmrc2018_wiki.jsonl", i) for i in range(1, 1104, 9)]
+    texts += [documents("en_wikitext2.jsonl", 0)[:20000], "１２３４５６７８９０" * 30,
+              "王小明和李华在３．１４％的概率下去了乌鲁木齐。" * 3, "\r\n\r\n \u3000\t"]
+    wrong = [t[:40] for t in texts if ours(t) != list(jieba_cut(t))]
+    assert not wrong, wrong[:5]
+
+
 def test_special_ids(tokenizers):
     cn, en = tokenizers["bpe_cn"], tokenizers["bpe_cn_en"]
     assert len(cn) == cn.vocab_size == 26240 and len(en) == 51968

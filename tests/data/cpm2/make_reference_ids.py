@@ -95,13 +95,10 @@ def ids_digest(ids) -> str:
 
 
 def load_theirs(cpm2: Path):
-    if "six" not in sys.modules:
-        try:
-            import six  # noqa: F401
-        except ImportError:
-            six = types.ModuleType("six")
-            six.PY2, six.PY3 = False, True
-            sys.modules["six"] = six
+    if importlib.util.find_spec("six") is None:  # imported by their module, for Python 2 checks
+        six = types.ModuleType("six")
+        six.PY2, six.PY3 = False, True
+        sys.modules["six"] = six
     path = cpm2 / "src" / "tokenization_enc_dec.py"
     spec = importlib.util.spec_from_file_location("cpm2_tokenization_enc_dec", path)
     module = importlib.util.module_from_spec(spec)
