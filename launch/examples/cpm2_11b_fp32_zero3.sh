@@ -8,8 +8,10 @@
 #       LAUNCHER="sbatch --nodes 8 --gpus-per-node 8 launch/slurm/pretrain_t5.sbatch" \
 #       launch/examples/cpm2_11b_fp32_zero3.sh
 #
-# Required: DATA (a prefix of CPM-2's three files, or a _text_document dataset), TOKENIZER (a
-# SentencePiece .model, or a folder holding exactly one), OUT (checkpoints and log.txt).
+# Required: DATA (a prefix of CPM-2's three files, or a _text_document dataset), TOKENIZER
+# (CPM-2's bpe_cn folder, read with CPM-2's own tokenizer from its vocab.txt, which needs jieba;
+# or a vocab.txt, a SentencePiece .model, or a folder holding exactly one), OUT (checkpoints and
+# log.txt).
 # Optional: LAUNCHER (default launch/torchrun.sh; word-split) and torchrun.sh's NPROC_PER_NODE,
 # NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT. More flags after the script name override these.
 # As in CPM-2, --no-load-optim: every restart from OUT/ckpt keeps the weights, iteration and data
@@ -21,8 +23,14 @@ SCRIPT_ARGS=("$@")
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 require_env DATA TOKENIZER OUT
-if [ ! -e "$TOKENIZER" ]; then
-    echo "error: $TOKENIZER not found (a SentencePiece .model or a folder holding one)" >&2
+if [ -d "$TOKENIZER" ]; then
+    if [ ! -f "$TOKENIZER/vocab.txt" ] && ! compgen -G "$TOKENIZER/*.model" >/dev/null; then
+        echo "error: $TOKENIZER holds neither CPM-2's vocab.txt nor a SentencePiece .model" >&2
+        exit 2
+    fi
+elif [ ! -f "$TOKENIZER" ]; then
+    echo "error: $TOKENIZER not found (CPM-2's bpe_cn folder or its vocab.txt, or a" \
+        "SentencePiece .model or a folder holding one)" >&2
     exit 2
 fi
 if ! compgen -G "$DATA*.idx" >/dev/null; then

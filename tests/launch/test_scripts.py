@@ -62,6 +62,19 @@ def test_gpu_examples_pass_the_dry_run(name, world_size, expect, tiny_data, tmp_
     assert f"valid for {world_size} processes ({expect})" in proc.stdout
 
 
+def test_cpm2_example_takes_the_bpe_cn_folder(tiny_data, tmp_path):
+    """TOKENIZER=bpe_cn, CPM-2's folder with its vocab.txt: read with CPM-2's tokenizer."""
+    env = {"DATA": tiny_data.prefix, "OUT": str(tmp_path / "out"), "LAUNCHER": DRY_RUN,
+           "WORLD_SIZE": "64"}
+    script = REPO / "launch/examples/cpm2_11b_fp32_zero3.sh"
+    proc = bash(script, env={**env, "TOKENIZER": str(REPO / "tests/data/cpm2/bpe_cn")})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "valid for 64 processes (TP 1 x PP 1 x DP 64)" in proc.stdout
+    (tmp_path / "empty").mkdir()
+    proc = bash(script, env={**env, "TOKENIZER": str(tmp_path / "empty")})
+    assert proc.returncode == 2 and "neither CPM-2's vocab.txt nor a SentencePiece" in proc.stderr
+
+
 def test_torchrun_sh_refuses_incomplete_settings():
     proc = bash(REPO / "launch/torchrun.sh")
     assert proc.returncode == 2 and "usage" in proc.stderr
