@@ -140,7 +140,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 _worker: Dict[str, object] = {}
 
 
-def _init_worker(args: argparse.Namespace) -> None:
+def _init_worker(args: argparse.Namespace, tokenizer=None) -> None:
     # A worker ignores SIGINT (the main process decides what an interrupt means) and dies on
     # SIGTERM, which is how the pool stops it; it must not inherit the main process's handler.
     # SIGTERM comes blocked (see _start_pool): one sent before this point is delivered now.
@@ -148,7 +148,11 @@ def _init_worker(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    _worker["tokenizer"] = build_tokenizer(args.tokenizer, extra_ids=args.vocab_extra_ids)
+    # The main process's tokenizer: forked, it comes ready (CPM-2's with jieba's dictionary
+    # loaded once for all workers); spawned, a pickled copy.
+    if tokenizer is None:
+        tokenizer = build_tokenizer(args.tokenizer, extra_ids=args.vocab_extra_ids)
+    _worker["tokenizer"] = tokenizer
     _worker["keys"] = list(args.json_keys)
     _worker["append_eod"] = args.append_eod
     _worker["strict"] = args.strict
@@ -310,7 +314,7 @@ def _remove_stale_temporaries(final_paths: Sequence[str]) -> None:
                 pass
 
 
-def _start_pool(args: argparse.Namespace):
+def _start_pool(args: argparse.Namespace, tokenizer=None):
     """The worker pool, its processes and threads made with SIGTERM blocked.
 
     The pool forks workers from its own thread as well, to replace any that exited, and does so
@@ -322,10 +326,12 @@ def _start_pool(args: argparse.Namespace):
     """
     ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no fork, no inherited handler
-        return ctx.Pool(args.workers, initializer=_init_worker, initargs=(args,))
+        return ctx.Pool(args.workers, initializer=_init_worker,
+                        initargs=(args, tokenizer))
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
-        return ctx.Pool(args.workers, initializer=_init_worker, initargs=(args,))
+        return ctx.Pool(args.workers, initializer=_init_worker,
+                        initargs=(args, tokenizer))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
@@ -356,6 +362,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as e:
         print(f"error: {flag}: {e}", file=sys.stderr)
         return 2
+    warm_up = getattr(tokenizer, "warm_up", None)  # CPM-2's: jieba, once, before the fork
+    if warm_up is not None:
+        warm_up()
     if args.split_sentences:
         from megatron.data.sentence_splitter import make_splitter
 
@@ -392,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
         report.write("file\tline\treason\n")
         for prefix in prefixes:
             builders.append(IndexedDatasetBuilder(data_file_path(prefix), dtype=dtype))
-        pool = _start_pool(args)
+        pool = _start_pool(args, tokenizer)
         pending: collections.deque = collections.deque()
         max_pending = 2 * args.workers + 2  # bounded memory: never more chunks than this in flight
         chunks = read_chunks(paths, chunk_bytes=int(args.chunk_mb * (1 << 20)))

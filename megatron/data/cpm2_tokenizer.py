@@ -259,6 +259,11 @@ class CPM2Tokenizer:
             self._jieba = JiebaSegmenter(self._jieba_module, jieba_tokenizer)
         return self._jieba.cut
 
+    def warm_up(self) -> None:
+        """Load jieba's dictionary now rather than at the first `encode` (e.g. once in a parent
+        process before it forks workers)."""
+        self._cut()
+
     def _word_ids(self, word: str) -> Tuple[int, ...]:
         """Greedy longest-match pieces of one jieba word whose spaces are already `▂`/`▃`."""
         n = len(word)
