@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="PATH", help="--from cpm2: CPM-2's vocab.txt or the folder holding "
                    "it (--to hf copies it; its special ids go into the config)")
     p.add_argument("--tokenizer-model", default=None,
-                   help="--to hf: the SentencePiece model (default: the run's, from its flags)")
+                   help="--to hf: the run's tokenizer, a SentencePiece model or CPM-2's vocab.txt "
+                        "(or its folder) (default: the run's, from its flags)")
     p.add_argument("--max-shard-size", default="5GB", help="split weight files above this")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                    help="--to hf: the weights' dtype (default fp32)")
@@ -134,7 +135,7 @@ def check(args) -> List[str]:
         problems.append("--dtype has effect only with --to hf")
     if args.tokenizer_model is not None and kind != "hf":
         problems.append("--tokenizer-model has effect only with --to hf")
-    if args.tokenizer_model is not None and not Path(args.tokenizer_model).is_file():
+    if args.tokenizer_model is not None and not Path(args.tokenizer_model).exists():
         problems.append(f"--tokenizer-model {args.tokenizer_model}: no such file")
     if args.iteration is not None and args.load is None and args.from_format != "cpm2":
         problems.append("--iteration needs --load (or --from cpm2)")
@@ -200,17 +201,42 @@ def _count(model_meta: dict) -> int:
     return len(model_parameters(config, model_meta.get("make_vocab_size_divisible_by", 128)))
 
 
-def tokenizer_of(args, source_meta_path: Optional[Path]) -> Optional[str]:
-    if args.tokenizer_model is not None:
-        return args.tokenizer_model
-    if source_meta_path is None:
+def tokenizer_of(args, source_meta_path: Optional[Path]):
+    """The run's tokenizer as a TokenizerSpec (megatron/data/tokenizer.py): --tokenizer-model,
+    else the flags the run recorded (its tokenizer file and type); None when unknown or gone."""
+    from megatron.data.tokenizer import resolve_tokenizer
+
+    path, kind = args.tokenizer_model, None
+    if path is None and source_meta_path is not None:
+        try:
+            flags = json.loads(source_meta_path.read_text())["flags"]
+        except (OSError, ValueError, KeyError):
+            return None
+        path, kind = flags.get("tokenizer_model"), flags.get("tokenizer_type")
+        if not path or not Path(path).exists():
+            return None
+    if path is None:
         return None
     try:
-        flags = json.loads(source_meta_path.read_text())["flags"]
-    except (OSError, ValueError, KeyError):
+        return resolve_tokenizer(path, kind)
+    except ValueError as e:
+        print(f"warning: {e}", file=sys.stderr)
         return None
-    path = flags.get("tokenizer_model")
-    return path if path and Path(path).is_file() else None
+
+
+def cpm2_vocab_export(config, spec, source: dict):
+    """A run of ours trained with CPM-2's tokenizer: (config with the vocabulary's special ids,
+    the vocab.txt + README that stand in for a SentencePiece tokenizer in the folder)."""
+    import dataclasses
+
+    from megatron.checkpoint.cpm2 import SPECIALS, CPM2TokenizerFiles, read_vocab
+
+    tokens = read_vocab(Path(spec.path))
+    index = {t: i for i, t in enumerate(tokens)}
+    config = dataclasses.replace(config, **{k: index[t] for k, t in SPECIALS.items()
+                                            if t in index})
+    return config, CPM2TokenizerFiles(config, Path(spec.path), f"{source['path']} (trained "
+                                      f"here with CPM-2's tokenizer)")
 
 
 def optimizer_states(args, source: dict):
@@ -307,10 +333,14 @@ def run(args) -> int:
     if source.get("format") == "cpm2":
         tokenizer_files = cpm2_tokenizer_files(args, config, source)
     else:
-        tokenizer = tokenizer_of(args, meta_path)
-        if tokenizer is None:
+        spec = tokenizer_of(args, meta_path)
+        if spec is None:
             print("warning: no tokenizer (give --tokenizer-model): the folder has weights and "
                   "config only", file=sys.stderr)
+        elif spec.tokenizer_type == "CPM2Tokenizer":
+            config, tokenizer_files = cpm2_vocab_export(config, spec, source)
+        else:
+            tokenizer = spec.path
     import torch
 
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype is not None else \
