@@ -188,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--finetune", action="store_true",
                    help="on --load, take only the weights: iteration, samples, optimizer, "
                         "RNG and LR schedule start fresh")
+    g.add_argument("--keep-last", type=int, default=None, metavar="N",
+                   help="keep only the newest N checkpoints in --save (older ones are removed "
+                        "once a newer one is committed; default: keep all)")
+    g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan",
+                   action=argparse.BooleanOptionalAction, default=True,
+                   help="stop with exit 1, without saving, when a step's loss or gradient norm "
+                        "is NaN or infinite (default on; fp16 overflow steps, which DeepSpeed "
+                        "skips, excepted)")
 
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100, help="steps per log line")
@@ -299,7 +307,9 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     checkpoint = CheckpointConfig(values["save"], values["save_interval"], values["load"],
                                   values["no_load_optim"], values["no_load_rng"],
                                   values["finetune"], values["lr_policy"],
-                                  values["checkpoint_timeout_minutes"])
+                                  values["checkpoint_timeout_minutes"],
+                                  keep_last=values["keep_last"],
+                                  check_for_nan=values["check_for_nan"])
     logging = LoggingConfig(values["log_interval"], values["log_file"],
                             values["tensorboard_dir"], values["peak_tflops"])
     runtime = RuntimeConfig(device_type, backend, values["local_rank"], values["seed"],

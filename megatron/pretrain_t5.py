@@ -249,7 +249,7 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
         def save(s: TrainState) -> None:
             path = save_checkpoint(step, ckpt.save, layout_now, runtime.device_type, s.iteration,
                                    s.consumed_samples, schedule.state_dict(), config.flags,
-                                   model_meta)
+                                   model_meta, ckpt.keep_last)
             writer.write_text(f"saved checkpoint {path}")
 
         if state.iteration < batch.train_iters:
@@ -311,12 +311,18 @@ def run(config: RunConfig, signals) -> int:
 
 
 def _train(config: RunConfig, signals, watchdog, created: bool, CheckpointError) -> int:
+    from megatron.training.loop import NonFiniteError
+
     finished = False
     try:
         pretrain(config, signals, watchdog)
         finished = True
     except CheckpointError as e:
         print(f"error (rank {dist.get_rank()}): {e}", file=sys.stderr)
+        return 1
+    except NonFiniteError as e:  # every rank raises it, with the same message
+        if dist.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
         parallel_state.destroy_model_parallel()

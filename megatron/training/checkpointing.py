@@ -120,6 +120,11 @@ def checkpoint_flag_problems(values: Dict[str, Any]) -> List[str]:
     problems = []
     if values["save_interval"] is not None and values["save"] is None:
         problems.append("--save-interval needs --save (where to write)")
+    if values["keep_last"] is not None:
+        if values["keep_last"] < 1:
+            problems.append(f"--keep-last {values['keep_last']}: keep at least 1 checkpoint")
+        if values["save"] is None:
+            problems.append("--keep-last needs --save")
     for flag in ("no_load_optim", "no_load_rng", "finetune"):
         if values[flag] and values["load"] is None:
             problems.append(f"--{flag.replace('_', '-')} needs --load")
@@ -155,7 +160,8 @@ def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool) -> L
 def save_checkpoint(step, save_dir: str, layout_now: Dict[str, int], device_type: str,
                     iteration: int, consumed_samples: int, lr_state: Dict[str, Any],
                     resolved_flags: Dict[str, Any],
-                    model: Optional[Dict[str, Any]] = None) -> Path:
+                    model: Optional[Dict[str, Any]] = None,
+                    keep_last: Optional[int] = None) -> Path:
     """Write checkpoint `iteration` under `save_dir` (collective: every rank calls it).
 
     model: what meta.json says of the model, so that a checkpoint can be read without the run's
@@ -163,7 +169,8 @@ def save_checkpoint(step, save_dir: str, layout_now: Dict[str, int], device_type
     the precision and, with a pipeline, its cut.
 
     step: the training step (`megatron.training.step.TrainStep`), which writes the engine's
-    files into a folder it is given."""
+    files into a folder it is given.
+    keep_last: once the tracker names this one, keep only the newest this many (`prune`)."""
     root = Path(save_dir)
     rank = dist.get_rank()
     tag = tag_for(iteration)
@@ -204,8 +211,31 @@ def save_checkpoint(step, save_dir: str, layout_now: Dict[str, int], device_type
         _fsync_dir(root)
         write_atomic(root / TRACKER, f"{iteration}\n")
         write_atomic(root / "latest", tag)
+        if keep_last is not None:
+            prune(root, keep_last)
     dist.barrier()
     return root / tag
+
+
+def prune(root: Path, keep_last: int) -> List[Path]:
+    """Remove all but the newest `keep_last` complete checkpoints of `root` (the tracker's is
+    always kept; folders being written, `iter_N.tmp`, are never touched); returns the removed.
+    Called after the tracker names the newest, so a crash mid-removal loses only old ones."""
+    current = read_tracker(root)
+    done = sorted((int(p.name[len("iter_"):]), p) for p in root.glob("iter_*")
+                  if p.is_dir() and p.name[len("iter_"):].isdigit())
+    removed = []
+    for iteration, path in done[:max(len(done) - keep_last, 0)]:
+        if iteration == current:
+            continue
+        # renamed first, so that a half-removed folder never looks like a checkpoint
+        doomed = path.with_name(path.name + ".removing")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path)
+    for stale in root.glob("iter_*.removing"):  # an earlier run's interrupted removal
+        shutil.rmtree(stale, ignore_errors=True)
+    return removed
 
 
 def read_tracker(load_dir: Path) -> Optional[int]:

@@ -41,6 +41,8 @@ class TrainState:
     evaluations: List[tuple] = field(default_factory=list)
     """(iteration, split, loss)."""
     exit_reason: str = ""
+    diverged: str = ""
+    """Why the run stopped at a non-finite loss or gradient norm ('' while it has not)."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,18 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
             timer.reset()
         with watchdog.watch("collective: the all-reduce that agrees on stopping",
                             collective_s):
-            exit_now = _exit_requested(runtime, train_iters, state, start_time, device, signals)
+            bad = _nonfinite(result, device) if checkpoint.check_for_nan else None
+            exit_now = _exit_requested(runtime, train_iters, state, start_time, device, signals,
+                                       bad)
+        if state.diverged:
+            flush_logs()
+            message = (f"iteration {state.iteration}: {state.diverged}; stopping without "
+                       f"saving, so the last checkpoint"
+                       f"{' in ' + checkpoint.save if checkpoint.save else ''} stays the one "
+                       f"its tracker names (lower the learning rate, or check the data; "
+                       f"--no-check-for-nan-in-loss-and-grad turns this check off)")
+            writer.write_text(f"error: {message}")
+            raise NonFiniteError(message)
         saved = False
         if checkpoint.save and (last or exit_now or (checkpoint.save_interval and
                                                      state.iteration % checkpoint.save_interval
@@ -174,21 +187,56 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
     return state
 
 
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm was NaN or infinite (the message names the iteration and
+    the rank); raised on every rank, before anything is saved."""
+
+
+def _nonfinite(result, device) -> torch.Tensor:
+    """[this rank + 1 if its loss is not finite else 0, the same for the gradient norm], on the
+    device (no host sync: it joins the all-reduce that agrees on stopping). An fp16 step that
+    overflowed was skipped by DeepSpeed and changed nothing: not counted."""
+    rank = float(dist.get_rank() + 1)
+    if result.skipped:
+        return torch.zeros(2, device=device)
+    loss_bad = (~torch.isfinite(result.loss.to(device))).double() * rank
+    norm = result.grad_norm
+    norm_bad = rank if norm is not None and not math.isfinite(norm) else 0.0
+    return torch.stack([loss_bad, torch.tensor(norm_bad, dtype=torch.float64, device=device)])
+
+
 def _exit_requested(runtime: RuntimeConfig, train_iters: int, state: TrainState,
-                    start_time: float, device, signals) -> bool:
+                    start_time: float, device, signals,
+                    nonfinite: Optional[torch.Tensor] = None) -> bool:
     """Whether to stop after this step: --exit-interval, or (agreed by all ranks through one
     all-reduce, so that they save and leave together) --exit-duration-in-mins or a stop
-    signal received by any rank."""
-    if state.iteration >= train_iters:
+    signal received by any rank. With `nonfinite` (see `_nonfinite`), the same all-reduce finds
+    the highest rank whose loss or gradient norm was not finite and sets state.diverged."""
+    if nonfinite is None and state.iteration >= train_iters:
         return False
-    if runtime.exit_interval and state.iteration % runtime.exit_interval == 0:
+    if nonfinite is None and runtime.exit_interval \
+            and state.iteration % runtime.exit_interval == 0:
         state.exit_reason = f"--exit-interval {runtime.exit_interval}"
         return True
     timed_out = runtime.exit_duration_in_mins is not None and \
         time.monotonic() - start_time > runtime.exit_duration_in_mins * 60
     signum = signals.received if signals is not None and signals.received is not None else 0
-    flags = torch.tensor([float(timed_out), float(signum)], device=device)
+    flags = torch.tensor([float(timed_out), float(signum), 0.0, 0.0], dtype=torch.float64,
+                         device=device)
+    if nonfinite is not None:
+        flags[2:] = nonfinite
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    loss_rank, norm_rank = int(flags[2].item()), int(flags[3].item())
+    if loss_rank or norm_rank:
+        what = "the loss" if loss_rank else "the gradient norm"
+        state.diverged = f"{what} is not finite (seen by rank {(loss_rank or norm_rank) - 1}" \
+            + (", and the gradient norm too" if loss_rank and norm_rank else "") + ")"
+        return True
+    if state.iteration >= train_iters:
+        return False
+    if runtime.exit_interval and state.iteration % runtime.exit_interval == 0:
+        state.exit_reason = f"--exit-interval {runtime.exit_interval}"
+        return True
     if flags[1].item() > 0:
         import signal
 

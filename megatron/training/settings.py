@@ -73,6 +73,10 @@ class CheckpointConfig:
     lr_policy: str = "check"
     """On load: 'check' (flags and checkpoint must agree), 'flags' or 'checkpoint'."""
     timeout_minutes: float = 30.0
+    keep_last: Optional[int] = None
+    """Keep the newest N checkpoints in `save` (None: all)."""
+    check_for_nan: bool = True
+    """Stop, without saving, at a step whose loss or gradient norm is not finite."""
 
     @property
     def weights_only(self) -> bool:

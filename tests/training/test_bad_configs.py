@@ -226,6 +226,12 @@ CASES = {
     "save_interval_without_save": Case(
         extra=["--save-interval", "10"],
         expect=[("--save-interval", "--save ")]),
+    "keep_last_without_save": Case(
+        extra=["--keep-last", "2"],
+        expect=[("--keep-last needs --save",)]),
+    "keep_last_zero": Case(
+        extra=["--keep-last", "0", "--save", "ckpt"],
+        expect=[("--keep-last 0", "keep at least 1")]),
     "no_load_optim_without_load": Case(
         extra=["--no-load-optim"], expect=[("--no-load-optim", "--load")]),
     "finetune_without_load": Case(

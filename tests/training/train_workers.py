@@ -27,6 +27,19 @@ def run_pretrain(rank, world_size, argvs):
     return out
 
 
+def run_pretrain_until_error(rank, world_size, argvs):
+    """As run_pretrain, but an exception ends the list: its result is {'error': type: message}
+    (every rank reports its own)."""
+    out = []
+    for argv in argvs:
+        try:
+            out += run_pretrain(rank, world_size, [argv])
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out.append({"error": f"{type(e).__name__}: {e}"})
+            break
+    return out
+
+
 def base_argv(data, *extra, model=None, iters=4):
     """A small run: 4 steps, global batch 4, 64 encoder tokens, evaluation every 2 steps."""
     return ["--data-path", data.prefix, "--tokenizer-model", data.spm,

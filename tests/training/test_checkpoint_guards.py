@@ -1,0 +1,59 @@
+"""Checkpoints that never lose the last good state: a diverged run stops before it saves
+(--check-for-nan-in-loss-and-grad, on by default), and --keep-last removes only older, committed
+checkpoints."""
+
+import json
+
+import pytest
+
+from harness import run_workers
+from train_workers import base_argv, run_pretrain, run_pretrain_until_error
+
+pytestmark = pytest.mark.slow
+
+
+def tracker(root):
+    return (root / "latest_checkpointed_iteration.txt").read_text().strip()
+
+
+def test_a_diverging_run_stops_before_saving(train_data, tmp_path):
+    """Resumed from a good checkpoint with a learning rate so large that the first update sends
+    the fp32 weights towards overflow: the next step is not finite, the run stops there
+    (every rank, one message naming the iteration and the rank) and saves nothing; the tracker
+    still names the good checkpoint. With the check off, the same run goes on and saves."""
+    ckpt = tmp_path / "ckpt"
+    good = base_argv(train_data, "--save", str(ckpt), "--save-interval", "2", iters=2)
+    wild = base_argv(train_data, "--load", str(ckpt), "--save", str(ckpt), "--save-interval",
+                     "2", "--lr", "1e30", "--use-new-lr", "--log-interval", "1", iters=6)
+    first = run_workers(2, run_pretrain_until_error, [good, wild], timeout=600)
+    assert all("error" not in r[0] for r in first)
+    for rank_result in first:
+        error = rank_result[1]["error"]
+        # the update of step 3 (lr 8e29) makes step 4's gradients overflow (its loss stays
+        # finite: the RMS norms rescale the huge weights)
+        assert error.startswith("NonFiniteError: iteration 4: the gradient norm is not finite "
+                                "(seen by rank ")
+        assert "stopping without saving" in error
+    assert tracker(ckpt) == "2"
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000002"]
+    unchecked = wild + ["--no-check-for-nan-in-loss-and-grad", "--exit-interval", "4"]
+    second = run_workers(2, run_pretrain_until_error, [unchecked], timeout=600)
+    assert all("error" not in r[0] for r in second)
+    assert tracker(ckpt) == "4"  # the diverged model, saved: what the check prevents
+
+
+def test_keep_last(train_data, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    argv = base_argv(train_data, "--save", str(ckpt), "--save-interval", "1", "--keep-last", "2",
+                     "--exit-interval", "4", iters=5)
+    resume = base_argv(train_data, "--save", str(ckpt), "--load", str(ckpt), "--save-interval",
+                       "1", "--keep-last", "2", iters=5)
+    run_workers(2, run_pretrain, [argv], timeout=600)
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == \
+        ["iter_0000003", "iter_0000004"]
+    assert tracker(ckpt) == "4"
+    result = run_workers(2, run_pretrain, [resume], timeout=600)[0][0]
+    assert sorted(result["losses"]) == [5]
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == \
+        ["iter_0000004", "iter_0000005"]
+    assert json.loads((ckpt / "iter_0000005" / "meta.json").read_text())["iteration"] == 5
