@@ -28,6 +28,7 @@ from megatron.model.settings import resolve_model
 from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
 from megatron.training.checkpointing import checkpoint_flag_problems, checkpoint_problems, layout
+from megatron.training.ownership import lock_problems
 from megatron.training.ds_config import OPTIMIZER_DEFAULTS
 from megatron.training.lr_schedule import DECAY_STYLES
 from megatron.training.lr_schedule import from_args as lr_from_args
@@ -295,6 +296,8 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
         problems.append("--dry-run-device has effect only with --dry-run")
     if values["peak_tflops"] is not None and values["peak_tflops"] <= 0:
         problems.append("--peak-tflops must be positive")
+    if values["save"] is not None and not values["dry_run"]:
+        problems += lock_problems(values["save"], env)
     if values["load"] is not None and not problems:
         problems += checkpoint_problems(values["load"], layout(parallel, resolved.zero.stage),
                                         values["finetune"] or values["no_load_optim"])

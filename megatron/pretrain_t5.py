@@ -201,12 +201,15 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                           f"{parallel_state.get_tensor_model_parallel_rank()}, data-parallel "
                           f"rank {parallel_state.get_data_parallel_rank()})")
     layout_now = layout(config.parallel, config.zero.stage)
+    lock = None
     try:
         for warning in runtime.warnings:
             writer.write_text(f"warning: {warning}")
         writer.write_text("flags: " + json.dumps(config.flags, sort_keys=True))
         writer.write_text("deepspeed config: " + json.dumps(config.deepspeed, sort_keys=True))
         set_seeds(runtime.seed, runtime.device_type)
+        if ckpt.save is not None:
+            lock = _take_save_lock(ckpt.save, writer, runtime.torch_device())
         step = build_step(config, watchdog, writer)
         schedule = config.optimizer.schedule
         state = TrainState()
@@ -267,9 +270,37 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                     writer.write_eval(state.iteration, split, loss)
         return state
     finally:
+        if lock is not None:
+            lock.release()
         if own_watchdog:
             watchdog.close()
         writer.close()
+
+
+def _take_save_lock(save: str, writer, device):
+    """Rank 0 takes --save's writer lock (megatron/training/ownership.py); every rank learns
+    whether it did. Returns the lock on rank 0, None elsewhere.
+
+    Raises:
+        CheckpointError: another live job holds the folder (on every rank)."""
+    from megatron.training.checkpointing import CheckpointError
+    from megatron.training.ownership import SaveLock, SaveLockError, describe
+
+    lock, problem = None, ""
+    if dist.get_rank() == 0:
+        try:
+            lock = SaveLock(save).acquire()
+        except (SaveLockError, OSError) as e:
+            problem = str(e)
+    failed = torch.tensor([float(bool(problem))], device=device)
+    dist.all_reduce(failed)
+    if failed.item():
+        raise CheckpointError(problem or f"--save {save}: rank 0 could not take the folder's "
+                                         f"writer lock (see its message)")
+    if lock is not None and lock.took_over is not None:
+        writer.write_text(f"warning: --save {save}: took over the writer lock of a job that is "
+                          f"gone ({describe(lock.took_over)})")
+    return lock
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -294,7 +325,10 @@ def run(config: RunConfig, signals) -> int:
     from megatron.training.checkpointing import CheckpointError
     from megatron.training.watchdog import Watchdog
 
+    from megatron.training.ownership import watch_launcher
+
     runtime = config.runtime
+    watch_launcher()  # under torchrun: end with the launcher, never outlive it
     launch = distributed_env(os.environ, runtime.local_rank)
     watchdog = Watchdog(int(launch["RANK"]))
     try:

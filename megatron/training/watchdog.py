@@ -66,8 +66,10 @@ class Watchdog:
                 self._expire(what, timeout)
 
     def _expire(self, what: str, timeout: float) -> None:
-        # Whatever happens to the output (a closed pipe, a full disk), the process must end.
+        # Whatever happens to the output (a closed pipe, a full one nobody reads, a full disk),
+        # the process must end: stderr is made non-blocking, so a write fails instead of waiting.
         try:
+            os.set_blocking(sys.stderr.fileno(), False)
             sys.stderr.write(f"\nrank {self.rank}{self.place}: no progress for {timeout:g} s "
                              f"while waiting for {what}; ending this process (exit {EXIT_HANG}). Python "
                              f"stacks:\n")
