@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--finetune", action="store_true",
                    help="on --load, take only the weights: iteration, samples, optimizer, "
                         "RNG and LR schedule start fresh")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background: a save blocks the step only "
+                        "while the state is copied off the device")
     g.add_argument("--keep-last", type=int, default=None, metavar="N",
                    help="keep only the newest N checkpoints in --save (older ones are removed "
                         "once a newer one is committed; default: keep all)")
@@ -312,6 +315,7 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
                                   values["finetune"], values["lr_policy"],
                                   values["checkpoint_timeout_minutes"],
                                   keep_last=values["keep_last"],
+                                  async_save=values["async_save"],
                                   check_for_nan=values["check_for_nan"])
     logging = LoggingConfig(values["log_interval"], values["log_file"],
                             values["tensorboard_dir"], values["peak_tflops"])

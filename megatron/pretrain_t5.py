@@ -176,12 +176,8 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
     watchdog: the caller's (main starts one before the process group); else one of its own.
     """
     from megatron.initialize import set_seeds
-    from megatron.training.checkpointing import (
-        CheckpointError,
-        layout,
-        load_checkpoint,
-        save_checkpoint,
-    )
+    from megatron.training.checkpointing import CheckpointError, layout, load_checkpoint
+    from megatron.training.saver import Saver
     from megatron.training.loop import TrainState, evaluate, train
     from megatron.training.lr_schedule import resolve_with_checkpoint
     from megatron.training.metrics import MetricsWriter
@@ -201,7 +197,7 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                           f"{parallel_state.get_tensor_model_parallel_rank()}, data-parallel "
                           f"rank {parallel_state.get_data_parallel_rank()})")
     layout_now = layout(config.parallel, config.zero.stage)
-    lock = None
+    lock = saver = None
     try:
         for warning in runtime.warnings:
             writer.write_text(f"warning: {warning}")
@@ -249,11 +245,17 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
         if config.parallel.pipeline_model_parallel_size > 1:
             model_meta["pipeline_blocks"] = list(config.pipeline_cut().blocks)
 
+        saver = None
+        if ckpt.save is not None:
+            saver = Saver(step, ckpt.save, layout_now, runtime.device_type, config.flags,
+                          model_meta, ckpt.keep_last, ckpt.async_save,
+                          60 * ckpt.timeout_minutes, watchdog)
+            saver.on_commit = lambda path: writer.write_text(f"saved checkpoint {path}")
+            saver.on_warning = writer.write_text
+
         def save(s: TrainState) -> None:
-            path = save_checkpoint(step, ckpt.save, layout_now, runtime.device_type, s.iteration,
-                                   s.consumed_samples, schedule.state_dict(), config.flags,
-                                   model_meta, ckpt.keep_last)
-            writer.write_text(f"saved checkpoint {path}")
+            if saver.save(s.iteration, s.consumed_samples, schedule.state_dict()) is None:
+                writer.write_text(f"saving checkpoint {s.iteration} in the background")
 
         if state.iteration < batch.train_iters:
             with contextlib.ExitStack() as stack:
@@ -261,7 +263,7 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                     signals = stack.enter_context(StopSignals())
                 state = train(step, batch, config.logging, ckpt, runtime, step_cost(config),
                               schedule, train_loader, valid_loader, writer, state, save,
-                              signals, watchdog)
+                              signals, watchdog, saver)
         if not state.exit_reason:
             for split, loader in (("valid", valid_loader), ("test", test_loader)):
                 loss = evaluate(step, batch, runtime, loader, watchdog)
@@ -270,6 +272,8 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                     writer.write_eval(state.iteration, split, loss)
         return state
     finally:
+        if saver is not None:
+            saver.close()
         if lock is not None:
             lock.release()
         if own_watchdog:

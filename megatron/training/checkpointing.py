@@ -9,10 +9,10 @@ Layout of `--save DIR` (Megatron's tracker and names, DeepSpeed's files inside):
                                             resolved flags (plain JSON)
         rng/rank_00003.pt                   python, numpy, torch (+cuda) and TP-tracker states
 
-A save writes `iter_N.tmp/`, flushes it to disk, renames it to `iter_N`, and only then replaces
-the tracker file (itself written to a temporary name and renamed). A process killed at any
-moment leaves the previous checkpoint and the tracker that points to it intact; the stale
-`.tmp` folder is removed by the next save.
+A save (megatron/training/saver.py) writes `iter_N.tmp/`, flushes it to disk, renames it to
+`iter_N`, and only then replaces the tracker file (itself written to a temporary name and
+renamed). A process killed at any moment leaves the previous checkpoint and the tracker that
+points to it intact; the stale `.tmp` folder is removed by the next save.
 
 Loading checks the layout first (tensor and pipeline sizes must match; the data-parallel size
 too, unless only weights are loaded from a ZeRO 0-2 checkpoint), then has the training step
@@ -26,7 +26,6 @@ import json
 import os
 import random
 import shutil
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -57,14 +56,6 @@ class CheckpointError(RuntimeError):
 
 def tag_for(iteration: int) -> str:
     return f"iter_{iteration:07d}"
-
-
-def _fsync_tree(path: Path) -> None:
-    for root, _, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(Path(root))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -120,6 +111,8 @@ def checkpoint_flag_problems(values: Dict[str, Any]) -> List[str]:
     problems = []
     if values["save_interval"] is not None and values["save"] is None:
         problems.append("--save-interval needs --save (where to write)")
+    if values["async_save"] and values["save"] is None:
+        problems.append("--async-save needs --save")
     if values["keep_last"] is not None:
         if values["keep_last"] < 1:
             problems.append(f"--keep-last {values['keep_last']}: keep at least 1 checkpoint")
@@ -155,66 +148,6 @@ def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool) -> L
         return layout_problems(meta["layout"], now, load, weights_only)
     except CheckpointError as e:
         return [f"--load {load}: {e}"]
-
-
-def save_checkpoint(step, save_dir: str, layout_now: Dict[str, int], device_type: str,
-                    iteration: int, consumed_samples: int, lr_state: Dict[str, Any],
-                    resolved_flags: Dict[str, Any],
-                    model: Optional[Dict[str, Any]] = None,
-                    keep_last: Optional[int] = None) -> Path:
-    """Write checkpoint `iteration` under `save_dir` (collective: every rank calls it).
-
-    model: what meta.json says of the model, so that a checkpoint can be read without the run's
-    files (the conversion tool): the architecture (T5Config.to_dict()), the vocabulary padding,
-    the precision and, with a pipeline, its cut.
-
-    step: the training step (`megatron.training.step.TrainStep`), which writes the engine's
-    files into a folder it is given.
-    keep_last: once the tracker names this one, keep only the newest this many (`prune`)."""
-    root = Path(save_dir)
-    rank = dist.get_rank()
-    tag = tag_for(iteration)
-    tmp_tag = tag + ".tmp"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob("iter_*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
-    dist.barrier()
-    step.save(root, tmp_tag, iteration)
-    rng_dir = root / tmp_tag / "rng"
-    rng_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(device_type), rng_dir / f"rank_{rank:05d}.pt")
-    pause = _test_pause(iteration)
-    if pause:
-        time.sleep(pause)
-    dist.barrier()
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        _fsync_tree(root / tmp_tag)
-    dist.barrier()
-    if rank == 0:
-        meta = {"iteration": iteration, "consumed_samples": consumed_samples,
-                "layout": layout_now, "world_size": dist.get_world_size(),
-                "lr_schedule": lr_state, "flags": resolved_flags,
-                "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-        if model is not None:
-            meta["model"] = model
-        write_atomic(root / tmp_tag / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
-        final = root / tag
-        if final.exists():  # saving the same iteration again: keep the old one until the swap
-            old = root / (tag + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(root / tmp_tag, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(root / tmp_tag, final)
-        _fsync_dir(root)
-        write_atomic(root / TRACKER, f"{iteration}\n")
-        write_atomic(root / "latest", tag)
-        if keep_last is not None:
-            prune(root, keep_last)
-    dist.barrier()
-    return root / tag
 
 
 def prune(root: Path, keep_last: int) -> List[Path]:

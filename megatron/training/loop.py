@@ -96,10 +96,17 @@ def _timed_batches(batches: Iterator, timer: Timer, watchdog, data_s: float) -> 
 def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
           checkpoint: CheckpointConfig, runtime: RuntimeConfig, cost: StepCost, schedule,
           train_loader: Iterable, valid_loader, writer: MetricsWriter, state: TrainState,
-          save: Callable[[TrainState], None], signals=None, watchdog=None) -> TrainState:
+          save: Callable[[TrainState], None], signals=None, watchdog=None,
+          saves=None) -> TrainState:
     """Run steps from state.iteration to batch_config.train_iters (or an exit condition).
 
-    save: writes a checkpoint of the state (called when checkpoint.save is set)."""
+    save: writes a checkpoint of the state (called when checkpoint.save is set).
+    saves: what else the checkpoint side needs from the loop (megatron/training/saver.py's
+        Saver, or None): `poll()` at every step boundary without a save (an asynchronous save
+        commits there, or warns that it failed), `finish()` before the loop returns (a final
+        save that failed raises SaveFailed)."""
+    from megatron.training.saver import SaveFailed
+
     watchdog = watchdog or NoWatchdog()
     collective_s = 60 * runtime.distributed_timeout_minutes
     device = runtime.torch_device()
@@ -175,15 +182,27 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
             flush_logs()
             with watchdog.watch(f"checkpoint I/O: saving iteration {state.iteration} to "
                                 f"{checkpoint.save}", 60 * checkpoint.timeout_minutes):
-                save(state)
-            saved = True
+                try:
+                    save(state)
+                    saved = True
+                except SaveFailed as e:
+                    if last or exit_now:  # nothing would try again
+                        raise
+                    writer.write_text(f"warning: {e}; trying again at the next save")
             timer.reset()
+        elif saves is not None:
+            saves.poll()
         if exit_now:
             flush_logs()
+            if saves is not None:
+                with watchdog.watch("checkpoint I/O: the last save's files", None):
+                    saves.finish()
             writer.write_text(f" exiting at iteration {state.iteration}: {state.exit_reason}"
                               + (" (checkpoint saved)" if saved else ""))
             break
     flush_logs()
+    if saves is not None:
+        saves.finish()
     return state
 
 

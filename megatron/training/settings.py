@@ -75,6 +75,8 @@ class CheckpointConfig:
     timeout_minutes: float = 30.0
     keep_last: Optional[int] = None
     """Keep the newest N checkpoints in `save` (None: all)."""
+    async_save: bool = False
+    """Write checkpoint files in the background (megatron/training/saver.py)."""
     check_for_nan: bool = True
     """Stop, without saving, at a step whose loss or gradient norm is not finite."""
 

@@ -120,6 +120,21 @@ class EngineStep(TrainStep):
         self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state,
                                     save_latest=False)
 
+    def capture(self, root: Path, tag: str, iteration: int, snapshot_with=None) -> list:
+        """What `save` would write, as (path, object) pairs, without writing it (collective):
+        DeepSpeed's checkpoint engine is replaced by megatron/training/async_save.Capture for
+        the duration. snapshot_with: copies each object (async saves)."""
+        from megatron.training.async_save import Capture
+
+        real = self.engine.checkpoint_engine
+        capture = Capture(real, snapshot_with)
+        self.engine.checkpoint_engine = capture
+        try:
+            self.save(root, tag, iteration)
+        finally:
+            self.engine.checkpoint_engine = real
+        return capture.files
+
     def _optimizer_parameters(self) -> Optional[List[List[str]]]:
         """The names of a plain torch optimizer's parameters, group by group (its state_dict
         numbers them only); None where DeepSpeed's ZeRO optimizers record them themselves."""

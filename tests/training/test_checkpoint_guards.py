@@ -1,8 +1,9 @@
 """Checkpoints that never lose the last good state: a diverged run stops before it saves
-(--check-for-nan-in-loss-and-grad, on by default), and --keep-last removes only older, committed
-checkpoints."""
+(--check-for-nan-in-loss-and-grad, on by default), --keep-last removes only older, committed
+checkpoints, and a full disk (a small tmpfs) fails a save without touching the last one."""
 
 import json
+import subprocess
 
 import pytest
 
@@ -57,3 +58,41 @@ def test_keep_last(train_data, tmp_path):
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == \
         ["iter_0000004", "iter_0000005"]
     assert json.loads((ckpt / "iter_0000005" / "meta.json").read_text())["iteration"] == 5
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs: room for one checkpoint of the tiny model (3.9 MB), not two."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root (CI runs as root): {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_full_disk_keeps_the_last_checkpoint(train_data, small_disk, tmp_path, mode):
+    """Save 2 fits; save 4 runs out of space (ENOSPC) on rank 0: every rank drops it, the
+    partial folder goes, the run warns and goes on; the final save (5) fails the same way and,
+    with nothing left to try again, ends the run with an error. The tracker names 2 throughout,
+    and that checkpoint resumes."""
+    ckpt, log = small_disk / "ckpt", tmp_path / f"{mode}.log"
+    extra = ["--async-save"] if mode == "async" else []
+    argv = base_argv(train_data, "--save", str(ckpt), "--save-interval", "2", "--log-file",
+                     str(log), *extra, iters=5)
+    results = run_workers(2, run_pretrain_until_error, [argv], timeout=600)
+    errors = [r[0]["error"] for r in results]
+    assert all(e.startswith("SaveFailed: saving iteration 5 to ") for e in errors), errors
+    assert "No space left on device" in errors[0]  # rank 0 writes the model file
+    text = log.read_text()
+    assert "warning: saving iteration 4 to" in text and "trying again at the next save" in text
+    assert tracker(ckpt) == "2"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == \
+        ["iter_0000002"]
+    resumed = run_workers(2, run_pretrain, [base_argv(
+        train_data, "--load", str(ckpt), "--save", str(tmp_path / "elsewhere"), iters=5)],
+        timeout=600)[0][0]
+    assert sorted(resumed["losses"]) == [3, 4, 5]

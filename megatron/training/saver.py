@@ -1,0 +1,230 @@
+"""Saving a run's checkpoints: synchronously, or with `--async-save` in the background.
+
+The commit protocol is checkpointing.py's: every rank's files go to `iter_N.tmp/`, each file is
+flushed to the disk, and only when every rank's files are durable does rank 0 write meta.json,
+rename the folder to `iter_N` and move the tracker; `--keep-last` then removes older ones.
+
+A save takes DeepSpeed's files as (path, object) pairs (async_save.Capture) and writes them
+itself (async_save.Writer), so that:
+
+- **Failures are agreed on.** A write that fails (ENOSPC, EIO, ...) on any rank fails the save on
+  every rank: the partial `iter_N.tmp/` is removed, the previous checkpoint and the tracker are
+  untouched, and `SaveFailed` is raised. The loop then goes on with a warning and tries again
+  at the next interval; a failed final save (the end, an exit condition, a stop signal) ends the
+  run with exit 1, since nothing would try again.
+- **`--async-save`.** The save blocks only while the state is copied off the device; a
+  persistent writer thread writes the files. At every step boundary `poll` asks, over a gloo
+  group of its own (one small all-reduce; on GPUs the NCCL streams are not touched), whether
+  every rank's writer is done, and commits when they are. The next save, the final save, an exit
+  condition and a stop signal first `finish` the outstanding one. A writer stuck in I/O for
+  longer than `--checkpoint-timeout-minutes` fails the run with a message naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.training.async_save import HostBuffers, Writer, snapshot, write_file
+from megatron.training.checkpointing import (
+    TRACKER,
+    CheckpointError,
+    _fsync_dir,
+    _test_pause,
+    prune,
+    rng_state,
+    tag_for,
+    write_atomic,
+)
+
+
+class SaveFailed(CheckpointError):
+    """A save that did not complete on some rank; the previous checkpoint stands."""
+
+
+@dataclass
+class _Pending:
+    iteration: int
+    meta: Dict[str, Any]
+    started: float
+
+
+class Saver:
+    """Saves checkpoints of one run into `save_dir` (every method is collective)."""
+
+    def __init__(self, step, save_dir: str, layout: Dict[str, int], device_type: str,
+                 flags: Dict[str, Any], model: Optional[Dict[str, Any]] = None,
+                 keep_last: Optional[int] = None, async_save: bool = False,
+                 timeout_s: float = 1800.0, watchdog=None) -> None:
+        self.step, self.root, self.layout = step, Path(save_dir), layout
+        self.device_type, self.flags, self.model = device_type, flags, model
+        self.keep_last, self.timeout_s, self.watchdog = keep_last, timeout_s, watchdog
+        self.writer = Writer() if async_save else None
+        self.buffers = HostBuffers()
+        self.pending: Optional[_Pending] = None
+        self.on_commit = None
+        """Called with the folder of each committed save (the log line)."""
+        self.on_warning = None
+        """Called with the message of an asynchronous save that failed (the log line)."""
+        self.group = None
+        if async_save:  # the commit agreement: gloo, whatever the training backend
+            self.group = dist.new_group(backend="gloo") \
+                if dist.get_backend() != "gloo" else dist.group.WORLD
+
+    # the save ------------------------------------------------------------------------------
+    def save(self, iteration: int, consumed_samples: int, lr_state: Dict[str, Any]
+             ) -> Optional[Path]:
+        """Save `iteration`: its folder once committed (synchronous), or None while its files are
+        being written in the background (asynchronous; `poll` commits it).
+
+        Raises:
+            SaveFailed: this save failed on some rank (an earlier asynchronous one that failed
+                is reported through `on_warning`, and this one goes ahead)."""
+        try:
+            self.finish()
+        except SaveFailed as e:
+            self._warn(e)
+        rank = dist.get_rank()
+        tmp = self.root / (tag_for(iteration) + ".tmp")
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob("iter_*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+        dist.barrier()
+        snapshot_with = None
+        if self.writer is not None:
+            self.buffers.start()
+            snapshot_with = lambda obj: snapshot(obj, self.buffers)  # noqa: E731
+        files = self.step.capture(self.root, tmp.name, iteration, snapshot_with)
+        (tmp / "rng").mkdir(parents=True, exist_ok=True)
+        files.append((str(tmp / "rng" / f"rank_{rank:05d}.pt"), rng_state(self.device_type)))
+        if self.writer is not None and self.device_type == "cuda":
+            torch.cuda.synchronize()  # the copies into the pinned buffers
+        meta = {"iteration": iteration, "consumed_samples": consumed_samples,
+                "layout": self.layout, "world_size": dist.get_world_size(),
+                "lr_schedule": lr_state, "flags": self.flags}
+        if self.model is not None:
+            meta["model"] = self.model
+        self.pending = _Pending(iteration, meta, time.monotonic())
+        pause = _test_pause(iteration)
+        if self.writer is not None:
+            if pause:
+                files.insert(0, (None, pause))
+            self.writer.submit(files)
+            return None
+        error = self._write(files, pause)
+        return self._agree(error, not_done=False, group=None)
+
+    def _write(self, files, pause: float) -> Optional[str]:
+        for path, obj in files:
+            try:
+                if self.watchdog is not None:
+                    with self.watchdog.watch(f"checkpoint I/O: writing {path}", self.timeout_s):
+                        write_file(path, obj)
+                else:
+                    write_file(path, obj)
+            except Exception as e:  # noqa: BLE001 - ENOSPC, EIO, ...: agreed on below
+                return f"{path}: {type(e).__name__}: {e}"
+        if pause:
+            time.sleep(pause)
+        return None
+
+    # the asynchronous side -----------------------------------------------------------------
+    def poll(self) -> Optional[Path]:
+        """At a step boundary: commit the outstanding asynchronous save if every rank's files
+        are written (its folder), else None; never waits for a writer. A failed save is
+        reported through `on_warning` (the next save tries again)."""
+        if self.pending is None or self.writer is None:
+            return None
+        stuck = not self.writer.done() and \
+            time.monotonic() - self.pending.started > self.timeout_s
+        try:
+            return self._agree(self.writer.error, not self.writer.done(), self.group, stuck)
+        except SaveFailed as e:
+            self._warn(e)
+            return None
+
+    def _warn(self, error: SaveFailed) -> None:
+        if self.on_warning is not None:
+            self.on_warning(f"warning: {error}; trying again at the next save")
+
+    def finish(self) -> Optional[Path]:
+        """Wait for the outstanding asynchronous save and commit it (its folder, or None when
+        there was none)."""
+        if self.pending is None or self.writer is None:
+            return None
+        left = self.timeout_s - (time.monotonic() - self.pending.started)
+        done = self.writer.wait(max(left, 0.0))
+        return self._agree(self.writer.error, False, self.group, stuck=not done)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    # agreement and commit ------------------------------------------------------------------
+    def _agree(self, error: Optional[str], not_done: bool, group, stuck: bool = False
+               ) -> Optional[Path]:
+        flags = torch.tensor([float(not_done), float(error is not None), float(stuck)],
+                             device="cpu" if group is not None else _device(self.device_type))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        not_done, failed, stuck = (bool(v) for v in flags.tolist())
+        pending = self.pending
+        if stuck:
+            where = self.writer.current if self.writer is not None else None
+            raise CheckpointError(
+                f"saving iteration {pending.iteration} to {self.root}: a rank's checkpoint "
+                f"writer made no progress for {self.timeout_s / 60:g} minutes"
+                + (f" (this rank: still writing {where})" if where and not self.writer.done()
+                   else "") + " (--checkpoint-timeout-minutes)")
+        if not_done:
+            return None
+        self.pending = None
+        tmp = self.root / (tag_for(pending.iteration) + ".tmp")
+        if failed:
+            if dist.get_rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            mine = f" (this rank: {error})" if error else ""
+            raise SaveFailed(f"saving iteration {pending.iteration} to {self.root} failed on "
+                             f"some rank{mine}; the partial folder is removed and the previous "
+                             f"checkpoint stays the one the tracker names")
+        final = self.root / tag_for(pending.iteration)
+        if dist.get_rank() == 0:
+            self._commit(tmp, final, pending)
+        if group is None:
+            dist.barrier()
+        if self.on_commit is not None:
+            self.on_commit(final)
+        return final
+
+    def _commit(self, tmp: Path, final: Path, pending: _Pending) -> None:
+        meta = {**pending.meta, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        write_atomic(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
+        for folder, _, _ in os.walk(tmp):  # the files are durable (each writer fsynced its
+            _fsync_dir(Path(folder))       # own); now their directory entries
+        if final.exists():  # saving the same iteration again: keep the old one until the swap
+            old = final.with_name(final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(self.root)
+        write_atomic(self.root / TRACKER, f"{pending.iteration}\n")
+        write_atomic(self.root / "latest", final.name)
+        if self.keep_last is not None:
+            prune(self.root, self.keep_last)
+
+
+def _device(device_type: str) -> torch.device:
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
