@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -235,6 +237,20 @@ def layout_problems(saved: Dict[str, int], now: Dict[str, int], load: str,
             f"stopped)"]
 
 
+def damaged_file(folder: Path) -> Optional[str]:
+    """The first file of an iteration folder that is cut short or whose zip directory is
+    damaged (what a killed writer or a full disk leaves), as a message naming it; None when all
+    open. Reads only each file's directory at its end, not its data."""
+    for path in sorted(folder.rglob("*.pt")):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                archive.infolist()
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+            return (f"{path}: truncated or damaged ({e}); the checkpoint cannot be loaded: "
+                    f"load an earlier iteration (--load with a tracker naming it)")
+    return None
+
+
 def load_checkpoint(step, config: CheckpointConfig, layout_now: Dict[str, int],
                     device_type: str) -> Optional[Dict[str, Any]]:
     """Restore from config.load; returns the checkpoint's meta.json (None: nothing to load).
@@ -261,7 +277,19 @@ def load_checkpoint(step, config: CheckpointConfig, layout_now: Dict[str, int],
     problems = layout_problems(meta["layout"], layout_now, config.load, config.weights_only)
     if problems:  # validate() finds these first; a checkpoint may have appeared since
         raise CheckpointError(problems[0])
-    if not step.load(root, tag_for(iteration), weights_only=config.weights_only):
+    damaged = [None]
+    if dist.get_rank() == 0:
+        damaged[0] = damaged_file(root / tag_for(iteration))
+    dist.broadcast_object_list(damaged, src=0)
+    if damaged[0] is not None:
+        raise CheckpointError(damaged[0])
+    try:
+        loaded = step.load(root, tag_for(iteration), weights_only=config.weights_only)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"{root / tag_for(iteration)}: a file cannot be read ({first}); "
+                              f"the checkpoint is damaged: load an earlier iteration") from None
+    if not loaded:
         raise CheckpointError(f"DeepSpeed could not load {root / tag_for(iteration)}")
     if not (config.finetune or config.no_load_rng):
         rng_file = root / tag_for(iteration) / "rng" / f"rank_{dist.get_rank():05d}.pt"

@@ -96,3 +96,18 @@ def test_a_full_disk_keeps_the_last_checkpoint(train_data, small_disk, tmp_path,
         train_data, "--load", str(ckpt), "--save", str(tmp_path / "elsewhere"), iters=5)],
         timeout=600)[0][0]
     assert sorted(resumed["losses"]) == [3, 4, 5]
+
+
+def test_a_truncated_file_at_load_is_named(train_data, tmp_path):
+    """A file cut short (a writer killed outside our protocol, a copy that ran out of space):
+    one message naming it, on every rank, instead of a zip or pickle traceback."""
+    ckpt = tmp_path / "ckpt"
+    run_workers(2, run_pretrain, [base_argv(train_data, "--save", str(ckpt), iters=2)],
+                timeout=600)
+    target = ckpt / "iter_0000002" / "mp_rank_00_model_states.pt"
+    target.write_bytes(target.read_bytes()[:len(target.read_bytes()) // 2])
+    results = run_workers(2, run_pretrain_until_error, [base_argv(
+        train_data, "--load", str(ckpt), iters=4)], timeout=600)
+    for rank_results in results:
+        error = rank_results[0]["error"]
+        assert error.startswith(f"CheckpointError: {target}: truncated or damaged"), error

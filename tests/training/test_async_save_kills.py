@@ -1,0 +1,118 @@
+"""Asynchronous saves against the job's end. SIGKILL of a whole job (torchrun and both workers,
+at once) at 20 different moments while saves are being written: the checkpoint the tracker
+names always loads, and the next launch resumes from it (each save's writer first sleeps 0.2 s,
+the tests' pause, so that the kills land before, during and after the files and the commit).
+And a stop signal during a save: both saves committed, exit 0."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from train_workers import base_argv
+
+from megatron.training.checkpointing import damaged_file, read_tracker, tag_for
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+ROUNDS = 20
+
+
+def kill_job(proc):
+    family = [proc.pid]
+    with contextlib.suppress(psutil.Error):
+        family += [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    for pid in family:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(30)
+    psutil.wait_procs([p for p in map(_process, family) if p is not None], timeout=10)
+
+
+def _process(pid):
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
+
+
+def test_kills_during_async_saves_never_lose_the_tracked_checkpoint(train_data, tmp_path):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.txt"
+    flags = base_argv(train_data, "--save", str(ckpt), "--load", str(ckpt), "--async-save",
+                      "--save-interval", "1", "--log-file", str(log), "--eval-interval", "0",
+                      iters=100000)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORLD_SIZE", "RANK"))}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MEGATRON_CHECKPOINT_TEST_PAUSE_S="0.2")
+    first = subprocess.run(  # a first checkpoint, so that every round has one to lose
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+         "29598", "-m", "megatron.pretrain_t5", *flags, "--exit-interval", "1"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0 and read_tracker(ckpt) == 1, first.stderr[-3000:]
+    seen = []
+    for round_ in range(ROUNDS):
+        before = log.read_text().count("saving checkpoint") if log.exists() else 0
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(29600 + round_), "-m", "megatron.pretrain_t5", *flags]
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 180
+            while not (log.exists() and log.read_text().count("saving checkpoint") > before):
+                assert proc.poll() is None, proc.stderr.read()[-3000:]
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            time.sleep(0.07 * round_)  # from the first save's start to 1.3 s later
+        finally:
+            kill_job(proc)
+        iteration = read_tracker(ckpt)
+        folder = ckpt / tag_for(iteration)
+        assert (folder / "meta.json").is_file() and damaged_file(folder) is None, round_
+        seen.append(iteration)
+    assert seen == sorted(seen) and seen[-1] > seen[0]
+    # the last tracked checkpoint resumes (a launch that ends by itself)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+         "29599", "-m", "megatron.pretrain_t5", *flags, "--exit-interval", str(seen[-1] + 1)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {ckpt} at iteration {seen[-1]}" in log.read_text()
+    assert read_tracker(ckpt) == seen[-1] + 1
+
+
+def test_a_stop_signal_during_an_async_save(train_data, tmp_path):
+    """SIGTERM while a save is being written (its writer sleeps 3 s first): the run agrees to
+    stop at the next step boundary, saves that step (after committing the outstanding save)
+    and exits 0 with both committed and sound."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.txt"
+    flags = base_argv(train_data, "--save", str(ckpt), "--load", str(ckpt), "--async-save",
+                      "--save-interval", "3", "--log-file", str(log), "--eval-interval", "0",
+                      iters=100000)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORLD_SIZE", "RANK"))}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+               MEGATRON_CHECKPOINT_TEST_PAUSE_S="3:3")
+    proc = subprocess.Popen([sys.executable, "-m", "megatron.pretrain_t5", *flags], cwd=tmp_path,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (log.exists() and "saving checkpoint 3 in the background" in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, proc.stderr.read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            kill_job(proc)
+    text = log.read_text()
+    stopped = int(text.split(" exiting at iteration ")[1].split(":")[0])
+    assert stopped > 3 and f"exiting at iteration {stopped}: signal SIGTERM (checkpoint saved)" \
+        in text
+    assert f"saved checkpoint {ckpt / 'iter_0000003'}" in text
+    assert read_tracker(ckpt) == stopped and damaged_file(ckpt / tag_for(stopped)) is None
+    assert not list(ckpt.glob("*.tmp"))
