@@ -250,7 +250,12 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
             saver = Saver(step, ckpt.save, layout_now, runtime.device_type, config.flags,
                           model_meta, ckpt.keep_last, ckpt.async_save,
                           60 * ckpt.timeout_minutes, watchdog)
-            saver.on_commit = lambda path: writer.write_text(f"saved checkpoint {path}")
+            saver.on_commit = lambda path, t: writer.write_text(
+                f"saved checkpoint {path} ({t['bytes'] / 2**20:.1f} MiB; the step was held "
+                f"{t['blocked_s']:.2f} s" + (f" + {t['waited_s']:.2f} s waiting for the previous "
+                                             f"save" if t['waited_s'] >= 0.01 else "")
+                + f"; written in {t['written_s']:.2f} s per rank"
+                + (" in the background" if t["async"] else "") + ")")
             saver.on_warning = writer.write_text
 
         def save(s: TrainState) -> None:

@@ -135,8 +135,8 @@ class _Recorded:
         self.f.flush()
 
 
-def write_file(path: str, obj: Any) -> None:
-    """torch.save, flushed to the disk before returning.
+def write_file(path: str, obj: Any) -> int:
+    """torch.save, flushed to the disk before returning; the file's size.
 
     Raises:
         OSError: ENOSPC, EIO, ... as the file system said it (torch's own error otherwise)."""
@@ -150,16 +150,7 @@ def write_file(path: str, obj: Any) -> None:
                 raise recorded.error from None
             raise
         os.fsync(f.fileno())
-
-
-def write_files(files: Files) -> Optional[str]:
-    """Write every file; None, or what went wrong (naming the file) at the first failure."""
-    for path, obj in files:
-        try:
-            write_file(path, obj)
-        except Exception as e:  # noqa: BLE001 - ENOSPC, EIO, anything: reported, agreed on
-            return f"{path}: {type(e).__name__}: {e}"
-    return None
+        return f.tell()
 
 
 class Writer:
@@ -172,6 +163,9 @@ class Writer:
         self.error: Optional[str] = None
         self.current: Optional[str] = None
         """The file being written (for the watchdog's message)."""
+        self.bytes = 0
+        self.seconds = 0.0
+        """The last save's bytes and writing time (this rank)."""
         self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
@@ -193,16 +187,19 @@ class Writer:
             files = self._jobs.get()
             if files is None:
                 return
-            for path, obj in files:
+            start, self.bytes = time.monotonic(), 0
+            for i, (path, obj) in enumerate(files):
                 self.current = path
                 try:
-                    if path is None:  # the tests' pause (checkpointing.TEST_PAUSE_ENV)
-                        time.sleep(obj)
+                    if path is None:  # the tests' pause (checkpointing.TEST_PAUSE_ENV), as if
+                        self.current = files[i + 1][0] if i + 1 < len(files) else None
+                        time.sleep(obj)  # the next file's write were slow
                         continue
-                    write_file(path, obj)
+                    self.bytes += write_file(path, obj)
                 except Exception as e:  # noqa: BLE001
                     self.error = f"{path}: {type(e).__name__}: {e}"
                     break
+            self.seconds = time.monotonic() - start
             self.current = None
             del files
             self._done.set()

@@ -55,6 +55,12 @@ class _Pending:
     iteration: int
     meta: Dict[str, Any]
     started: float
+    blocked_s: float = 0.0
+    """How long the save held the training step (capture, copies; synchronous: the writing)."""
+    waited_s: float = 0.0
+    """How long it first waited for the outstanding asynchronous save."""
+    bytes: int = 0
+    written_s: float = 0.0
 
 
 class Saver:
@@ -71,7 +77,10 @@ class Saver:
         self.buffers = HostBuffers()
         self.pending: Optional[_Pending] = None
         self.on_commit = None
-        """Called with the folder of each committed save (the log line)."""
+        """Called with the folder and `last` of each committed save (the log line)."""
+        self.last: Optional[Dict[str, Any]] = None
+        """The last committed save: iteration, bytes (all ranks), written_s (the ranks' mean
+        time writing), blocked_s (rank 0's step held), waited_s, async."""
         self.on_warning = None
         """Called with the message of an asynchronous save that failed (the log line)."""
         self.group = None
@@ -88,10 +97,12 @@ class Saver:
         Raises:
             SaveFailed: this save failed on some rank (an earlier asynchronous one that failed
                 is reported through `on_warning`, and this one goes ahead)."""
+        began = time.monotonic()
         try:
             self.finish()
         except SaveFailed as e:
             self._warn(e)
+        waited = time.monotonic() - began
         rank = dist.get_rank()
         tmp = self.root / (tag_for(iteration) + ".tmp")
         if rank == 0:
@@ -113,14 +124,18 @@ class Saver:
                 "lr_schedule": lr_state, "flags": self.flags}
         if self.model is not None:
             meta["model"] = self.model
-        self.pending = _Pending(iteration, meta, time.monotonic())
+        self.pending = pending = _Pending(iteration, meta, time.monotonic(), waited_s=waited)
         pause = _test_pause(iteration)
         if self.writer is not None:
             if pause:
                 files.insert(0, (None, pause))
             self.writer.submit(files)
+            pending.blocked_s = time.monotonic() - began
             return None
+        written = time.monotonic()
         error = self._write(files, pause)
+        pending.written_s = time.monotonic() - written
+        pending.blocked_s = time.monotonic() - began
         return self._agree(error, not_done=False, group=None)
 
     def _write(self, files, pause: float) -> Optional[str]:
@@ -128,9 +143,9 @@ class Saver:
             try:
                 if self.watchdog is not None:
                     with self.watchdog.watch(f"checkpoint I/O: writing {path}", self.timeout_s):
-                        write_file(path, obj)
+                        self.pending.bytes += write_file(path, obj)
                 else:
-                    write_file(path, obj)
+                    self.pending.bytes += write_file(path, obj)
             except Exception as e:  # noqa: BLE001 - ENOSPC, EIO, ...: agreed on below
                 return f"{path}: {type(e).__name__}: {e}"
         if pause:
@@ -195,13 +210,22 @@ class Saver:
             raise SaveFailed(f"saving iteration {pending.iteration} to {self.root} failed on "
                              f"some rank{mine}; the partial folder is removed and the previous "
                              f"checkpoint stays the one the tracker names")
+        if self.writer is not None:
+            pending.bytes, pending.written_s = self.writer.bytes, self.writer.seconds
+        totals = torch.tensor([float(pending.bytes), pending.written_s], dtype=torch.float64,
+                              device=flags.device)
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
         final = self.root / tag_for(pending.iteration)
         if dist.get_rank() == 0:
             self._commit(tmp, final, pending)
         if group is None:
             dist.barrier()
+        self.last = {"iteration": pending.iteration, "bytes": int(totals[0].item()),
+                     "written_s": totals[1].item() / dist.get_world_size(),
+                     "blocked_s": pending.blocked_s, "waited_s": pending.waited_s,
+                     "async": self.writer is not None}
         if self.on_commit is not None:
-            self.on_commit(final)
+            self.on_commit(final, self.last)
         return final
 
     def _commit(self, tmp: Path, final: Path, pending: _Pending) -> None:

@@ -111,3 +111,21 @@ def test_a_truncated_file_at_load_is_named(train_data, tmp_path):
     for rank_results in results:
         error = rank_results[0]["error"]
         assert error.startswith(f"CheckpointError: {target}: truncated or damaged"), error
+
+
+def test_a_stuck_async_writer_is_named(train_data, tmp_path, monkeypatch):
+    """An asynchronous save whose writer makes no progress (the tests' pause: 600 s before the
+    first file of iteration 2) fails the run once --checkpoint-timeout-minutes (3 s) pass,
+    naming the file it is stuck on; the tracker stays at the save before."""
+    monkeypatch.setenv("MEGATRON_CHECKPOINT_TEST_PAUSE_S", "2:600")
+    ckpt = tmp_path / "ckpt"
+    argv = base_argv(train_data, "--save", str(ckpt), "--save-interval", "1", "--async-save",
+                     "--checkpoint-timeout-minutes", "0.05", "--eval-interval", "0",
+                     iters=100000)
+    results = run_workers(2, run_pretrain_until_error, [argv], timeout=600)
+    for rank, rank_results in enumerate(results):
+        error = rank_results[0]["error"]
+        assert error.startswith(f"CheckpointError: saving iteration 2 to {ckpt}: a rank's "
+                                f"checkpoint writer made no progress for 0.05 minutes"), error
+    assert f"(this rank: still writing {ckpt / 'iter_0000002.tmp'}" in results[0][0]["error"]
+    assert tracker(ckpt) == "1"
