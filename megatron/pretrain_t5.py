@@ -254,6 +254,7 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                 f"saved checkpoint {path} ({t['bytes'] / 2**20:.1f} MiB; the step was held "
                 f"{t['blocked_s']:.2f} s" + (f" + {t['waited_s']:.2f} s waiting for the previous "
                                              f"save" if t['waited_s'] >= 0.01 else "")
+                + f"; state taken in {t['capture_s']:.2f} s"
                 + f"; written in {t['written_s']:.2f} s per rank"
                 + (" in the background" if t["async"] else "") + ")")
             saver.on_warning = writer.write_text

@@ -59,6 +59,8 @@ class _Pending:
     """How long the save held the training step (capture, copies; synchronous: the writing)."""
     waited_s: float = 0.0
     """How long it first waited for the outstanding asynchronous save."""
+    capture_s: float = 0.0
+    """DeepSpeed's state dicts taken (and, asynchronous, copied off the device)."""
     bytes: int = 0
     written_s: float = 0.0
 
@@ -80,7 +82,7 @@ class Saver:
         """Called with the folder and `last` of each committed save (the log line)."""
         self.last: Optional[Dict[str, Any]] = None
         """The last committed save: iteration, bytes (all ranks), written_s (the ranks' mean
-        time writing), blocked_s (rank 0's step held), waited_s, async."""
+        time writing), blocked_s (rank 0's step held), waited_s, capture_s, async."""
         self.on_warning = None
         """Called with the message of an asynchronous save that failed (the log line)."""
         self.group = None
@@ -114,6 +116,7 @@ class Saver:
         if self.writer is not None:
             self.buffers.start()
             snapshot_with = lambda obj: snapshot(obj, self.buffers)  # noqa: E731
+        captured = time.monotonic()
         files = self.step.capture(self.root, tmp.name, iteration, snapshot_with)
         (tmp / "rng").mkdir(parents=True, exist_ok=True)
         files.append((str(tmp / "rng" / f"rank_{rank:05d}.pt"), rng_state(self.device_type)))
@@ -124,7 +127,8 @@ class Saver:
                 "lr_schedule": lr_state, "flags": self.flags}
         if self.model is not None:
             meta["model"] = self.model
-        self.pending = pending = _Pending(iteration, meta, time.monotonic(), waited_s=waited)
+        self.pending = pending = _Pending(iteration, meta, time.monotonic(), waited_s=waited,
+                                          capture_s=time.monotonic() - captured)
         pause = _test_pause(iteration)
         if self.writer is not None:
             if pause:
@@ -223,6 +227,7 @@ class Saver:
         self.last = {"iteration": pending.iteration, "bytes": int(totals[0].item()),
                      "written_s": totals[1].item() / dist.get_world_size(),
                      "blocked_s": pending.blocked_s, "waited_s": pending.waited_s,
+                     "capture_s": pending.capture_s,
                      "async": self.writer is not None}
         if self.on_commit is not None:
             self.on_commit(final, self.last)
