@@ -51,8 +51,10 @@ def test_no_load_optim_and_finetune(train_data, tmp_path):
 @pytest.mark.parametrize("world,extra", [
     (2, ["--zero-stage", "0"]),
     (2, ["--zero-stage", "3"]),
+    (2, ["--zero-stage", "2", "--offload-optimizer", "cpu"]),
+    (2, ["--tensor-model-parallel-size", "2", "--zero-stage", "1"]),
     (4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "1"]),
-], ids=["dp2_z0", "dp2_z3", "pp2_dp2_z1"])
+], ids=["dp2_z0", "dp2_z3", "dp2_z2_offload", "tp2_z1", "pp2_dp2_z1"])
 def test_async_save_resume_is_exact(train_data, tmp_path, world, extra):
     """--async-save: the files are written in the background while steps go on, committed at a
     later step boundary (or before the exit); resuming gives the straight run's losses, bit for
