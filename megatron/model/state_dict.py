@@ -12,8 +12,7 @@ megatron.checkpoint.hf.read_hf_folder to stream it).
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
-from typing import Dict, Iterable, Optional, Tuple, Union
+from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
