@@ -57,6 +57,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron.data.jieba_segmenter import JiebaSegmenter
+from megatron.data.tokenizer import TokenizerNames
 
 SENTINEL_FORMAT = "<s_{}>"
 SPACE_PIECE = "\u2582"    # "▂"
@@ -131,7 +132,7 @@ def _import_jieba():
     return jieba
 
 
-class CPM2Tokenizer:
+class CPM2Tokenizer(TokenizerNames):
     """CPM-2-Pretrain's `EncDecTokenizer` ids from a vocab.txt (module doc); the interface of
     `megatron.data.tokenizer.T5Tokenizer`."""
 
@@ -167,41 +168,9 @@ class CPM2Tokenizer:
     # -- ids and pieces -----------------------------------------------------------------------
 
     @property
-    def eod(self) -> int:
-        """End-of-document id (Megatron's name): `<eod>`."""
-        return self.eos_id
-
-    eod_id = eod
-    eos = eod
-
-    @property
-    def pad(self) -> int:
-        """Megatron's name for the pad id (`<pad>`)."""
-        return self.pad_id
-
-    @property
     def decoder_start_token_id(self) -> int:
         """First decoder input: `<s>` (id 1 in CPM-2's vocabularies, as CPM-2 hard-codes it)."""
         return self.bos_id
-
-    @property
-    def additional_special_tokens_ids(self) -> List[int]:
-        """Sentinel ids in order `<s_0>, <s_1>, ...`."""
-        return list(self.sentinel_ids)
-
-    @property
-    def token_dtype(self) -> type:
-        """Smallest numpy dtype for token ids (Megatron's rule: uint16 below 65500, else int32)."""
-        return np.uint16 if self.vocab_size < 65500 else np.int32
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    def sentinel_id(self, i: int) -> int:
-        """Id of `<s_i>`."""
-        if not 0 <= i < len(self.sentinel_ids):
-            raise IndexError(f"sentinel index {i} out of range [0, {len(self.sentinel_ids)})")
-        return self.sentinel_ids[i]
 
     def is_sentinel(self, token_id: int) -> bool:
         """Whether `token_id` is one of the `<s_N>` sentinels."""
