@@ -57,7 +57,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron.data.jieba_segmenter import JiebaSegmenter
-from megatron.data.tokenizer import TokenizerNames
+from megatron.data.tokenizer_names import TokenizerNames
 
 SENTINEL_FORMAT = "<s_{}>"
 SPACE_PIECE = "\u2582"    # "▂"

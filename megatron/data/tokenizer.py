@@ -46,6 +46,8 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import sentencepiece as spm
 
+from megatron.data.tokenizer_names import TokenizerNames
+
 SENTINEL_FORMAT = "<extra_id_{}>"
 _SPACE = "\u2581"  # SentencePiece's escaped whitespace "▁"
 
@@ -56,54 +58,6 @@ def _available_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-class TokenizerNames:
-    """The names the rest of the code reads from either tokenizer type (Megatron's and Hugging
-    Face's spellings). A subclass sets `vocab_size`, `eos_id`, `pad_id`, `sentinel_ids` and
-    defines `decoder_start_token_id`."""
-
-    vocab_size: int
-    eos_id: int
-    pad_id: int
-    sentinel_ids: List[int]
-
-    @property
-    def eod(self) -> int:
-        """End-of-document id (Megatron's name): the eos."""
-        return self.eos_id
-
-    @property
-    def eod_id(self) -> int:
-        return self.eos_id
-
-    @property
-    def eos(self) -> int:
-        return self.eos_id
-
-    @property
-    def pad(self) -> int:
-        """Megatron's name for the pad id."""
-        return self.pad_id
-
-    @property
-    def additional_special_tokens_ids(self) -> List[int]:
-        """Sentinel ids in order (Megatron/HF name)."""
-        return list(self.sentinel_ids)
-
-    @property
-    def token_dtype(self) -> type:
-        """Smallest numpy dtype for token ids (Megatron's rule: uint16 below 65500, else int32)."""
-        return np.uint16 if self.vocab_size < 65500 else np.int32
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    def sentinel_id(self, i: int) -> int:
-        """Id of sentinel `i` (`<extra_id_i>`, CPM-2's `<s_i>`)."""
-        if not 0 <= i < len(self.sentinel_ids):
-            raise IndexError(f"sentinel index {i} out of range [0, {len(self.sentinel_ids)})")
-        return self.sentinel_ids[i]
 
 
 class T5Tokenizer(TokenizerNames):

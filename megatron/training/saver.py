@@ -63,6 +63,8 @@ class _Pending:
     """DeepSpeed's state dicts taken (and, asynchronous, copied off the device)."""
     bytes: int = 0
     written_s: float = 0.0
+    began: float = 0.0
+    """When `save` was called (a synchronous save holds the step until its commit)."""
 
 
 class Saver:
@@ -128,7 +130,7 @@ class Saver:
         if self.model is not None:
             meta["model"] = self.model
         self.pending = pending = _Pending(iteration, meta, time.monotonic(), waited_s=waited,
-                                          capture_s=time.monotonic() - captured)
+                                          capture_s=time.monotonic() - captured, began=began)
         pause = _test_pause(iteration)
         if self.writer is not None:
             if pause:
@@ -139,7 +141,6 @@ class Saver:
         written = time.monotonic()
         error = self._write(files, pause)
         pending.written_s = time.monotonic() - written
-        pending.blocked_s = time.monotonic() - began
         return self._agree(error, not_done=False, group=None)
 
     def _write(self, files, pause: float) -> Optional[str]:
@@ -224,6 +225,7 @@ class Saver:
             self._commit(tmp, final, pending)
         if group is None:
             dist.barrier()
+            pending.blocked_s = time.monotonic() - pending.began  # the commit held it too
         self.last = {"iteration": pending.iteration, "bytes": int(totals[0].item()),
                      "written_s": totals[1].item() / dist.get_world_size(),
                      "blocked_s": pending.blocked_s, "waited_s": pending.waited_s,

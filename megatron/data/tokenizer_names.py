@@ -1,0 +1,57 @@
+"""The names the rest of the code reads from a tokenizer, whichever type it is (SentencePiece,
+megatron/data/tokenizer.py; CPM-2's word pieces, megatron/data/cpm2_tokenizer.py): Megatron's and
+Hugging Face's spellings of the special ids, computed once here for both."""
+
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+
+
+class TokenizerNames:
+    """The names the rest of the code reads from either tokenizer type (Megatron's and Hugging
+    Face's spellings). A subclass sets `vocab_size`, `eos_id`, `pad_id`, `sentinel_ids` and
+    defines `decoder_start_token_id`."""
+
+    vocab_size: int
+    eos_id: int
+    pad_id: int
+    sentinel_ids: List[int]
+
+    @property
+    def eod(self) -> int:
+        """End-of-document id (Megatron's name): the eos."""
+        return self.eos_id
+
+    @property
+    def eod_id(self) -> int:
+        return self.eos_id
+
+    @property
+    def eos(self) -> int:
+        return self.eos_id
+
+    @property
+    def pad(self) -> int:
+        """Megatron's name for the pad id."""
+        return self.pad_id
+
+    @property
+    def additional_special_tokens_ids(self) -> List[int]:
+        """Sentinel ids in order (Megatron/HF name)."""
+        return list(self.sentinel_ids)
+
+    @property
+    def token_dtype(self) -> type:
+        """Smallest numpy dtype for token ids (Megatron's rule: uint16 below 65500, else int32)."""
+        return np.uint16 if self.vocab_size < 65500 else np.int32
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def sentinel_id(self, i: int) -> int:
+        """Id of sentinel `i` (`<extra_id_i>`, CPM-2's `<s_i>`)."""
+        if not 0 <= i < len(self.sentinel_ids):
+            raise IndexError(f"sentinel index {i} out of range [0, {len(self.sentinel_ids)})")
+        return self.sentinel_ids[i]
