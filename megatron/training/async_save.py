@@ -141,9 +141,9 @@ def write_file(path: str, obj: Any) -> int:
     """torch.save, flushed to the disk before returning; the file's size.
 
     Without the zip records' CRC-32s (torch.serialization.set_crc32_options(False)): computing
-    them took 40% of a save's writing time (bench/RESULTS.md, "checkpoint"), torch.load does not
-    check them, and the files are fsynced; a file cut short is still found at --load by its
-    zip directory (checkpointing.damaged_file).
+    them took a third of a save's writing time (bench/RESULTS.md, "checkpoint"); torch.load
+    does not check them, and the files are fsynced; a file cut short is still found at --load
+    by its zip directory (checkpointing.damaged_file).
 
     Raises:
         OSError: ENOSPC, EIO, ... as the file system said it (torch's own error otherwise)."""
