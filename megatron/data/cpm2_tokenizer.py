@@ -335,12 +335,7 @@ class CPM2Tokenizer(TokenizerNames):
         Raises:
             ValueError: an id outside [0, vocab_size).
         """
-        if isinstance(ids, np.ndarray):
-            ids = ids.tolist()
-        ids = [int(i) for i in ids]
-        for i in ids:
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} out of range [0, {self.vocab_size})")
+        ids = self.checked_ids(ids)
         if skip_special_tokens:
             special = self.special_ids
             ids = [i for i in ids if i not in special]

@@ -259,12 +259,7 @@ class T5Tokenizer(TokenizerNames):
         the text after one keeps the space its first piece starts with. Byte pieces are decoded to
         the characters they spell (HF would print ``<0xNN>``).
         """
-        if isinstance(ids, np.ndarray):
-            ids = ids.tolist()
-        ids = [int(i) for i in ids]
-        for i in ids:
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} out of range [0, {self.vocab_size})")
+        ids = self.checked_ids(ids)
         specials = self._special_ids
         sp_size = self.sp_vocab_size
         if not any(i >= sp_size or i in specials for i in ids):

@@ -4,7 +4,7 @@ Hugging Face's spellings of the special ids, computed once here for both."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import Iterable, List
 
 import numpy as np
 
@@ -55,3 +55,16 @@ class TokenizerNames:
         if not 0 <= i < len(self.sentinel_ids):
             raise IndexError(f"sentinel index {i} out of range [0, {len(self.sentinel_ids)})")
         return self.sentinel_ids[i]
+
+    def checked_ids(self, ids: Iterable[int]) -> List[int]:
+        """`ids` (a list, a numpy array, ...) as Python ints, each in [0, vocab_size).
+
+        Raises:
+            ValueError: naming the first id outside."""
+        if isinstance(ids, np.ndarray):
+            ids = ids.tolist()
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} out of range [0, {self.vocab_size})")
+        return ids
