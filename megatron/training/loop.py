@@ -230,13 +230,9 @@ def _exit_requested(runtime: RuntimeConfig, train_iters: int, state: TrainState,
     """Whether to stop after this step: --exit-interval, or (agreed by all ranks through one
     all-reduce, so that they save and leave together) --exit-duration-in-mins or a stop
     signal received by any rank. With `nonfinite` (see `_nonfinite`), the same all-reduce finds
-    the highest rank whose loss or gradient norm was not finite and sets state.diverged."""
-    if nonfinite is None and state.iteration >= train_iters:
-        return False
-    if nonfinite is None and runtime.exit_interval \
-            and state.iteration % runtime.exit_interval == 0:
-        state.exit_reason = f"--exit-interval {runtime.exit_interval}"
-        return True
+    the highest rank whose loss or gradient norm was not finite and sets state.diverged. The
+    all-reduce runs at every step (also the last and --exit-interval's), so that every rank
+    takes the same decision from the same flags."""
     timed_out = runtime.exit_duration_in_mins is not None and \
         time.monotonic() - start_time > runtime.exit_duration_in_mins * 60
     signum = signals.received if signals is not None and signals.received is not None else 0
@@ -245,7 +241,7 @@ def _exit_requested(runtime: RuntimeConfig, train_iters: int, state: TrainState,
     if nonfinite is not None:
         flags[2:] = nonfinite
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    loss_rank, norm_rank = int(flags[2].item()), int(flags[3].item())
+    timed_out, signum, loss_rank, norm_rank = (int(v) for v in flags.tolist())
     if loss_rank or norm_rank:
         what = "the loss" if loss_rank else "the gradient norm"
         state.diverged = f"{what} is not finite (seen by rank {(loss_rank or norm_rank) - 1}" \
@@ -256,12 +252,12 @@ def _exit_requested(runtime: RuntimeConfig, train_iters: int, state: TrainState,
     if runtime.exit_interval and state.iteration % runtime.exit_interval == 0:
         state.exit_reason = f"--exit-interval {runtime.exit_interval}"
         return True
-    if flags[1].item() > 0:
+    if signum:
         import signal
 
-        state.exit_reason = f"signal {signal.Signals(int(flags[1].item())).name}"
+        state.exit_reason = f"signal {signal.Signals(signum).name}"
         return True
-    if flags[0].item() > 0:
+    if timed_out:
         state.exit_reason = f"--exit-duration-in-mins {runtime.exit_duration_in_mins}"
         return True
     return False
