@@ -294,23 +294,20 @@ def _tensor_rank_shards(files: Files, meta: Dict[str, Any], source: str,
     layout, precision = meta["layout"], _precision(meta)
     zero = layout["zero_stage"]
     if source in MOMENTS:
-        return _moments(files, layout, precision, source, tensor_rank)
+        return _optimizer_shards(files, layout, precision, source, tensor_rank)
     if source == "master" and zero == 0 and precision == "fp16":
         raise CheckpointReadError(
             f"{files.folder}: fp16 with ZeRO-0 keeps its fp32 masters inside DeepSpeed's fp16 "
             f"optimizer state, without parameter names; read source='weights' (fp16) instead")
-    masters = source == "master" and zero > 0
+    if source == "master" and zero > 0:
+        return _optimizer_shards(files, layout, precision, "fp32", tensor_rank)
     if layout["pipeline_model_parallel_size"] > 1:
-        return _pipeline_shards(files, layout, precision, masters, tensor_rank)
-    if zero == 3:
+        return _pipeline_weights(files, tensor_rank)
+    if zero == 3:  # no weights saved: the masters cast to the training precision
         out = zero_masters(files, layout, tensor_rank, precision == "bf16")
-        if source == "master":
-            return out
         placeholders = files.field(model_file(tensor_rank, layout), "module")
         dtype = next(iter(placeholders.values())).dtype
         return {n: (lambda s=s: s().to(dtype)) for n, s in out.items()}
-    if masters:
-        return zero_masters(files, layout, tensor_rank, precision == "bf16")
     name = model_file(tensor_rank, layout)
     module = files.field(name, "module")
     return {n: partial(_owned, module, n) for n in module}
@@ -320,24 +317,26 @@ def _owned(state: Dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return state[name].clone()
 
 
-def _moments(files: Files, layout: Dict[str, int], precision: str, key: str,
-             tensor_rank: int) -> Dict[str, Shard]:
-    """{our name: Adam's `key` on `tensor_rank`}: from the ZeRO files' flat partitions (laid out
-    as the masters), or under ZeRO-0 from torch's optimizer state_dict in the model-states file,
-    named by the trainer's OPTIMIZER_PARAMETERS record; a tied parameter from its first stage."""
+def _optimizer_shards(files: Files, layout: Dict[str, int], precision: str, key: str,
+                      tensor_rank: int) -> Dict[str, Shard]:
+    """{our name: the optimizer's `key` ('fp32': the masters, or one of MOMENTS) on
+    `tensor_rank`}, from every pipeline stage (a tied parameter from its first): the ZeRO files'
+    flat partitions, or under ZeRO-0 (moments only: its masters are the weights) torch's
+    optimizer state_dict in the model-states file, named by the trainer's OPTIMIZER_PARAMETERS
+    record."""
     zero, bf16 = layout["zero_stage"], precision == "bf16"
     if zero == 0 and precision == "fp16":
         raise CheckpointReadError(f"{files.folder}: fp16 with ZeRO-0 keeps its optimizer inside "
                                   f"DeepSpeed's fp16 optimizer state, without parameter names")
     stages = layout["pipeline_model_parallel_size"]
     tensor_size = layout["tensor_model_parallel_size"]
+    layers, tied = _pipeline_layers(files.folder) if stages > 1 else ([], {})
     out: Dict[str, Shard] = {}
     for stage in range(stages):
         rank = stage * tensor_size + tensor_rank
         local = zero_masters(files, layout, rank, bf16, key) if zero > 0 \
             else _zero0_moments(files, model_file(rank, layout), key)
         if stages > 1:
-            layers, tied = _pipeline_layers(files.folder)
             local = _single_process(local, layers, tied, files.folder)
         for name, shard in local.items():
             out.setdefault(name, shard)
@@ -420,30 +419,20 @@ def optimizer_step(iter_dir: PathLike) -> int:
                                   f"state") from None
 
 
-def _pipeline_shards(files: Files, layout: Dict[str, int], precision: str, masters: bool,
-                     tensor_rank: int) -> Dict[str, Shard]:
-    """A tensor rank's shards from every stage; a tied parameter from its first stage."""
+def _pipeline_weights(files: Files, tensor_rank: int) -> Dict[str, Shard]:
+    """A tensor rank's module weights from the pipeline's layer and tied-module files."""
     layers, tied = _pipeline_layers(files.folder)
-    if not masters:
-        local: Dict[str, Shard] = {}
-        suffix = f"-model_{tensor_rank:02d}-model_states.pt"
-        for path in sorted(files.folder.glob(f"layer_*{suffix}")):
-            state = files.get(path.name)
-            index = int(path.name[len("layer_"):-len(suffix)])
-            local.update({f"{index}.{k}": partial(_owned, state, k) for k in state})
-        for path in sorted(files.folder.glob(f"tied_*{suffix}")):
-            state = files.get(path.name)
-            key = path.name[len("tied_"):-len(suffix)]
-            local.update({f"tied_modules.{key}.{k}": partial(_owned, state, k) for k in state})
-        return _single_process(local, layers, tied, files.folder)
-    out: Dict[str, Shard] = {}
-    tensor_size = layout["tensor_model_parallel_size"]
-    for stage in range(layout["pipeline_model_parallel_size"]):
-        rank = stage * tensor_size + tensor_rank
-        local = zero_masters(files, layout, rank, precision == "bf16")
-        for name, shard in _single_process(local, layers, tied, files.folder).items():
-            out.setdefault(name, shard)
-    return out
+    local: Dict[str, Shard] = {}
+    suffix = f"-model_{tensor_rank:02d}-model_states.pt"
+    for path in sorted(files.folder.glob(f"layer_*{suffix}")):
+        state = files.get(path.name)
+        index = int(path.name[len("layer_"):-len(suffix)])
+        local.update({f"{index}.{k}": partial(_owned, state, k) for k in state})
+    for path in sorted(files.folder.glob(f"tied_*{suffix}")):
+        state = files.get(path.name)
+        key = path.name[len("tied_"):-len(suffix)]
+        local.update({f"tied_modules.{key}.{k}": partial(_owned, state, k) for k in state})
+    return _single_process(local, layers, tied, files.folder)
 
 
 def _pipeline_layers(folder: Path) -> Tuple[List[str], Dict[str, str]]:
