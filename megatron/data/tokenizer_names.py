@@ -24,13 +24,7 @@ class TokenizerNames:
         """End-of-document id (Megatron's name): the eos."""
         return self.eos_id
 
-    @property
-    def eod_id(self) -> int:
-        return self.eos_id
-
-    @property
-    def eos(self) -> int:
-        return self.eos_id
+    eod_id = eos = eod
 
     @property
     def pad(self) -> int:

@@ -28,8 +28,9 @@ import torch
 
 from megatron.checkpoint.weights import MOMENTS, WeightsError, WeightsReader, _local_tensor
 
-Values = Callable[[torch.nn.Parameter], Dict[str, torch.Tensor]]
-"""A parameter's local values: 'fp32' (the master) and each of MOMENTS, in its full local shape."""
+Values = Callable[..., Dict[str, torch.Tensor]]
+"""values(param, keys): a parameter's local values, by key ('fp32', the master, and each of
+MOMENTS; all by default), in its full local shape."""
 
 
 def load_optimizer_state(engine, names: Dict[str, str], folder: Path, step: int,
@@ -48,10 +49,10 @@ def load_optimizer_state(engine, names: Dict[str, str], folder: Path, step: int,
             raise WeightsError(f"{folder}: {reader.single} lacks {', '.join(absent[:4])}"
                                f"{' ...' if len(absent) > 4 else ''}")
 
-    def values(param) -> Dict[str, torch.Tensor]:
-        return {key: _local_tensor(param, full[id(param)], reader, vocab_size, tensor_rank,
-                                   tensor_size).to(torch.float32)
-                for key, reader in readers.items()}
+    def values(param, keys=tuple(readers)) -> Dict[str, torch.Tensor]:
+        return {key: _local_tensor(param, full[id(param)], readers[key], vocab_size,
+                                   tensor_rank, tensor_size).to(torch.float32)
+                for key in keys}
 
     optimizer = engine.optimizer
     with torch.no_grad():
@@ -89,7 +90,7 @@ def _owns(optimizer, module) -> bool:
 def _plain(optimizer: torch.optim.Optimizer, values: Values, step: int) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
-            got = values(param)
+            got = values(param, MOMENTS)  # the master is the parameter, loaded already
             optimizer.state[param] = {"step": _step_value(optimizer, group, param, step),
                                       **{k: got[k].to(param.device).view_as(param).clone()
                                          for k in MOMENTS}}

@@ -79,8 +79,8 @@ def read_holder(save_dir: os.PathLike) -> Optional[Dict[str, Any]]:
                 "started": f"(unreadable lock: {e})"}
     if holder.get("host") == socket.gethostname():
         pid = holder.get("pid")
-        alive = isinstance(pid, int) and _start_time(pid) is not None \
-            and _start_time(pid) == holder.get("pid_start")
+        start = _start_time(pid) if isinstance(pid, int) else None
+        alive = start is not None and start == holder.get("pid_start")
     else:
         alive = age < STALE_S
     return {**holder, "alive": alive, "age_s": age}

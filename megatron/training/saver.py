@@ -78,7 +78,7 @@ class Saver:
         self.device_type, self.flags, self.model = device_type, flags, model
         self.keep_last, self.timeout_s, self.watchdog = keep_last, timeout_s, watchdog
         self.writer = Writer() if async_save else None
-        self.buffers = HostBuffers()
+        self.buffers = HostBuffers() if async_save else None
         self.pending: Optional[_Pending] = None
         self.on_commit = None
         """Called with the folder and `last` of each committed save (the log line)."""

@@ -164,8 +164,8 @@ class EngineStep(TrainStep):
         if problems:
             raise WeightsError("; ".join(problems))
         refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
-        if refresh is not None:  # the fp32 masters of ZeRO and the 16-bit optimizers
-            refresh()
+        if refresh is not None and optimizer_step is None:  # the masters of ZeRO and the
+            refresh()  # 16-bit optimizers (with optimizer states they come from the file)
         if optimizer_step is not None:
             from megatron.training.optimizer_state import load_optimizer_state
 
