@@ -227,14 +227,10 @@ def tokenizer_of(args, source_meta_path: Optional[Path]):
 def cpm2_vocab_export(config, spec, source: dict):
     """A run of ours trained with CPM-2's tokenizer: (config with the vocabulary's special ids,
     the vocab.txt + README that stand in for a SentencePiece tokenizer in the folder)."""
-    import dataclasses
+    from megatron.checkpoint.cpm2 import CPM2TokenizerFiles, read_vocab, with_special_ids
 
-    from megatron.checkpoint.cpm2 import SPECIALS, CPM2TokenizerFiles, read_vocab
-
-    tokens = read_vocab(Path(spec.path))
-    index = {t: i for i, t in enumerate(tokens)}
-    config = dataclasses.replace(config, **{k: index[t] for k, t in SPECIALS.items()
-                                            if t in index})
+    vocab = Path(spec.path)
+    config = with_special_ids(config, read_vocab(vocab), vocab, exact=False)
     return config, CPM2TokenizerFiles(config, Path(spec.path), f"{source['path']} (trained "
                                       f"here with CPM-2's tokenizer)")
 

@@ -517,13 +517,16 @@ def read_vocab(path: Path) -> List[str]:
     return [line.strip() for line in lines]
 
 
-def with_special_ids(config: T5Config, tokens: List[str], path: Path) -> T5Config:
+def with_special_ids(config: T5Config, tokens: List[str], path: Path,
+                     exact: bool = True) -> T5Config:
     """`config` with the decoder start, pad and eos ids of the vocabulary.
 
+    exact: the vocabulary must have the model's size (a CPM-2 checkpoint); else (a run of ours
+        trained with CPM-2's tokenizer) it may be smaller than the embedding.
     Raises:
-        ConfigError: its size is not the checkpoint's, or a special token is missing.
+        ConfigError: its size does not fit the checkpoint's, or a special token is missing.
     """
-    if len(tokens) != config.vocab_size:
+    if len(tokens) > config.vocab_size or (exact and len(tokens) != config.vocab_size):
         raise ConfigError(f"{path}: {len(tokens)} tokens, the checkpoint's vocabulary has "
                           f"{config.vocab_size} rows: not this model's vocab.txt")
     index = {t: i for i, t in enumerate(tokens)}
