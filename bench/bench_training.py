@@ -271,7 +271,7 @@ def estimates(flags: Sequence[str]):
     from megatron.training.memory import estimate_run
 
     config = parse_args(list(flags), env={"WORLD_SIZE": "2"})
-    cpu = estimate_run(config, "cpu")
+    cpu = estimate_run(config.layout(), "cpu")
     return cpu, dry_run_total(config, "auto"), dry_run_total(config, "cuda"), config
 
 

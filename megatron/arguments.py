@@ -17,14 +17,16 @@ given on one side is taken by the other.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from megatron.config import ParallelConfig, RunConfig, RuntimeConfig
+from megatron.config import Layout, ParallelConfig, RunConfig, RuntimeConfig
 from megatron.data.data_args import add_data_args, resolve_data
+from megatron.data.t5_dataset import T5DatasetConfig
 from megatron.initialize import choose_device
-from megatron.model.settings import resolve_model
+from megatron.model.settings import ModelConfig, resolve_model
 from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
 from megatron.training.checkpointing import checkpoint_flag_problems, checkpoint_problems, layout
@@ -256,17 +258,10 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
         problems.append("give exactly one of --train-iters and --train-samples")
 
     device_type, backend, warnings = choose_device(values["distributed_backend"])
-    resolved, values, ds_problems = ds_config.resolve(
-        values, parallel.data_parallel_size, parallel.model_parallel_size, device_type)
+    resolved, values, model, layout_problems = resolve_layout(values, parallel, device_type)
     values.update(world_size=parallel.world_size, data_parallel_size=parallel.data_parallel_size,
                   device_type=device_type, distributed_backend=backend, warnings=warnings)
-    model, model_problems = resolve_model(values, parallel.tensor_model_parallel_size,
-                                          parallel.pipeline_model_parallel_size,
-                                          resolved.checkpoint_activations)
-    problems += model_problems + ds_problems
-    if model is not None:
-        problems += cut_problems(model.t5, parallel.pipeline_model_parallel_size,
-                                 parallel.pipeline_split_rank)
+    problems += layout_problems
     if resolved.optimizer.lr is None:  # only now: the JSON's optimizer.params.lr may supply it
         problems.append("--lr is required (or optimizer.params.lr in the DeepSpeed JSON)")
 
@@ -328,6 +323,59 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
                      checkpoint, logging, runtime, deepspeed=resolved.json,
                      flags=args_to_dict(values), dry_run=values["dry_run"],
                      dry_run_device=values["dry_run_device"]), []
+
+
+def resolve_layout(values: Dict[str, object], parallel: ParallelConfig, device_type: str
+                   ) -> Tuple[ds_config.Resolved, Dict[str, object], Optional[ModelConfig],
+                              List[str]]:
+    """The flags that fix what a rank holds: the flags and DeepSpeed's JSON cross-checked, the
+    model, the pipeline cut. Returns (the agreed settings, the flags with the JSON's values
+    filled in, the model or None, the problems)."""
+    resolved, values, problems = ds_config.resolve(
+        values, parallel.data_parallel_size, parallel.model_parallel_size, device_type)
+    model, model_problems = resolve_model(values, parallel.tensor_model_parallel_size,
+                                          parallel.pipeline_model_parallel_size,
+                                          resolved.checkpoint_activations)
+    problems = model_problems + problems
+    if model is not None:
+        problems += cut_problems(model.t5, parallel.pipeline_model_parallel_size,
+                                 parallel.pipeline_split_rank)
+    return resolved, values, model, problems
+
+
+@functools.lru_cache(maxsize=1)
+def _shared_parser() -> argparse.ArgumentParser:
+    return build_parser()
+
+
+def layout_from_flags(argv: Sequence[str], world_size: int, device_type: str = "cuda"
+                      ) -> Tuple[Optional[Layout], List[str]]:
+    """The layout of a run (`megatron.config.Layout`) from its command line alone, resolved as
+    `validate` resolves it for `world_size` processes on `device_type`; no data, tokenizer or
+    checkpoint file is read, and the data and schedule flags may be left out. The planner's way
+    to the memory estimate that `--dry-run` prints for the same flags. Returns (the layout or
+    None, the problems)."""
+    values = dict(vars(_shared_parser().parse_args(list(argv))))
+    problems: List[str] = []
+    parallel = resolve_parallel(values, {"WORLD_SIZE": str(world_size)}, problems)
+    resolved, values, model, more = resolve_layout(values, parallel, device_type)
+    problems += more
+    if values["model_config"] is None:
+        problems.append("--model-config is required")
+    lengths = T5DatasetConfig(values["encoder_seq_length"], values["decoder_seq_length"],
+                              values["noise_density"], values["mean_noise_span_length"])
+    try:
+        _, encoder, decoder = lengths.lengths()
+    except ValueError as e:
+        problems.append(str(e))
+    batch = resolved.batch
+    if batch.micro_batch_size is None or batch.global_batch_size is None:
+        problems.append("give --micro-batch-size (the global batch follows from it)")
+    if problems or model is None:
+        return None, problems
+    return Layout(parallel, BatchConfig(batch.micro_batch_size, batch.global_batch_size,
+                                        batch.gradient_accumulation_steps),
+                  resolved.precision, resolved.zero, model, encoder, decoder, resolved.json), []
 
 
 def resolve_parallel(values: Dict[str, object], env: Mapping[str, str],

@@ -20,6 +20,11 @@ settings from there.
       runtime     RuntimeConfig      device, backend, seeds, deadlines, exit   (here)
                                      conditions
       deepspeed   dict               the JSON handed to deepspeed.initialize (copy before use)
+
+`Layout` is the part that fixes what a rank holds (model, parallel sizes, batch, precision, ZeRO,
+DeepSpeed's JSON, sequence lengths): what the memory estimate reads, for `--dry-run` from a
+validated run and for the planner (megatron/plan) from flags alone, without data files
+(`megatron.arguments.layout_from_flags`).
 """
 
 from __future__ import annotations
@@ -82,6 +87,31 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """What one rank holds and computes: the inputs of megatron/training/memory.py."""
+
+    parallel: ParallelConfig
+    batch: BatchConfig
+    precision: PrecisionConfig
+    zero: ZeroConfig
+    model: ModelConfig
+    encoder_seq_length: int
+    decoder_seq_length: int
+    deepspeed: Dict[str, Any] = field(default_factory=dict)
+
+    def pipeline_cut(self):
+        """Which layers each pipeline stage runs (megatron/pipeline/partition.py)."""
+        from megatron.pipeline.partition import cut_model
+
+        model, parallel = self.model, self.parallel
+        return cut_model(model.t5, parallel.pipeline_model_parallel_size,
+                         parallel.pipeline_split_rank, self.encoder_seq_length,
+                         self.decoder_seq_length,
+                         model.t5.padded_vocab_size(model.make_vocab_size_divisible_by,
+                                                    parallel.tensor_model_parallel_size))
+
+
+@dataclass(frozen=True)
 class RunConfig:
     parallel: ParallelConfig
     batch: BatchConfig
@@ -100,16 +130,13 @@ class RunConfig:
     dry_run: bool = False
     dry_run_device: str = "auto"
 
+    def layout(self) -> Layout:
+        return Layout(self.parallel, self.batch, self.precision, self.zero, self.model,
+                      self.data.encoder_seq_length, self.data.decoder_seq_length, self.deepspeed)
+
     def pipeline_cut(self):
         """Which layers each pipeline stage runs (megatron/pipeline/partition.py)."""
-        from megatron.pipeline.partition import cut_model
-
-        model, parallel = self.model, self.parallel
-        return cut_model(model.t5, parallel.pipeline_model_parallel_size,
-                         parallel.pipeline_split_rank, self.data.encoder_seq_length,
-                         self.data.decoder_seq_length,
-                         model.t5.padded_vocab_size(model.make_vocab_size_divisible_by,
-                                                    parallel.tensor_model_parallel_size))
+        return self.layout().pipeline_cut()
 
     def deepspeed_json(self) -> Dict[str, Any]:
         """A copy of the DeepSpeed config (DeepSpeed may write into what it is given)."""

@@ -75,7 +75,7 @@ def dry_run(config: RunConfig) -> int:
         else config.dry_run_device
     total = model.t5.num_parameters(model.make_vocab_size_divisible_by, tp)
     per_rank = count_parameters(model.t5, tp, model.make_vocab_size_divisible_by)
-    estimate = estimate_run(config, device)
+    estimate = estimate_run(config.layout(), device)
     print(f"dry run: the flags and files are valid for {parallel.world_size} processes "
           f"(TP {tp} x PP {parallel.pipeline_model_parallel_size} x DP "
           f"{parallel.data_parallel_size})")
@@ -111,7 +111,7 @@ def _print_pipeline(config: RunConfig, device: str) -> None:
     print(f"  {'stage':>5} {'parameters':>15} {'in flight':>9} {'params':>8} {'grads':>8} "
           f"{'optimizer':>9} {'activations':>11} {'buffers':>8} {'send/recv':>9} {'total':>8} "
           f"{'offloaded':>9}")
-    stages = estimate_stages(config, device)
+    stages = estimate_stages(config.layout(), device)
     gib = 2 ** 30
     for s, est in enumerate(stages):
         count = sum(stage_parameter_numels(model.t5, cut, s, config.parallel.

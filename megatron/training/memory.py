@@ -53,7 +53,7 @@ from megatron.model.config import ConfigError, T5Config
 from megatron.model.t5 import model_parallel_problems
 
 if TYPE_CHECKING:
-    from megatron.config import RunConfig
+    from megatron.config import Layout
     from megatron.pipeline.partition import Cut
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -364,25 +364,30 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
                           offloaded=offloaded, between_steps=params + grads + optimizer + buffers)
 
 
-def estimate_run(config: "RunConfig", device_type: str,
-                 stage: Optional[int] = None) -> MemoryEstimate:
-    """`estimate_memory` for a validated run on `device_type` ('cuda' or 'cpu'): its model,
+def estimate_run(config: "Layout", device_type: str, stage: Optional[int] = None,
+                 cut: Optional["Cut"] = None) -> MemoryEstimate:
+    """`estimate_memory` for a run's layout (`RunConfig.layout()`, or `layout_from_flags` in
+    megatron/arguments.py) on `device_type` ('cuda' or 'cpu'): its model,
     layout, batch, precision, ZeRO and offload, DeepSpeed's buckets from its JSON; the attention
     kernel that the model's 'auto' backend picks there (fused on CUDA, eager on the CPU). What
     `--dry-run`, the training bench and the planner share. With a pipeline: a rank of `stage`,
-    or with None of the stage with the largest total (`estimate_stages` gives them all)."""
+    or with None of the stage with the largest total (`estimate_stages` gives them all); `cut`:
+    the layout's `pipeline_cut()` when the caller has it already."""
     model, parallel = config.model, config.parallel
-    cut = config.pipeline_cut() if parallel.pipeline_model_parallel_size > 1 else None
+    if parallel.pipeline_model_parallel_size == 1:
+        cut = None
+    elif cut is None:
+        cut = config.pipeline_cut()
     if cut is not None and stage is None:
-        return max(estimate_stages(config, device_type), key=lambda e: e.total)
+        return max(estimate_stages(config, device_type, cut), key=lambda e: e.total)
     kernel = "fused" if device_type == "cuda" else "eager"
     return estimate_memory(
         model.t5, tensor_parallel_size=parallel.tensor_model_parallel_size,
         data_parallel_size=parallel.data_parallel_size, zero_stage=config.zero.stage,
         precision=config.precision.precision, offload_optimizer=config.zero.offload_optimizer,
         offload_param=config.zero.offload_param, micro_batch_size=config.batch.micro_batch_size,
-        encoder_seq_length=config.data.encoder_seq_length,
-        decoder_seq_length=config.data.decoder_seq_length,
+        encoder_seq_length=config.encoder_seq_length,
+        decoder_seq_length=config.decoder_seq_length,
         checkpoint_activations=model.checkpoint_activations,
         checkpoint_num_layers=model.checkpoint_num_layers,
         make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
@@ -392,10 +397,13 @@ def estimate_run(config: "RunConfig", device_type: str,
         pipeline_cut=cut, pipeline_stage=stage or 0)
 
 
-def estimate_stages(config: "RunConfig", device_type: str) -> List[MemoryEstimate]:
+def estimate_stages(config: "Layout", device_type: str,
+                    cut: Optional["Cut"] = None) -> List[MemoryEstimate]:
     """`estimate_run` of every pipeline stage in stage order (without a pipeline: one)."""
-    return [estimate_run(config, device_type, s)
-            for s in range(config.parallel.pipeline_model_parallel_size)]
+    stages = config.parallel.pipeline_model_parallel_size
+    if stages > 1 and cut is None:
+        cut = config.pipeline_cut()
+    return [estimate_run(config, device_type, s, cut) for s in range(stages)]
 
 
 def optimizer_bytes(stage: int, precision: str, numel: int) -> int:
