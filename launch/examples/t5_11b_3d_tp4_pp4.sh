@@ -18,7 +18,9 @@
 # Plan first: `LAUNCHER="python -m megatron.pretrain_t5 --dry-run" WORLD_SIZE=64
 # launch/examples/t5_11b_3d_tp4_pp4.sh --dry-run-device cuda` prints the cut, the bubble and the
 # memory per stage (about 24 GiB per GPU on the busiest stage; `--checkpoint-activations` takes
-# it to 16 GiB, room for a larger MICRO_BATCH).
+# it to 16 GiB, room for a larger MICRO_BATCH). To rank every layout of this model on the cluster
+# by memory and estimated step time: `python -m megatron.plan --cluster 8x8xH100-80GB
+# --model-config t5-11b --global-batch-size 2048 --explain`.
 # Required: DATA (a _text_document prefix), TOKENIZER (SentencePiece .model, at most 32,128 ids
 # with the 100 sentinels), OUT (checkpoints, log.txt, tensorboard/).
 # Optional: MICRO_BATCH (8), GLOBAL_BATCH (2048 = MICRO_BATCH x GPUs / 16 x micro-batches per
