@@ -31,6 +31,7 @@ from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
 from megatron.training.checkpointing import checkpoint_flag_problems, checkpoint_problems, layout
 from megatron.training.ownership import lock_problems
+from megatron.training.profiling import add_profile_args, profile_config, profile_problems
 from megatron.training.ds_config import OPTIMIZER_DEFAULTS
 from megatron.training.lr_schedule import DECAY_STYLES
 from megatron.training.lr_schedule import from_args as lr_from_args
@@ -214,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run-device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="the device the --dry-run estimate is for (auto: this machine's; plan "
                         "a GPU cluster from a login node with cuda)")
+    add_profile_args(parser)
     return parser
 
 
@@ -290,6 +292,7 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
             problems.append(str(e))
     problems += loop_problems(values)
     problems += checkpoint_flag_problems(values)
+    problems += profile_problems(values, parallel.world_size)
     if values["dry_run_device"] != "auto" and not values["dry_run"]:
         problems.append("--dry-run-device has effect only with --dry-run")
     if values["peak_tflops"] is not None and values["peak_tflops"] <= 0:
@@ -322,7 +325,8 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     return RunConfig(parallel, batch, optimizer, resolved.precision, resolved.zero, model, data,
                      checkpoint, logging, runtime, deepspeed=resolved.json,
                      flags=args_to_dict(values), dry_run=values["dry_run"],
-                     dry_run_device=values["dry_run_device"]), []
+                     dry_run_device=values["dry_run_device"],
+                     profile=profile_config(values)), []
 
 
 def resolve_layout(values: Dict[str, object], parallel: ParallelConfig, device_type: str

@@ -20,6 +20,7 @@ settings from there.
       runtime     RuntimeConfig      device, backend, seeds, deadlines, exit   (here)
                                      conditions
       deepspeed   dict               the JSON handed to deepspeed.initialize (copy before use)
+      profile     ProfileConfig      --profile: steps and ranks traced     (training/profiling.py)
 
 `Layout` is the part that fixes what a rank holds (model, parallel sizes, batch, precision, ZeRO,
 DeepSpeed's JSON, sequence lengths): what the memory estimate reads, for `--dry-run` from a
@@ -35,6 +36,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from megatron.data.data_args import DataSettings
 from megatron.model.settings import ModelConfig
+from megatron.training.profiling import ProfileConfig
 from megatron.training.settings import (
     BatchConfig,
     CheckpointConfig,
@@ -129,6 +131,8 @@ class RunConfig:
     """Every flag, resolved, as plain JSON values: logged and written to meta.json."""
     dry_run: bool = False
     dry_run_device: str = "auto"
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """--profile: which steps and ranks write a profiler trace (training/profiling.py)."""
 
     def layout(self) -> Layout:
         return Layout(self.parallel, self.batch, self.precision, self.zero, self.model,

@@ -181,6 +181,7 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
     from megatron.training.loop import TrainState, evaluate, train
     from megatron.training.lr_schedule import resolve_with_checkpoint
     from megatron.training.metrics import MetricsWriter
+    from megatron.training.profiling import StepProfiler
     from megatron.training.signals import StopSignals
     from megatron.training.watchdog import Watchdog
 
@@ -198,6 +199,8 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                           f"rank {parallel_state.get_data_parallel_rank()})")
     layout_now = layout(config.parallel, config.zero.stage)
     lock = saver = None
+    profiler = StepProfiler(config.profile, rank, runtime.device_type,
+                            writer.write_text if rank == 0 else print)
     try:
         for warning in runtime.warnings:
             writer.write_text(f"warning: {warning}")
@@ -207,6 +210,7 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
         if ckpt.save is not None:
             lock = _take_save_lock(ckpt.save, writer, runtime.torch_device())
         step = build_step(config, watchdog, writer)
+        profiler.instrument(step)
         schedule = config.optimizer.schedule
         state = TrainState()
         if ckpt.load is not None:
@@ -269,7 +273,7 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                     signals = stack.enter_context(StopSignals())
                 state = train(step, batch, config.logging, ckpt, runtime, step_cost(config),
                               schedule, train_loader, valid_loader, writer, state, save,
-                              signals, watchdog, saver)
+                              signals, watchdog, saver, profiler)
         if not state.exit_reason:
             for split, loader in (("valid", valid_loader), ("test", test_loader)):
                 loss = evaluate(step, batch, runtime, loader, watchdog)
@@ -278,6 +282,7 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                     writer.write_eval(state.iteration, split, loss)
         return state
     finally:
+        profiler.finish()  # a run that failed inside the window: the steps it recorded
         if saver is not None:
             saver.close()
         if lock is not None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron import parallel_state
 from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.training.profiling import PIPELINE_BATCH, PIPELINE_SUMS
 from megatron.training.step import Batch, EngineStep, EvalResult, StepResult
 
 
@@ -105,11 +106,13 @@ class PipelineStep(EngineStep):
         skipped_before = engine.skipped_steps
         feed = self._feed(batches, self.micro_batches, inputs) \
             if self.first or self.last else None
-        engine.train_batch(data_iter=feed)
+        with self.ranges(PIPELINE_BATCH):  # the whole schedule: see training/profiling.py
+            engine.train_batch(data_iter=feed)
         sums = torch.stack([self.loss.sums[0] if self.last else self.loss.sums[0] * 0,
                             inputs if self.first else inputs * 0,
                             self.loss.sums[1] if self.last else self.loss.sums[1] * 0])
-        dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
+        with self.ranges(PIPELINE_SUMS):
+            dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
         norm = self._norm if self._own_norm else self._grad_norm()
         return StepResult(sums[0] / self.micro_batches, sums[1], sums[2], norm,
                           engine.skipped_steps > skipped_before, self._loss_scale())

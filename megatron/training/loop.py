@@ -25,6 +25,8 @@ import torch.distributed as dist
 from megatron import parallel_state
 from megatron.config import RuntimeConfig
 from megatron.training.metrics import IntervalStats, MetricsWriter, Timer
+from megatron.training.profiling import (CHECKPOINT_SAVE, DATA_WAIT, EVALUATION, LOSS_ALL_REDUCE,
+                                         STOP_ALL_REDUCE, StepProfiler, no_range)
 from megatron.training.settings import BatchConfig, CheckpointConfig, LoggingConfig
 from megatron.training.step import TrainStep
 from megatron.training.watchdog import NoWatchdog
@@ -83,11 +85,13 @@ def evaluate(step: TrainStep, batch_config: BatchConfig, runtime: RuntimeConfig,
     return float(total[0] / total[1]) if total[1] > 0 else None
 
 
-def _timed_batches(batches: Iterator, timer: Timer, watchdog, data_s: float) -> Iterator:
-    """The loader's batches, each fetch timed and watched."""
+def _timed_batches(batches: Iterator, timer: Timer, watchdog, data_s: float,
+                   ranges=no_range) -> Iterator:
+    """The loader's batches, each fetch timed, watched and (when profiled) a range."""
     while True:
         timer.data_start()
-        with watchdog.watch("data: the next training batch from the data loader", data_s):
+        with watchdog.watch("data: the next training batch from the data loader", data_s), \
+                ranges(DATA_WAIT):
             batch = next(batches)
         timer.data_end()
         yield batch
@@ -97,17 +101,22 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
           checkpoint: CheckpointConfig, runtime: RuntimeConfig, cost: StepCost, schedule,
           train_loader: Iterable, valid_loader, writer: MetricsWriter, state: TrainState,
           save: Callable[[TrainState], None], signals=None, watchdog=None,
-          saves=None) -> TrainState:
+          saves=None, profiler: Optional[StepProfiler] = None) -> TrainState:
     """Run steps from state.iteration to batch_config.train_iters (or an exit condition).
 
     save: writes a checkpoint of the state (called when checkpoint.save is set).
     saves: what else the checkpoint side needs from the loop (megatron/training/saver.py's
         Saver, or None): `poll()` at every step boundary without a save (an asynchronous save
         commits there, or warns that it failed), `finish()` before the loop returns (a final
-        save that failed raises SaveFailed)."""
+        save that failed raises SaveFailed).
+    profiler: --profile's recorder (megatron/training/profiling.py): told each step boundary;
+        its ranges mark data waits, the loop's collectives, evaluations and saves. Finished
+        (its trace written) when the loop returns; when it raises, the caller finishes it."""
     from megatron.training.saver import SaveFailed
 
     watchdog = watchdog or NoWatchdog()
+    profiler = profiler or StepProfiler()
+    ranges = profiler.ranges
     collective_s = 60 * runtime.distributed_timeout_minutes
     device = runtime.torch_device()
     train_iters = batch_config.train_iters
@@ -116,7 +125,7 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
     pending: List[tuple] = []  # (iteration, StepResult, step seconds, data-wait seconds)
     start_time = time.monotonic()
     batches = _timed_batches(iter(train_loader), timer, watchdog,
-                             60 * runtime.data_timeout_minutes)
+                             60 * runtime.data_timeout_minutes, ranges)
     loss_scale = 1.0
 
     def flush_logs():
@@ -124,7 +133,8 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
             return
         values = torch.stack([torch.stack([r.loss, r.input_tokens.double(),
                                            r.target_tokens.double()]) for _, r, _, _ in pending])
-        with watchdog.watch("collective: the all-reduce of the step losses", collective_s):
+        with watchdog.watch("collective: the all-reduce of the step losses", collective_s), \
+                ranges(LOSS_ALL_REDUCE):
             dist.all_reduce(values, group=dp_group)
         dp = parallel_state.get_data_parallel_world_size()
         for (iteration, result, step_s, wait_s), row in zip(pending, values.tolist()):
@@ -139,6 +149,7 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
 
     timer.reset()
     while state.iteration < train_iters:
+        profiler.boundary(state.iteration)
         with watchdog.watch("the training step (forward, backward, optimizer; collectives "
                             "with the other ranks)", collective_s):
             result = step.step(batches, schedule.lr(state.iteration))
@@ -156,13 +167,14 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
                                        dist.get_world_size(), cost.peak_tflops))
         if batch_config.eval_interval and state.iteration % batch_config.eval_interval == 0 \
                 and not last:
-            loss = evaluate(step, batch_config, runtime, valid_loader, watchdog)
+            with ranges(EVALUATION):
+                loss = evaluate(step, batch_config, runtime, valid_loader, watchdog)
             if loss is not None:
                 state.evaluations.append((state.iteration, "valid", loss))
                 writer.write_eval(state.iteration, "valid", loss)
             timer.reset()
         with watchdog.watch("collective: the all-reduce that agrees on stopping",
-                            collective_s):
+                            collective_s), ranges(STOP_ALL_REDUCE):
             bad = _nonfinite(result, device) if checkpoint.check_for_nan else None
             exit_now = _exit_requested(runtime, train_iters, state, start_time, device, signals,
                                        bad)
@@ -181,7 +193,8 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
                                                      == 0)):
             flush_logs()
             with watchdog.watch(f"checkpoint I/O: saving iteration {state.iteration} to "
-                                f"{checkpoint.save}", 60 * checkpoint.timeout_minutes):
+                                f"{checkpoint.save}", 60 * checkpoint.timeout_minutes), \
+                    ranges(CHECKPOINT_SAVE):
                 try:
                     save(state)
                     saved = True
@@ -203,6 +216,7 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
     flush_logs()
     if saves is not None:
         saves.finish()
+    profiler.finish()
     return state
 
 

@@ -21,6 +21,7 @@ import torch
 
 from megatron import parallel_state
 from megatron.checkpoint.deepspeed_files import OPTIMIZER_PARAMETERS
+from megatron.training.profiling import BACKWARD, FORWARD, NO_RANGE, OPTIMIZER_STEP, no_range
 
 BATCH_KEYS = ("encoder_input_ids", "decoder_input_ids", "encoder_attention_mask",
               "decoder_attention_mask", "labels")
@@ -58,6 +59,9 @@ class TrainStep(abc.ABC):
 
     micro_batches: int
     """Micro-batches `step` takes from its iterator."""
+    ranges = staticmethod(no_range)
+    """ranges(name): a context for a named profiler range (megatron/training/profiling.py sets
+    it on a profiled rank; elsewhere nothing)."""
 
     @abc.abstractmethod
     def step(self, batches: Iterator[Batch], lr: float) -> StepResult:
@@ -205,13 +209,18 @@ class DataParallelStep(EngineStep):
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         skipped_before = engine.skipped_steps
         norm = None
+        ranges = self.ranges
         for micro in range(self.micro_batches):
             batch = to_device(next(batches), self.device)
-            out = engine(**batch)
-            engine.backward(out.loss)
-            if micro == self.micro_batches - 1:
+            with ranges(FORWARD):
+                out = engine(**batch)
+            with ranges(BACKWARD):
+                engine.backward(out.loss)
+            last = micro == self.micro_batches - 1
+            if last:
                 norm = self._unreported_grad_norm()
-            engine.step()
+            with ranges(OPTIMIZER_STEP) if last else NO_RANGE:
+                engine.step()
             totals[0] += out.loss.detach().double()
             totals[1] += batch["encoder_attention_mask"].sum()
             totals[2] += (batch["labels"] != -100).sum()
