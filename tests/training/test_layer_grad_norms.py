@@ -112,10 +112,10 @@ def test_single_process_log_line_and_tensorboard(single):
 
 @pytest.mark.slow
 def test_sharded_runs_match_the_global_norm_and_one_process(train_data, single):
-    """TP=2 (ZeRO-0), ZeRO-3 DP=2, ZeRO-1 DP=2 and PP=2 (ZeRO-0 and ZeRO-1): the squares sum to the
+    """TP=2 (ZeRO-0), DP=2 under ZeRO-0, 3 and 1, PP=2 (ZeRO-0 and ZeRO-1): the squares sum to the
     run's own global norm, and each group's norm is the single process's (shards counted once,
     replicas not twice)."""
-    runs = [("--tensor-model-parallel-size", "2"), ("--zero-stage", "3"),
+    runs = [("--tensor-model-parallel-size", "2"), (), ("--zero-stage", "3"),
             ("--zero-stage", "1"), ("--pipeline-model-parallel-size", "2"),
             ("--pipeline-model-parallel-size", "2", "--zero-stage", "1")]
     got = run_workers(2, run_with_layer_norms,
