@@ -129,3 +129,20 @@ def test_sharded_runs_match_the_global_norm_and_one_process(train_data, single):
             for group, value in by_group.items():
                 assert math.isclose(value, reference[iteration][group], rel_tol=1e-4), \
                     (flags, iteration, group, value, reference[iteration][group])
+
+
+@pytest.mark.slow
+def test_bf16_and_offloaded_runs_match_their_global_norm(train_data):
+    """The other places DeepSpeed keeps gradients: bf16 under ZeRO-1 and 3, DeepSpeed's bf16
+    optimizer under a pipeline (full fp32 buffers, fragments owned per rank), ZeRO-2 and 3 with
+    the optimizer (and parameters) offloaded to the CPU."""
+    runs = [("--bf16", "--zero-stage", "1"), ("--bf16", "--zero-stage", "3"),
+            ("--pipeline-model-parallel-size", "2", "--bf16", "--zero-stage", "1"),
+            ("--zero-stage", "2", "--offload-optimizer", "cpu"),
+            ("--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-param", "cpu")]
+    got = run_workers(2, run_with_layer_norms,
+                      [base_argv(train_data, "--log-grad-norms-per-layer", *r) for r in runs],
+                      timeout=1200)
+    for flags, result, other in zip(runs, got[0], got[1]):
+        assert other["layer_grad_norms"] == result["layer_grad_norms"], flags
+        assert_squares_sum_to_global(result)
