@@ -210,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's peak TFLOP/s for MFU (default: from a table of GPUs)")
+    g.add_argument("--log-grad-norms-per-layer", action="store_true",
+                   help="every --log-interval steps, log the gradient norm (before clipping) of "
+                        "each layer group: embedding, encoder/decoder blocks, final layer "
+                        "norms, lm_head; also TensorBoard grad-norm-per-layer/<group>")
     g.add_argument("--dry-run", action="store_true",
                    help="validate, print parameter counts and a memory estimate per rank, exit")
     g.add_argument("--dry-run-device", choices=("auto", "cuda", "cpu"), default="auto",
@@ -316,7 +320,8 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
                                   async_save=values["async_save"],
                                   check_for_nan=values["check_for_nan"])
     logging = LoggingConfig(values["log_interval"], values["log_file"],
-                            values["tensorboard_dir"], values["peak_tflops"])
+                            values["tensorboard_dir"], values["peak_tflops"],
+                            values["log_grad_norms_per_layer"])
     runtime = RuntimeConfig(device_type, backend, values["local_rank"], values["seed"],
                             values["distributed_timeout_minutes"],
                             values["data_timeout_minutes"], values["data_cache_timeout"],

@@ -211,6 +211,12 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
             lock = _take_save_lock(ckpt.save, writer, runtime.torch_device())
         step = build_step(config, watchdog, writer)
         profiler.instrument(step)
+        if config.logging.grad_norms_per_layer:
+            from megatron.training.layer_norms import layer_groups
+
+            t5 = config.model.t5
+            step.watch_layer_grad_norms(layer_groups(t5.num_layers, t5.num_decoder_layers,
+                                                     t5.tie_word_embeddings))
         schedule = config.optimizer.schedule
         state = TrainState()
         if ckpt.load is not None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron import parallel_state
 from megatron.config import RuntimeConfig
+from megatron.training.layer_norms import write_layer_norms
 from megatron.training.metrics import IntervalStats, MetricsWriter, Timer
 from megatron.training.profiling import (CHECKPOINT_SAVE, DATA_WAIT, EVALUATION, LOSS_ALL_REDUCE,
                                          STOP_ALL_REDUCE, StepProfiler, no_range)
@@ -40,6 +41,9 @@ class TrainState:
     """iteration -> global loss of that step (filled at log boundaries)."""
     grad_norms: Dict[int, Optional[float]] = field(default_factory=dict)
     """iteration -> global gradient norm before clipping."""
+    layer_grad_norms: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    """iteration -> {layer group: gradient norm before clipping} (--log-grad-norms-per-layer;
+    logged iterations only)."""
     evaluations: List[tuple] = field(default_factory=list)
     """(iteration, split, loss)."""
     exit_reason: str = ""
@@ -150,6 +154,10 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
     timer.reset()
     while state.iteration < train_iters:
         profiler.boundary(state.iteration)
+        logged = (state.iteration + 1) % logging.log_interval == 0 \
+            or state.iteration + 1 == train_iters
+        if step.layer_grad_norms is not None and logged:
+            step.layer_grad_norms.arm()
         with watchdog.watch("the training step (forward, backward, optimizer; collectives "
                             "with the other ranks)", collective_s):
             result = step.step(batches, schedule.lr(state.iteration))
@@ -165,6 +173,11 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
             writer.write(stats.summary(state.iteration, state.consumed_samples,
                                        schedule.lr(state.iteration - 1), loss_scale,
                                        dist.get_world_size(), cost.peak_tflops))
+            layer_norms = step.layer_grad_norms.take() \
+                if step.layer_grad_norms is not None else None
+            if layer_norms is not None:
+                state.layer_grad_norms[state.iteration] = layer_norms
+                write_layer_norms(writer, state.iteration, layer_norms)
         if batch_config.eval_interval and state.iteration % batch_config.eval_interval == 0 \
                 and not last:
             with ranges(EVALUATION):

@@ -266,6 +266,15 @@ class MetricsWriter:
                     self._tb.add_scalar(tag, value, summary["iteration"])
             self._tb.flush()
 
+    def write_scalars(self, scalars: Dict[str, float], iteration: int) -> None:
+        """TensorBoard scalars {tag: value} at x=iteration (nothing without a TensorBoard
+        directory)."""
+        if not self.enabled or self._tb is None:
+            return
+        for tag, value in scalars.items():
+            self._tb.add_scalar(tag, value, iteration)
+        self._tb.flush()
+
     def write_eval(self, iteration: int, split: str, loss: float) -> None:
         """Log an evaluation loss and its perplexity (exp of the loss capped at 20).
 

@@ -92,3 +92,6 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = None
     peak_tflops: Optional[float] = None
     """The device's peak for MFU; None: from the table of GPUs."""
+    grad_norms_per_layer: bool = False
+    """Log the gradient norm of each layer group every log_interval steps
+    (megatron/training/layer_norms.py)."""

@@ -63,6 +63,10 @@ class TrainStep(abc.ABC):
     """ranges(name): a context for a named profiler range (megatron/training/profiling.py sets
     it on a profiled rank; elsewhere nothing)."""
 
+    layer_grad_norms = None
+    """A layer_norms.LayerGradNorms where --log-grad-norms-per-layer is on (the loop arms it
+    before a logged step), else None."""
+
     @abc.abstractmethod
     def step(self, batches: Iterator[Batch], lr: float) -> StepResult:
         """Train on the next `micro_batches` batches of `batches` at learning rate `lr`."""
@@ -181,6 +185,14 @@ class EngineStep(TrainStep):
     def _weight_names(self) -> Dict[str, str]:
         """{this rank's parameter name: our full name}."""
         return {name: name for name, _ in self.engine.module.named_parameters()}
+
+    def watch_layer_grad_norms(self, groups: List[str]) -> None:
+        """Take per-layer gradient norms at the steps the loop arms (megatron/training/
+        layer_norms.py), where DeepSpeed takes the global norm."""
+        from megatron.training.layer_norms import LayerGradNorms
+
+        self.layer_grad_norms = LayerGradNorms(self.engine, self._weight_names(), groups,
+                                               self._loss_scale, self.device)
 
     # DeepSpeed internals, read in one place.
     def _loss_scale(self) -> float:
