@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from megatron.plot.runs import Run, RunNotFound, load_run
+from megatron.plot.find import RunNotFound, load_run
+from megatron.plot.runs import Run
 
 
 def build_parser() -> argparse.ArgumentParser:

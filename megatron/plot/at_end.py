@@ -23,7 +23,7 @@ def plot_at_end(save: str | Path, log_file: Optional[str], tensorboard_dir: Opti
         say(f"plots: neither --log-file nor --tensorboard-dir is set, so no figures in {out}")
         return None
     from megatron.plot.figures import MissingMatplotlib, build_figures, write_figures
-    from megatron.plot.runs import load_run
+    from megatron.plot.find import load_run
 
     try:
         figures = build_figures([load_run(source, label=Path(save).name or str(save))])

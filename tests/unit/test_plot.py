@@ -16,8 +16,9 @@ import pytest
 from megatron.plot.__main__ import main
 from megatron.plot.at_end import plot_at_end
 from megatron.plot.figures import build_figures, smooth
+from megatron.plot.find import RunNotFound, load_run, resolve
 from megatron.plot.logfile import parse_lines
-from megatron.plot.runs import Run, RunNotFound, load_run, resolve
+from megatron.plot.runs import Run
 from megatron.training.metrics import MetricsWriter
 
 REPO = Path(__file__).resolve().parents[2]
