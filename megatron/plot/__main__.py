@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from megatron.plot.find import RunNotFound, load_run
+from megatron.plot.find import RunNotFound, default_labels, load_run
 from megatron.plot.runs import Run
 
 
@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "gradient norm and tokens/s, as TensorBoard's slider (0: raw only; "
                         "default 0.6)")
     p.add_argument("--labels", nargs="+", default=None, metavar="NAME",
-                   help="legend names, one per RUN (default: the RUN arguments)")
+                   help="legend names, one per RUN (default: each RUN's last path component "
+                        "that is not generic, such as ckpt, tb or log.txt)")
     p.add_argument("--source", choices=("auto", "log", "tensorboard"), default="auto",
                    help="read the log file or the TensorBoard events (default: the log when "
                         "a RUN has both)")
@@ -63,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         problems.append(f"--smoothing {args.smoothing}: must be in [0, 1)")
     if args.labels is not None and len(args.labels) != len(args.runs):
         problems.append(f"--labels: {len(args.labels)} names for {len(args.runs)} runs")
-    labels = args.labels or [None] * len(args.runs)
+    labels = args.labels or default_labels(args.runs)
     runs: List[Run] = []
     for run, label in zip(args.runs, labels):
         try:

@@ -23,10 +23,10 @@ def plot_at_end(save: str | Path, log_file: Optional[str], tensorboard_dir: Opti
         say(f"plots: neither --log-file nor --tensorboard-dir is set, so no figures in {out}")
         return None
     from megatron.plot.figures import MissingMatplotlib, build_figures, write_figures
-    from megatron.plot.find import load_run
+    from megatron.plot.find import default_labels, load_run
 
     try:
-        figures = build_figures([load_run(source, label=Path(save).name or str(save))])
+        figures = build_figures([load_run(source, label=default_labels([save])[0])])
         paths = write_figures(figures, out)
     except MissingMatplotlib as e:
         say(f"plots: none written to {out}: {e}")

@@ -9,7 +9,9 @@ says what it is, so that a test (or a notebook) can read the plotted points back
     "<label>|valid"      validation losses; "<label>|test": test losses (the loss figure)
 
 The per-layer gradient norms are a heat map (layer group x step, logarithmic colours), one panel
-per run that logged them, its `QuadMesh` with gid "<label>|layers".
+per run that logged them, its `QuadMesh` with gid "<label>|layers"; a run with more than
+`MAX_HEATMAP_COLUMNS` such lines shows that many of them, evenly spaced (each column still one
+logged line, not an average).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ QUANTITIES = (
 X_LABELS = {"step": "step", "samples": "consumed samples", "tokens": "consumed tokens",
             "time": "training time (h; steps only)"}
 LAYERS_FIGURE = "grad_norm_per_layer"
+MAX_HEATMAP_COLUMNS = 2000
 
 
 def smooth(values: Sequence[float], weight: float) -> List[float]:
@@ -164,6 +167,9 @@ def _layers_figure(runs: Sequence[Run], x: str):
     axes = figure.subplots(len(runs), 1, squeeze=False)[:, 0]
     for ax, run in zip(axes, runs):
         iterations = sorted(run.layers)
+        if len(iterations) > MAX_HEATMAP_COLUMNS:
+            keep = np.unique(np.linspace(0, len(iterations) - 1, MAX_HEATMAP_COLUMNS).round())
+            iterations = [iterations[int(k)] for k in keep]
         groups: List[str] = []  # in the order the log lists them: embedding first
         for it in iterations:
             groups += [g for g in run.layers[it] if g not in groups]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from megatron.plot.events import read_events
 from megatron.plot.logfile import read_log
@@ -18,6 +18,27 @@ from megatron.plot.runs import Run, events_files, is_events_file
 
 LOG_NAMES = ("log.txt", "train.log", "log")
 """Files a folder may hold its log under, when no meta.json names one."""
+
+
+GENERIC_NAMES = {*LOG_NAMES, "tb", "tensorboard", "logs", "ckpt", "checkpoint", "checkpoints"}
+"""Path components that say nothing about which run it is: left out of default labels."""
+
+
+def default_labels(runs: Sequence[str | Path]) -> List[str]:
+    """Short legend names for RUN arguments: the last path component that is not generic
+    (`exp1/ckpt` -> exp1, `exp2/log.txt` -> exp2, `exp3/tb` -> exp3), with more components in
+    front as long as two runs would share a name."""
+    parts = []
+    for run in runs:
+        names = list(Path(run).resolve().parts[1:]) or [str(run)]
+        while len(names) > 1 and (names[-1] in GENERIC_NAMES or "tfevents" in names[-1]):
+            names.pop()
+        parts.append(names)
+    for depth in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-depth:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(run) for run in runs]
 
 
 class RunNotFound(ValueError):
@@ -92,13 +113,14 @@ def resolve(run: str | Path, source: str = "auto") -> Tuple[str, Path]:
 
 
 def load_run(run: str | Path, label: Optional[str] = None, source: str = "auto") -> Run:
-    """Read a RUN argument (see `resolve`) into a Run labelled `label` (default: the argument).
+    """Read a RUN argument (see `resolve`) into a Run labelled `label` (default:
+    `default_labels`).
 
     Raises:
         RunNotFound: see `resolve`; also a log file in which no metrics line was found.
     """
     kind, path = resolve(run, source)
-    label = label or str(run).rstrip("/") or str(run)
+    label = label or default_labels([run])[0]
     result = (read_log if kind == "log" else read_events)(path, label)
     if not result.steps and not result.evals and not result.layers:
         raise RunNotFound(f"{path}: no metrics logged there (no 'iteration N | consumed "

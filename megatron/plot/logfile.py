@@ -46,6 +46,8 @@ _FIELDS = {
     "data wait": ("data_wait_s", _NUMBER + " s", 1.0),
     "step": ("step_time_s", _NUMBER + " s", 1.0),
 }
+_FIELDS = {label: (name, re.compile(pattern), scale)
+           for label, (name, pattern, scale) in _FIELDS.items()}
 _TOKENS = re.compile(rf"^{_NUMBER} tgt: {_NUMBER}$")
 _SPLITS = {"validation": "valid", "test": "test"}
 
@@ -68,7 +70,7 @@ def parse_train_fields(text: str) -> Dict[str, float]:
         if known is None:
             continue
         name, pattern, scale = known
-        m = re.fullmatch(pattern, value)
+        m = pattern.fullmatch(value)
         if m:
             out[name] = float(m[1]) * scale
     return out
@@ -118,6 +120,8 @@ def parse_lines(lines: Iterable[str], run: Run) -> Run:
     """Add the series of a log's lines to `run` (see the module docstring); returns it."""
     starts = _Starts(run)
     for line in lines:
+        if "iteration" not in line and _FLAGS not in line:  # most lines of a long log: fast
+            continue
         if _FLAGS in line:
             starts.new_start()
             try:
@@ -127,7 +131,7 @@ def parse_lines(lines: Iterable[str], run: Run) -> Run:
             if isinstance(flags, dict) and flags.get("encoder_seq_length"):
                 run.encoder_seq_length = int(flags["encoder_seq_length"])
             continue
-        m = _RESUMED.search(line)
+        m = _RESUMED.search(line) if "resumed from" in line else None
         if m:
             if starts.resumed_at is None or starts.begun:  # a resume line without flags
                 starts.new_start()

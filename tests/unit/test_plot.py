@@ -16,7 +16,7 @@ import pytest
 from megatron.plot.__main__ import main
 from megatron.plot.at_end import plot_at_end
 from megatron.plot.figures import build_figures, smooth
-from megatron.plot.find import RunNotFound, load_run, resolve
+from megatron.plot.find import RunNotFound, default_labels, load_run, resolve
 from megatron.plot.logfile import parse_lines
 from megatron.plot.runs import Run
 from megatron.training.metrics import MetricsWriter
@@ -202,7 +202,15 @@ def test_a_save_folder_finds_its_log_through_meta_json(tmp_path):
     (save / "sub").mkdir()
     (save / "sub" / "log.txt").write_text("\n".join(LOG) + "\n")
     assert resolve(save) == ("log", save / "sub" / "log.txt")
-    assert load_run(save).label == str(save)
+    assert load_run(save).label == tmp_path.name  # ckpt says nothing: its parent's name
+
+
+def test_default_labels_are_short_and_distinct():
+    assert default_labels(["/x/exp1/ckpt", "/x/exp2/log.txt", "/x/exp3/tb/",
+                           "/x/exp4/tb/events.out.tfevents.1.host.2.0"]) == \
+        ["exp1", "exp2", "exp3", "exp4"]
+    assert default_labels(["/x/a/run1/ckpt", "/x/b/run1/ckpt"]) == ["a/run1", "b/run1"]
+    assert default_labels(["/x/run1/train.out"]) == ["train.out"]
 
 
 def test_cli_writes_pngs_and_names_a_run_without_logs(tmp_path, capsys):
@@ -253,3 +261,12 @@ def test_plot_at_end_never_raises(tmp_path):
     paths = plot_at_end(tmp_path, str(tmp_path / "log.txt"), None, said.append)
     assert [p.name for p in paths][:2] == ["loss.png", "lr.png"] and math.isfinite(len(said))
     assert said[2].startswith(f"plots: 6 figures in {tmp_path / 'plots'}")
+
+
+def test_a_long_heat_map_shows_evenly_spaced_logged_columns():
+    run = parse_lines([FLAGS] + [layer_line(i, [float(i)] * 8) for i in range(1, 2501)],
+                      Run("long", Path("log.txt")))
+    mesh = build_figures([run])["grad_norm_per_layer"].axes[0].collections[0]
+    columns = np.asarray(mesh.get_array())[0]
+    assert len(columns) == 2000 and columns[0] == 1.0 and columns[-1] == 2500.0
+    assert set(columns) <= set(map(float, range(1, 2501)))  # logged values, not averages
