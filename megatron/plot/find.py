@@ -18,8 +18,6 @@ from megatron.plot.runs import Run, events_files, is_events_file
 
 LOG_NAMES = ("log.txt", "train.log", "log")
 """Files a folder may hold its log under, when no meta.json names one."""
-
-
 GENERIC_NAMES = {*LOG_NAMES, "tb", "tensorboard", "logs", "ckpt", "checkpoint", "checkpoints"}
 """Path components that say nothing about which run it is: left out of default labels."""
 

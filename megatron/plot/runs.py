@@ -131,7 +131,6 @@ def _interpolate(known: Dict[int, float], iterations: Sequence[int]) -> List[flo
     return out
 
 
-# Finding a run's files ------------------------------------------------------------------------
 def is_events_file(path: Path) -> bool:
     return path.is_file() and "tfevents" in path.name
 
