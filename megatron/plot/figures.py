@@ -145,7 +145,9 @@ def _line_figure(quantity: Quantity, runs: Sequence[Run], x: str, smoothing: flo
     ax.set_title(quantity.ylabel + (f" (smoothing {smoothing:g})"
                                      if quantity.smoothed and smoothing > 0 else ""))
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    points = sum(len(line.get_xdata()) for line in ax.get_lines())
+    # "best" tries every place against every point: slow for long runs
+    ax.legend(fontsize="small", loc="best" if points <= 2000 else "upper right")
     return figure
 
 

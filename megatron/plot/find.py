@@ -25,17 +25,20 @@ GENERIC_NAMES = {*LOG_NAMES, "tb", "tensorboard", "logs", "ckpt", "checkpoint", 
 def default_labels(runs: Sequence[str | Path]) -> List[str]:
     """Short legend names for RUN arguments: the last path component that is not generic
     (`exp1/ckpt` -> exp1, `exp2/log.txt` -> exp2, `exp3/tb` -> exp3), with more components in
-    front as long as two runs would share a name."""
-    parts = []
-    for run in runs:
-        names = list(Path(run).resolve().parts[1:]) or [str(run)]
+    front as long as two runs would share a name; runs that only differ in a generic component
+    (`exp1/ckpt` and `exp1/tb`) keep it."""
+    full = [list(Path(run).resolve().parts[1:]) or [str(run)] for run in runs]
+    stripped = []
+    for names in full:
+        names = list(names)
         while len(names) > 1 and (names[-1] in GENERIC_NAMES or "tfevents" in names[-1]):
             names.pop()
-        parts.append(names)
-    for depth in range(1, max(len(p) for p in parts) + 1):
-        labels = ["/".join(p[-depth:]) for p in parts]
-        if len(set(labels)) == len(labels):
-            return labels
+        stripped.append(names)
+    for parts in (stripped, full):
+        for depth in range(1, max(len(p) for p in parts) + 1):
+            labels = ["/".join(p[-depth:]) for p in parts]
+            if len(set(labels)) == len(labels):
+                return labels
     return [str(run) for run in runs]
 
 

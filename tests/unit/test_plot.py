@@ -211,6 +211,7 @@ def test_default_labels_are_short_and_distinct():
         ["exp1", "exp2", "exp3", "exp4"]
     assert default_labels(["/x/a/run1/ckpt", "/x/b/run1/ckpt"]) == ["a/run1", "b/run1"]
     assert default_labels(["/x/run1/train.out"]) == ["train.out"]
+    assert default_labels(["/x/run1/ckpt", "/x/run1/tb"]) == ["ckpt", "tb"]
 
 
 def test_cli_writes_pngs_and_names_a_run_without_logs(tmp_path, capsys):
