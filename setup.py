@@ -47,6 +47,8 @@ setup(
         # Pinned: the ids depend on jieba's dictionary; 0.42.1 (its last release) gives the
         # reference ids of tests/data/cpm2/reference_ids.json
         "cpm2": ["jieba==0.42.1"],
+        # python -m megatron.plot and the figures a run writes into SAVE/plots/ at its end
+        "plot": ["matplotlib"],
         "test": [
             "pytest>=7",
             "megatron-core>=0.9",
@@ -55,6 +57,7 @@ setup(
             "protobuf",
             "psutil",
             "jieba==0.42.1",
+            "matplotlib",
         ],
     },
     entry_points={
