@@ -2,7 +2,8 @@
 batch 8, three starts in one log: the third goes back to the first's checkpoint with another
 learning rate and fewer steps, so its steps replace those the second had logged, and the second's
 last step, which it does not redo, is gone too). The figures are read back:
-their points are the values the log says and the training state returned."""
+their points are the values the log says and the training state returned. Run a also logs
+per-layer gradient norms (--log-grad-norms-per-layer): its heat map holds the logged values."""
 
 import re
 
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.slow
 PNGS = ["grad_norm.png", "loss.png", "lr.png", "memory.png", "tokens_per_s.png"]
 TRAIN = re.compile(r"iteration +(\d+)/ *\d+ \| consumed samples: (\d+) \| lr: (\S+) \| "
                    r"loss: (\S+) \|")
+LAYERS = re.compile(r" grad norm per layer at iteration (\d+): (.*)")
 
 
 def logged_starts(text):
@@ -36,7 +38,8 @@ def gid_lines(figure):
 def test_plot_a_straight_and_a_resumed_run(train_data, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     run_a = base_argv(train_data, "--save", str(a / "ckpt"), "--log-file", str(a / "train.log"),
-                      "--tensorboard-dir", str(a / "tb"), "--log-interval", "1", iters=4)
+                      "--tensorboard-dir", str(a / "tb"), "--log-interval", "1",
+                      "--log-grad-norms-per-layer", iters=4)
 
     def run_b(*extra, iters=6):
         return base_argv(train_data, "--global-batch-size", "8", "--log-file",
@@ -54,7 +57,9 @@ def test_plot_a_straight_and_a_resumed_run(train_data, tmp_path):
     assert third["losses"][4] != second["losses"][4]
 
     # the trainer drew each run into its --save folder at the end
-    for folder in (a / "ckpt", b / "first", b / "ckpt"):
+    assert sorted(p.name for p in (a / "ckpt" / "plots").iterdir()) == \
+        sorted(PNGS + ["grad_norm_per_layer.png"])
+    for folder in (b / "first", b / "ckpt"):
         assert sorted(p.name for p in (folder / "plots").iterdir()) == PNGS, folder
     text_b = (b / "log.txt").read_text()
     assert f"plots: 5 figures in {b / 'ckpt' / 'plots'}" in text_b
@@ -63,7 +68,7 @@ def test_plot_a_straight_and_a_resumed_run(train_data, tmp_path):
     out = tmp_path / "cmp"
     assert main([str(a / "ckpt"), str(b / "log.txt"), "--x", "samples", "--output",
                  str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == PNGS
+    assert sorted(p.name for p in out.iterdir()) == sorted(PNGS + ["grad_norm_per_layer.png"])
     for name in PNGS:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -93,6 +98,18 @@ def test_plot_a_straight_and_a_resumed_run(train_data, tmp_path):
     np.testing.assert_allclose(loss["b|valid"], [(8 * it, v) for it, v in evals_b], rtol=6e-5)
     (test_b,) = [(it, v) for it, split, v in third["evals"] if split == "test"]
     np.testing.assert_allclose(loss["b|test"], [(8 * test_b[0], test_b[1])], rtol=6e-5)
+
+    # run a's heat map: [layer group, step] of the per-layer lines its log holds
+    layers = {int(m[1]): dict(pair.rsplit(" ", 1) for pair in m[2].split(", "))
+              for m in LAYERS.finditer((a / "train.log").read_text())}
+    assert sorted(layers) == [1, 2, 3, 4]
+    groups = list(layers[1])
+    assert groups[0] == "embedding" and groups[-1] == "lm_head"
+    mesh = next(c for ax in figures["grad_norm_per_layer"].axes for c in ax.collections
+                if c.get_gid() == "a|layers")
+    np.testing.assert_allclose(np.asarray(mesh.get_array()),
+                               [[float(layers[it][g]) for it in (1, 2, 3, 4)] for g in groups],
+                               rtol=1e-12)
 
     # run a's TensorBoard events give the same curves, unrounded (float32)
     tb = build_figures([load_run(a / "tb", "a")], x="step", smoothing=0)
