@@ -207,6 +207,8 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
         if ckpt.save is not None:
             lock = _take_save_lock(ckpt.save, writer, runtime.torch_device())
         step = build_step(config, watchdog, writer)
+        if ckpt.check_for_nan:
+            step.watch_nonfinite(ckpt.detect_nan_layers)
         schedule = config.optimizer.schedule
         state = TrainState()
         if ckpt.load is not None:

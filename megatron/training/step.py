@@ -14,6 +14,7 @@ per global batch, is a second implementation beside `DataParallelStep`.
 from __future__ import annotations
 
 import abc
+import math
 from pathlib import Path
 from typing import Dict, Iterator, List, NamedTuple, Optional
 
@@ -86,6 +87,16 @@ class TrainStep(abc.ABC):
         into this rank's part of the model (collective under ZeRO-3); with `optimizer_step`,
         its optimizer states too, Adam's step set to it."""
         raise NotImplementedError(f"{type(self).__name__} cannot load a weights checkpoint")
+
+    def watch_nonfinite(self, detect_layers: bool = False) -> None:
+        """Prepare `locate_nonfinite` (the NaN guard is on); detect_layers: watch every module
+        on every step. A step that cannot locate does nothing."""
+
+    def locate_nonfinite(self):
+        """Where the last step's non-finite values started on this rank (collective, after the
+        NaN guard fired; megatron/training/nan_locator.py): (the first `Finding` or None,
+        whether it came from a re-run), or None where this step cannot tell."""
+        return None
 
 
 def module_vocab_size(module) -> int:
@@ -196,7 +207,25 @@ class EngineStep(TrainStep):
 class DataParallelStep(EngineStep):
     """DeepSpeed's engine with data parallelism (ZeRO 0-3, offload) and tensor parallelism:
     each micro-batch is a forward, a backward and an engine step (DeepSpeed updates at the
-    accumulation boundary)."""
+    accumulation boundary).
+
+    With `watch_nonfinite(detect_layers)` (the NaN guard on), the step keeps its micro-batches
+    and holds back the update of a step whose loss or gradients are not finite on some rank
+    (one all-reduce per step), so that `locate_nonfinite` re-runs it on the weights it failed
+    with; fp16 runs are left to DeepSpeed, which skips overflowed steps itself."""
+
+    last_batches: List[Batch] = []
+    """The last step's micro-batches on the device (references, kept for the locator)."""
+    _gradients = None  # nan_locator.GradientCheck while the update of bad steps is held
+    _layers = None  # nan_locator.NonFiniteWatch on every step (--detect-nan-layers)
+
+    def watch_nonfinite(self, detect_layers: bool = False) -> None:
+        from megatron.training.nan_locator import GradientCheck, NonFiniteWatch
+
+        if not self.engine.fp16_enabled():
+            self._gradients = GradientCheck(self.engine.module, self.device)
+        if detect_layers:
+            self._layers = NonFiniteWatch(self.engine.module).attach()
 
     def step(self, batches: Iterator[Batch], lr: float) -> StepResult:
         engine = self.engine
@@ -205,16 +234,28 @@ class DataParallelStep(EngineStep):
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         skipped_before = engine.skipped_steps
         norm = None
+        self.last_batches = []
+        for watch in (self._gradients, self._layers):
+            if watch is not None:
+                watch.reset()
         for micro in range(self.micro_batches):
             batch = to_device(next(batches), self.device)
+            self.last_batches.append(batch)
+            if self._layers is not None:
+                self._layers.new_micro_batch(micro)
             out = engine(**batch)
             engine.backward(out.loss)
-            if micro == self.micro_batches - 1:
-                norm = self._unreported_grad_norm()
-            engine.step()
             totals[0] += out.loss.detach().double()
             totals[1] += batch["encoder_attention_mask"].sum()
             totals[2] += (batch["labels"] != -100).sum()
+            if micro == self.micro_batches - 1:
+                norm = self._unreported_grad_norm()
+                if self._gradients is not None and self._hold(totals[0]):
+                    bad = bool(self._gradients.bad) or (norm is not None
+                                                        and not math.isfinite(norm))
+                    return StepResult(totals[0] / self.micro_batches, totals[1], totals[2],
+                                      float("nan") if bad else norm, False, self._loss_scale())
+            engine.step()
         if norm is None:
             norm = self._grad_norm()
         return StepResult(totals[0] / self.micro_batches, totals[1], totals[2], norm,
@@ -225,6 +266,33 @@ class DataParallelStep(EngineStep):
         with torch.no_grad():
             out = self.engine(**batch)
         return EvalResult(out.token_losses.double().sum(), (batch["labels"] != -100).sum())
+
+    def _hold(self, loss_sum: torch.Tensor) -> bool:
+        """Whether any rank's loss or gradients are not finite (all ranks agree: the update,
+        a collective under ZeRO, is skipped on all or none)."""
+        bad = (~torch.isfinite(loss_sum) | self._gradients.bad).double().reshape(1)
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return bool(bad.item())
+
+    def locate_nonfinite(self):
+        """With --detect-nan-layers, the finding of the step itself; else the last step's
+        micro-batches again (its update was held back), forward through the engine's module
+        (ZeRO-3's gathering hooks included) and backward with torch.autograd.grad over the parameters: the gradients are returned and
+        dropped, never accumulated, and DeepSpeed's gradient hooks and reductions do not run."""
+        if self._layers is not None:
+            return self._layers.first(), False
+        from megatron.training.nan_locator import NonFiniteWatch
+
+        params = [p for p in self.engine.module.parameters() if p.requires_grad]
+        watch = NonFiniteWatch(self.engine.module).attach()
+        try:
+            for micro, batch in enumerate(self.last_batches):
+                watch.new_micro_batch(micro)
+                out = self.engine.module(**batch)  # not the engine's forward: it expects
+                torch.autograd.grad(out.loss, params, allow_unused=True)  # engine.backward
+            return watch.first(), True
+        finally:
+            watch.detach()
 
     def _unreported_grad_norm(self) -> Optional[float]:
         """The clipping norm where DeepSpeed computes it without keeping it (ZeRO-0 in fp32):
