@@ -7,6 +7,7 @@ data_tools/convert_checkpoint.py --from hf, loaded with --load --finetune."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,30 @@ def test_the_report_names_the_block_with_the_huge_weight(train_data, huge_weight
     assert "error: iteration 1: the loss is not finite (seen by rank 0" in done.stderr
     assert want in done.stderr and "stopping without saving" in done.stderr
     assert not list(save.glob("iter_*"))  # nothing saved
+
+
+@pytest.mark.parametrize("layout", [["--zero-stage", "2"], ["--tensor-model-parallel-size", "2"],
+                                    ["--pipeline-model-parallel-size", "2"]],
+                         ids=["dp2-zero2", "tp2", "pp2"])
+def test_two_ranks(train_data, huge_weights, tmp_path, layout):
+    """Two processes: with data parallelism (ZeRO-2: the held update and the re-run's backward
+    run no gradient reduction) and with tensor parallelism each rank finds the block and rank
+    0's log file has both lines; with a pipeline the log says the locator is not available."""
+    from harness import run_workers
+    from train_workers import run_pretrain_until_error
+
+    log = tmp_path / "run.log"
+    argv = base_argv(train_data, "--load", str(huge_weights), "--finetune", "--log-file",
+                     str(log), *layout, model=str(huge_weights / "model_config.json"), iters=3)
+    results = run_workers(2, run_pretrain_until_error, [argv], timeout=600)
+    errors = [r[0]["error"] for r in results]
+    assert all(e.startswith("NonFiniteError: iteration 1: the loss is not finite") for e in errors)
+    text = log.read_text()
+    if "--pipeline-model-parallel-size" in layout:
+        assert "the locator of non-finite values (which module) is not available with a " \
+               "pipeline" in text
+        return
+    for rank in (0, 1):
+        want = (f"non-finite values first appeared on rank {rank} at iteration 1 in the forward "
+                f"output of {HUGE}")
+        assert re.search(re.escape(want) + r"( \(micro-batch 1 of 2\))?\n", text), text[-3000:]
