@@ -11,8 +11,8 @@ the watch is on during every real step (one `isfinite` reduction per module and 
 micro-batch: slower), and the report comes from the failing step itself, without a re-run.
 
 The notes are device flags (no host synchronisation inside the hooks); `first()` reads them with
-one synchronisation. Each rank that finds something prints one line; rank 0 gathers every rank's
-line into the log file.
+one synchronisation. Each rank that finds something has one line, gathered on rank 0, which
+prints it and appends it to the log file.
 """
 
 from __future__ import annotations
@@ -161,8 +161,8 @@ def report_line(finding: Optional[Finding], iteration: int, micro_batches: int) 
 
 def locate(step, iteration: int, writer) -> str:
     """After the guard fired at `iteration`: find where the step's non-finite values started
-    (collective: every rank calls it). Each rank that finds something prints its line; rank 0
-    writes every rank's line to the log file. Returns the text for the error message: the
+    (collective: every rank calls it). Every rank's line is gathered on rank 0, which prints
+    it and appends it to the log file. Returns the text for the error message: the
     lowest rank's line."""
     how = step.locate_nonfinite()
     if how is None:
@@ -171,19 +171,20 @@ def locate(step, iteration: int, writer) -> str:
                 "data finds it")
         writer.write_text(text)
         return text
-    finding, rerun = how
+    finding, found_by = how
     mine = report_line(finding, iteration, step.micro_batches)
+    if mine is not None and found_by == "updated":
+        mine += (" (a re-run on the weights after the step's update, which was not held back: "
+                 "fp16, or a gradient norm that overflowed from finite gradients)")
     lines: list = [None] * dist.get_world_size()
     dist.all_gather_object(lines, mine)
     lines = [x for x in lines if x is not None]
-    if mine is not None and dist.get_rank() != 0:  # rank 0 prints through the writer
-        print(mine, flush=True)
-    for line in lines:
+    for line in lines:  # rank 0 prints and logs every rank's line (no duplicates on stdout)
         writer.write_text(line)
     if not lines:
         text = (f"the re-run of iteration {iteration} on the same batches found every module's "
                 f"output and gradient finite (not reproducible: a hardware fault, or dropout "
-                f"masks that differ in the re-run)" if rerun else
+                f"masks that differ in the re-run)" if found_by != "watched" else
                 f"no module's output or gradient was non-finite at iteration {iteration}")
         writer.write_text(text)
         return text

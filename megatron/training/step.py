@@ -94,8 +94,10 @@ class TrainStep(abc.ABC):
 
     def locate_nonfinite(self):
         """Where the last step's non-finite values started on this rank (collective, after the
-        NaN guard fired; megatron/training/nan_locator.py): (the first `Finding` or None,
-        whether it came from a re-run), or None where this step cannot tell."""
+        NaN guard fired; megatron/training/nan_locator.py): (the first `Finding` or None, how
+        it was found: 'watched' (the step itself), 're-run' (on the weights the step failed
+        with) or 'updated' (a re-run on the weights after its update)), or None where this
+        step cannot tell."""
         return None
 
 
@@ -218,6 +220,7 @@ class DataParallelStep(EngineStep):
     """The last step's micro-batches on the device (references, kept for the locator)."""
     _gradients = None  # nan_locator.GradientCheck while the update of bad steps is held
     _layers = None  # nan_locator.NonFiniteWatch on every step (--detect-nan-layers)
+    _held = False  # the last step's update was held back
 
     def watch_nonfinite(self, detect_layers: bool = False) -> None:
         from megatron.training.nan_locator import GradientCheck, NonFiniteWatch
@@ -234,7 +237,7 @@ class DataParallelStep(EngineStep):
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         skipped_before = engine.skipped_steps
         norm = None
-        self.last_batches = []
+        self.last_batches, self._held = [], False
         for watch in (self._gradients, self._layers):
             if watch is not None:
                 watch.reset()
@@ -251,6 +254,7 @@ class DataParallelStep(EngineStep):
             if micro == self.micro_batches - 1:
                 norm = self._unreported_grad_norm()
                 if self._gradients is not None and self._hold(totals[0]):
+                    self._held = True
                     bad = bool(self._gradients.bad) or (norm is not None
                                                         and not math.isfinite(norm))
                     return StepResult(totals[0] / self.micro_batches, totals[1], totals[2],
@@ -276,11 +280,11 @@ class DataParallelStep(EngineStep):
 
     def locate_nonfinite(self):
         """With --detect-nan-layers, the finding of the step itself; else the last step's
-        micro-batches again (its update was held back), forward through the engine's module
+        micro-batches again (its update held back; not in fp16, where DeepSpeed decides), forward through the engine's module
         (ZeRO-3's gathering hooks included) and backward with torch.autograd.grad over the parameters: the gradients are returned and
         dropped, never accumulated, and DeepSpeed's gradient hooks and reductions do not run."""
         if self._layers is not None:
-            return self._layers.first(), False
+            return self._layers.first(), "watched"
         from megatron.training.nan_locator import NonFiniteWatch
 
         params = [p for p in self.engine.module.parameters() if p.requires_grad]
@@ -290,7 +294,7 @@ class DataParallelStep(EngineStep):
                 watch.new_micro_batch(micro)
                 out = self.engine.module(**batch)  # not the engine's forward: it expects
                 torch.autograd.grad(out.loss, params, allow_unused=True)  # engine.backward
-            return watch.first(), True
+            return watch.first(), "re-run" if self._held else "updated"
         finally:
             watch.detach()
 
