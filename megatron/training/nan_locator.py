@@ -127,20 +127,26 @@ class NonFiniteWatch:
 
 
 class GradientCheck:
-    """Whether any parameter gradient of this rank's backward passes was not finite: one device
-    flag, set by parameter hooks (no host synchronisation), read where the step decides whether
-    to apply the update."""
+    """Whether any parameter gradient of this rank's backward passes was not finite, for the
+    engines that compute the gradient norm only inside their update (ZeRO 1-3, bf16): parameter
+    hooks add every gradient's sum into one float64 device scalar (no host synchronisation; a
+    sum is NaN or infinite exactly when an element is, float64 does not overflow from finite
+    float32 or bf16 gradients), read where the step decides whether to apply the update."""
 
     def __init__(self, model: nn.Module, device) -> None:
-        self.bad = torch.zeros((), dtype=torch.bool, device=device)
+        self.total = torch.zeros((), dtype=torch.float64, device=device)
         self._handles = [p.register_hook(self._hook) for p in model.parameters()
                          if p.requires_grad]
 
     def _hook(self, grad: torch.Tensor) -> None:
-        self.bad |= ~torch.isfinite(grad).all()
+        self.total += grad.sum(dtype=torch.float64)
+
+    @property
+    def bad(self) -> torch.Tensor:
+        return ~torch.isfinite(self.total)
 
     def reset(self) -> None:
-        self.bad.zero_()
+        self.total.zero_()
 
     def detach(self) -> None:
         for handle in self._handles:

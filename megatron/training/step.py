@@ -218,15 +218,19 @@ class DataParallelStep(EngineStep):
 
     last_batches: List[Batch] = []
     """The last step's micro-batches on the device (references, kept for the locator)."""
-    _gradients = None  # nan_locator.GradientCheck while the update of bad steps is held
+    _hold_bad = False  # hold back the update of a step that is not finite
+    _gradients = None  # nan_locator.GradientCheck where the norm comes only with the update
     _layers = None  # nan_locator.NonFiniteWatch on every step (--detect-nan-layers)
     _held = False  # the last step's update was held back
 
     def watch_nonfinite(self, detect_layers: bool = False) -> None:
         from megatron.training.nan_locator import GradientCheck, NonFiniteWatch
 
-        if not self.engine.fp16_enabled():
-            self._gradients = GradientCheck(self.engine.module, self.device)
+        engine = self.engine
+        self._hold_bad = not engine.fp16_enabled()
+        if self._hold_bad and (engine.zero_optimization_stage() != 0
+                               or engine.bfloat16_enabled()):
+            self._gradients = GradientCheck(engine.module, self.device)
         if detect_layers:
             self._layers = NonFiniteWatch(self.engine.module).attach()
 
@@ -253,10 +257,10 @@ class DataParallelStep(EngineStep):
             totals[2] += (batch["labels"] != -100).sum()
             if micro == self.micro_batches - 1:
                 norm = self._unreported_grad_norm()
-                if self._gradients is not None and self._hold(totals[0]):
+                if self._hold_bad and self._hold(totals[0], norm):
                     self._held = True
-                    bad = bool(self._gradients.bad) or (norm is not None
-                                                        and not math.isfinite(norm))
+                    bad = (self._gradients is not None and bool(self._gradients.bad)) or (
+                        norm is not None and not math.isfinite(norm))
                     return StepResult(totals[0] / self.micro_batches, totals[1], totals[2],
                                       float("nan") if bad else norm, False, self._loss_scale())
             engine.step()
@@ -271,18 +275,25 @@ class DataParallelStep(EngineStep):
             out = self.engine(**batch)
         return EvalResult(out.token_losses.double().sum(), (batch["labels"] != -100).sum())
 
-    def _hold(self, loss_sum: torch.Tensor) -> bool:
-        """Whether any rank's loss or gradients are not finite (all ranks agree: the update,
-        a collective under ZeRO, is skipped on all or none)."""
-        bad = (~torch.isfinite(loss_sum) | self._gradients.bad).double().reshape(1)
+    def _hold(self, loss_sum: torch.Tensor, norm: Optional[float]) -> bool:
+        """Whether any rank's loss, gradient norm (ZeRO-0 fp32: known before the update) or
+        gradients are not finite (all ranks agree: the update, a collective under ZeRO, is
+        skipped on all or none)."""
+        bad = ~torch.isfinite(loss_sum)
+        if self._gradients is not None:
+            bad = bad | self._gradients.bad
+        if norm is not None and not math.isfinite(norm):
+            bad = torch.ones_like(bad)
+        bad = bad.double().reshape(1)
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         return bool(bad.item())
 
     def locate_nonfinite(self):
         """With --detect-nan-layers, the finding of the step itself; else the last step's
-        micro-batches again (its update held back; not in fp16, where DeepSpeed decides), forward through the engine's module
-        (ZeRO-3's gathering hooks included) and backward with torch.autograd.grad over the parameters: the gradients are returned and
-        dropped, never accumulated, and DeepSpeed's gradient hooks and reductions do not run."""
+        micro-batches again (its update held back; not in fp16, where DeepSpeed decides),
+        forward through the engine's module (ZeRO-3's gathering hooks included) and backward
+        with torch.autograd.grad over the parameters: the gradients are returned and dropped,
+        never accumulated, and DeepSpeed's gradient hooks and reductions do not run."""
         if self._layers is not None:
             return self._layers.first(), "watched"
         from megatron.training.nan_locator import NonFiniteWatch
