@@ -72,12 +72,13 @@ def test_the_report_names_the_block_with_the_huge_weight(train_data, huge_weight
     assert not list(save.glob("iter_*"))  # nothing saved
 
 
-@pytest.mark.parametrize("layout", [["--zero-stage", "2"], ["--tensor-model-parallel-size", "2"],
+@pytest.mark.parametrize("layout", [["--zero-stage", "2"], ["--zero-stage", "3"],
+                                    ["--tensor-model-parallel-size", "2"],
                                     ["--pipeline-model-parallel-size", "2"]],
-                         ids=["dp2-zero2", "tp2", "pp2"])
+                         ids=["dp2-zero2", "dp2-zero3", "tp2", "pp2"])
 def test_two_ranks(train_data, huge_weights, tmp_path, layout):
-    """Two processes: with data parallelism (ZeRO-2: the held update and the re-run's backward
-    run no gradient reduction) and with tensor parallelism each rank finds the block and rank
+    """Two processes: with data parallelism (ZeRO-2 and 3: the held update, and a re-run whose
+    backward runs no gradient reduction) and with tensor parallelism each rank finds the block and rank
     0's log file has both lines; with a pipeline the log says the locator is not available."""
     from harness import run_workers
     from train_workers import run_pretrain_until_error
