@@ -222,6 +222,7 @@ class DataParallelStep(EngineStep):
     _gradients = None  # nan_locator.GradientCheck where the norm comes only with the update
     _layers = None  # nan_locator.NonFiniteWatch on every step (--detect-nan-layers)
     _held = False  # the last step's update was held back
+    _rng = None  # the generators' states at the start of the last step (for its re-run)
 
     def watch_nonfinite(self, detect_layers: bool = False) -> None:
         from megatron.training.nan_locator import GradientCheck, NonFiniteWatch
@@ -242,6 +243,10 @@ class DataParallelStep(EngineStep):
         skipped_before = engine.skipped_steps
         norm = None
         self.last_batches, self._held = [], False
+        if self._hold_bad and self._layers is None:  # the re-run draws the same dropout masks
+            from megatron.training.checkpointing import rng_state
+
+            self._rng = rng_state(self.device.type)
         for watch in (self._gradients, self._layers):
             if watch is not None:
                 watch.reset()
@@ -290,14 +295,19 @@ class DataParallelStep(EngineStep):
 
     def locate_nonfinite(self):
         """With --detect-nan-layers, the finding of the step itself; else the last step's
-        micro-batches again (its update held back; not in fp16, where DeepSpeed decides),
-        forward through the engine's module (ZeRO-3's gathering hooks included) and backward
+        micro-batches again (its update held back; not in fp16, where DeepSpeed decides; the
+        random generators as the step found them, so dropout draws the same masks), forward
+        through the engine's module (ZeRO-3's gathering hooks included) and backward
         with torch.autograd.grad over the parameters: the gradients are returned and dropped,
         never accumulated, and DeepSpeed's gradient hooks and reductions do not run."""
         if self._layers is not None:
             return self._layers.first(), "watched"
         from megatron.training.nan_locator import NonFiniteWatch
 
+        from megatron.training.checkpointing import set_rng_state
+
+        if self._rng is not None:
+            set_rng_state(self._rng, self.device.type)
         params = [p for p in self.engine.module.parameters() if p.requires_grad]
         watch = NonFiniteWatch(self.engine.module).attach()
         try:

@@ -98,3 +98,43 @@ def test_two_ranks(train_data, huge_weights, tmp_path, layout):
         want = (f"non-finite values first appeared on rank {rank} at iteration 1 in the forward "
                 f"output of {HUGE}")
         assert re.search(re.escape(want) + r"( \(micro-batch 1 of 2\))?\n", text), text[-3000:]
+
+
+def step_then_rerun(rank, world_size, argv):
+    """One real DataParallelStep (the entry point's builder) at learning rate 0, then its
+    re-run by locate_nonfinite: each pass's micro-batch losses, from a forward hook."""
+    from megatron import parallel_state
+    from megatron.arguments import parse_args
+    from megatron.initialize import initialize_distributed, set_seeds
+    from megatron.pretrain_t5 import build_data, build_step
+    from megatron.training.metrics import MetricsWriter
+    from megatron.training.watchdog import NoWatchdog
+
+    config = parse_args(argv, env=os.environ)
+    initialize_distributed(config.runtime, config.parallel)
+    try:
+        set_seeds(config.runtime.seed, config.runtime.device_type)
+        step = build_step(config, NoWatchdog(), MetricsWriter(None, None, enabled=False))
+        step.watch_nonfinite()
+        losses = []
+        step.engine.module.register_forward_hook(lambda m, i, out: losses.append(float(out.loss)))
+        train, _, _ = build_data(config.data, config.batch, config.runtime.device_type, 0)
+        step.step(iter(train), 0.0)
+        stepped = list(losses)
+        losses.clear()
+        finding, how = step.locate_nonfinite()
+        return stepped, losses, finding, how
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_the_rerun_draws_the_steps_dropout_masks(train_data):
+    """Dropout 0.1 and a learning rate of 0 (the weights stay): the re-run's losses are the
+    step's, bit for bit, because the random generators are set back to the step's start (with
+    fresh masks they differ in the third digit)."""
+    from harness import run_workers
+
+    argv = base_argv(train_data, model=train_data.tiny_dropout, iters=1)
+    stepped, rerun, finding, how = run_workers(1, step_then_rerun, argv, timeout=300)[0]
+    assert len(stepped) == 2 and rerun == stepped
+    assert finding is None and how == "updated"  # a finite step: its update was not held
