@@ -10,6 +10,13 @@ backward one of its micro-batch, since backward runs after forward. With `--dete
 the watch is on during every real step (one `isfinite` reduction per module and parameter per
 micro-batch: slower), and the report comes from the failing step itself, without a re-run.
 
+The re-run is faithful because the step (step.py, DataParallelStep) keeps its micro-batches,
+the random generators' states at its start (the same dropout masks), and holds back the update
+of a step that is not finite on any rank (one all-reduce per step), so the weights are those the
+step failed with. fp16 steps are left to DeepSpeed's overflow skipping. The guard stops at a
+non-finite loss or gradient norm; a module output that is not finite while both stay finite
+(rare: an RMS norm turns inf into NaN) does not stop a run, with or without the flag.
+
 The notes are device flags (no host synchronisation inside the hooks); `first()` reads them with
 one synchronisation. Each rank that finds something has one line, gathered on rank 0, which
 prints it and appends it to the log file.
