@@ -202,7 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
                    action=argparse.BooleanOptionalAction, default=True,
                    help="stop with exit 1, without saving, when a step's loss or gradient norm "
                         "is NaN or infinite (default on; fp16 overflow steps, which DeepSpeed "
-                        "skips, excepted)")
+                        "skips, excepted), after naming the first module whose output or "
+                        "gradient was not finite (the step is run again with hooks; not with "
+                        "a pipeline)")
+    g.add_argument("--detect-nan-layers", action="store_true",
+                   help="watch every module's output and gradient on every step (slower: one "
+                        "isfinite reduction per module and parameter per micro-batch) and, "
+                        "when the NaN guard stops the run, name the first non-finite one from "
+                        "the failing step itself (not with a pipeline)")
 
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100, help="steps per log line")
@@ -318,7 +325,8 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
                                   values["checkpoint_timeout_minutes"],
                                   keep_last=values["keep_last"],
                                   async_save=values["async_save"],
-                                  check_for_nan=values["check_for_nan"])
+                                  check_for_nan=values["check_for_nan"],
+                                  detect_nan_layers=values["detect_nan_layers"])
     logging = LoggingConfig(values["log_interval"], values["log_file"],
                             values["tensorboard_dir"], values["peak_tflops"],
                             values["log_grad_norms_per_layer"])

@@ -217,6 +217,8 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
             t5 = config.model.t5
             step.watch_layer_grad_norms(layer_groups(t5.num_layers, t5.num_decoder_layers,
                                                      t5.tie_word_embeddings))
+        if ckpt.check_for_nan:
+            step.watch_nonfinite(ckpt.detect_nan_layers)
         schedule = config.optimizer.schedule
         state = TrainState()
         if ckpt.load is not None:

@@ -128,6 +128,14 @@ def checkpoint_flag_problems(values: Dict[str, Any]) -> List[str]:
     if values["finetune"] and values["lr_policy"] == "checkpoint":
         problems.append("--finetune starts the LR schedule fresh; --use-checkpoint-lr-scheduler "
                         "contradicts it")
+    if values["detect_nan_layers"]:
+        if not values["check_for_nan"]:
+            problems.append("--detect-nan-layers reports when the NaN guard stops the run; "
+                            "--no-check-for-nan-in-loss-and-grad turns that off")
+        if values["pipeline_model_parallel_size"] > 1:
+            problems.append("--detect-nan-layers is not available with "
+                            "--pipeline-model-parallel-size > 1 (run the same weights and data "
+                            "without a pipeline)")
     load, save = values["load"], values["save"]
     if load is not None and Path(load).exists() and not Path(load).is_dir():
         problems.append(f"--load {load} is a file; give the checkpoint folder")

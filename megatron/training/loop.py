@@ -193,8 +193,13 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
                                        bad)
         if state.diverged:
             flush_logs()
-            message = (f"iteration {state.iteration}: {state.diverged}; stopping without "
-                       f"saving, so the last checkpoint"
+            from megatron.training.nan_locator import locate
+
+            with watchdog.watch("the locator of non-finite values (the failing step again, "
+                                "with collectives)", collective_s):
+                where = locate(step, state.iteration, writer)
+            message = (f"iteration {state.iteration}: {state.diverged}; {where}; stopping "
+                       f"without saving, so the last checkpoint"
                        f"{' in ' + checkpoint.save if checkpoint.save else ''} stays the one "
                        f"its tracker names (lower the learning rate, or check the data; "
                        f"--no-check-for-nan-in-loss-and-grad turns this check off)")

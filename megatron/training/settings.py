@@ -79,6 +79,9 @@ class CheckpointConfig:
     """Write checkpoint files in the background (megatron/training/saver.py)."""
     check_for_nan: bool = True
     """Stop, without saving, at a step whose loss or gradient norm is not finite."""
+    detect_nan_layers: bool = False
+    """Watch every module on every step (megatron/training/nan_locator.py), not only in a
+    re-run of the failing step."""
 
     @property
     def weights_only(self) -> bool:

@@ -14,6 +14,7 @@ per global batch, is a second implementation beside `DataParallelStep`.
 from __future__ import annotations
 
 import abc
+import math
 from pathlib import Path
 from typing import Dict, Iterator, List, NamedTuple, Optional
 
@@ -94,6 +95,18 @@ class TrainStep(abc.ABC):
         into this rank's part of the model (collective under ZeRO-3); with `optimizer_step`,
         its optimizer states too, Adam's step set to it."""
         raise NotImplementedError(f"{type(self).__name__} cannot load a weights checkpoint")
+
+    def watch_nonfinite(self, detect_layers: bool = False) -> None:
+        """Prepare `locate_nonfinite` (the NaN guard is on); detect_layers: watch every module
+        on every step. A step that cannot locate does nothing."""
+
+    def locate_nonfinite(self):
+        """Where the last step's non-finite values started on this rank (collective, after the
+        NaN guard fired; megatron/training/nan_locator.py): (the first `Finding` or None, how
+        it was found: 'watched' (the step itself), 're-run' (on the weights the step failed
+        with) or 'updated' (a re-run on the weights after its update)), or None where this
+        step cannot tell."""
+        return None
 
 
 def module_vocab_size(module) -> int:
@@ -212,7 +225,31 @@ class EngineStep(TrainStep):
 class DataParallelStep(EngineStep):
     """DeepSpeed's engine with data parallelism (ZeRO 0-3, offload) and tensor parallelism:
     each micro-batch is a forward, a backward and an engine step (DeepSpeed updates at the
-    accumulation boundary)."""
+    accumulation boundary).
+
+    With `watch_nonfinite(detect_layers)` (the NaN guard on), the step keeps its micro-batches
+    and holds back the update of a step whose loss or gradients are not finite on some rank
+    (one all-reduce per step), so that `locate_nonfinite` re-runs it on the weights it failed
+    with; fp16 runs are left to DeepSpeed, which skips overflowed steps itself."""
+
+    last_batches: List[Batch] = []
+    """The last step's micro-batches on the device (references, kept for the locator)."""
+    _hold_bad = False  # hold back the update of a step that is not finite
+    _gradients = None  # nan_locator.GradientCheck where the norm comes only with the update
+    _layers = None  # nan_locator.NonFiniteWatch on every step (--detect-nan-layers)
+    _held = False  # the last step's update was held back
+    _rng = None  # the generators' states at the start of the last step (for its re-run)
+
+    def watch_nonfinite(self, detect_layers: bool = False) -> None:
+        from megatron.training.nan_locator import GradientCheck, NonFiniteWatch
+
+        engine = self.engine
+        self._hold_bad = not engine.fp16_enabled()
+        if self._hold_bad and (engine.zero_optimization_stage() != 0
+                               or engine.bfloat16_enabled()):
+            self._gradients = GradientCheck(engine.module, self.device)
+        if detect_layers:
+            self._layers = NonFiniteWatch(self.engine.module).attach()
 
     def step(self, batches: Iterator[Batch], lr: float) -> StepResult:
         engine = self.engine
@@ -222,20 +259,37 @@ class DataParallelStep(EngineStep):
         skipped_before = engine.skipped_steps
         norm = None
         ranges = self.ranges
+        self.last_batches, self._held = [], False
+        if self._hold_bad and self._layers is None:  # the re-run draws the same dropout masks
+            from megatron.training.checkpointing import rng_state
+
+            self._rng = rng_state(self.device.type)
+        for watch in (self._gradients, self._layers):
+            if watch is not None:
+                watch.reset()
         for micro in range(self.micro_batches):
             batch = to_device(next(batches), self.device)
+            self.last_batches.append(batch)
+            if self._layers is not None:
+                self._layers.new_micro_batch(micro)
             with ranges(FORWARD):
                 out = engine(**batch)
             with ranges(BACKWARD):
                 engine.backward(out.loss)
-            last = micro == self.micro_batches - 1
-            if last:
-                norm = self._unreported_grad_norm()
-            with ranges(OPTIMIZER_STEP) if last else NO_RANGE:
-                engine.step()
             totals[0] += out.loss.detach().double()
             totals[1] += batch["encoder_attention_mask"].sum()
             totals[2] += (batch["labels"] != -100).sum()
+            last = micro == self.micro_batches - 1
+            if last:
+                norm = self._unreported_grad_norm()
+                if self._hold_bad and self._hold(totals[0], norm):
+                    self._held = True
+                    bad = (self._gradients is not None and bool(self._gradients.bad)) or (
+                        norm is not None and not math.isfinite(norm))
+                    return StepResult(totals[0] / self.micro_batches, totals[1], totals[2],
+                                      float("nan") if bad else norm, False, self._loss_scale())
+            with ranges(OPTIMIZER_STEP) if last else NO_RANGE:
+                engine.step()
         if norm is None:
             norm = self._grad_norm()
         return StepResult(totals[0] / self.micro_batches, totals[1], totals[2], norm,
@@ -246,6 +300,45 @@ class DataParallelStep(EngineStep):
         with torch.no_grad():
             out = self.engine(**batch)
         return EvalResult(out.token_losses.double().sum(), (batch["labels"] != -100).sum())
+
+    def _hold(self, loss_sum: torch.Tensor, norm: Optional[float]) -> bool:
+        """Whether any rank's loss, gradient norm (ZeRO-0 fp32: known before the update) or
+        gradients are not finite (all ranks agree: the update, a collective under ZeRO, is
+        skipped on all or none)."""
+        bad = ~torch.isfinite(loss_sum)
+        if self._gradients is not None:
+            bad = bad | self._gradients.bad
+        if norm is not None and not math.isfinite(norm):
+            bad = torch.ones_like(bad)
+        bad = bad.double().reshape(1)
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return bool(bad.item())
+
+    def locate_nonfinite(self):
+        """With --detect-nan-layers, the finding of the step itself; else the last step's
+        micro-batches again (its update held back; not in fp16, where DeepSpeed decides; the
+        random generators as the step found them, so dropout draws the same masks), forward
+        through the engine's module (ZeRO-3's gathering hooks included) and backward
+        with torch.autograd.grad over the parameters: the gradients are returned and dropped,
+        never accumulated, and DeepSpeed's gradient hooks and reductions do not run."""
+        if self._layers is not None:
+            return self._layers.first(), "watched"
+        from megatron.training.nan_locator import NonFiniteWatch
+
+        from megatron.training.checkpointing import set_rng_state
+
+        if self._rng is not None:
+            set_rng_state(self._rng, self.device.type)
+        params = [p for p in self.engine.module.parameters() if p.requires_grad]
+        watch = NonFiniteWatch(self.engine.module).attach()
+        try:
+            for micro, batch in enumerate(self.last_batches):
+                watch.new_micro_batch(micro)
+                out = self.engine.module(**batch)  # not the engine's forward: it expects
+                torch.autograd.grad(out.loss, params, allow_unused=True)  # engine.backward
+            return watch.first(), "re-run" if self._held else "updated"
+        finally:
+            watch.detach()
 
     def _unreported_grad_norm(self) -> Optional[float]:
         """The clipping norm where DeepSpeed computes it without keeping it (ZeRO-0 in fp32):

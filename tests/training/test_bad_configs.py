@@ -226,6 +226,13 @@ CASES = {
     "save_interval_without_save": Case(
         extra=["--save-interval", "10"],
         expect=[("--save-interval", "--save ")]),
+    "detect_nan_layers_with_a_pipeline": Case(
+        extra=["--detect-nan-layers", "--pipeline-model-parallel-size", "2"],
+        env={"WORLD_SIZE": "2"},
+        expect=[("--detect-nan-layers", "--pipeline-model-parallel-size")]),
+    "detect_nan_layers_without_the_guard": Case(
+        extra=["--detect-nan-layers", "--no-check-for-nan-in-loss-and-grad"],
+        expect=[("--detect-nan-layers", "--no-check-for-nan-in-loss-and-grad")]),
     "keep_last_without_save": Case(
         extra=["--keep-last", "2"],
         expect=[("--keep-last needs --save",)]),
