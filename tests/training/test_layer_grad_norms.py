@@ -4,37 +4,16 @@ is the one a single process gets (the same gradients, however they are sharded);
 and the TensorBoard scalars follow the format the plot command reads."""
 
 import math
-import os
 import re
 
 import pytest
 
 from harness import run_workers
 from megatron.training.layer_norms import format_layer_norms, group_of, layer_groups
-from train_workers import base_argv
+from train_workers import base_argv, run_pretrain
 
 TINY_GROUPS = ["embedding", "encoder.block.0", "encoder.block.1", "encoder.final_layer_norm",
                "decoder.block.0", "decoder.block.1", "decoder.final_layer_norm", "lm_head"]
-
-
-def run_with_layer_norms(rank, world_size, argvs):
-    """Each command line's {'grad_norms', 'layer_grad_norms'} (every rank reports its own)."""
-    from megatron import parallel_state
-    from megatron.arguments import parse_args
-    from megatron.initialize import initialize_distributed
-    from megatron.pretrain_t5 import pretrain
-
-    out = []
-    for argv in argvs:
-        config = parse_args(argv, env=os.environ)
-        initialize_distributed(config.runtime, config.parallel)
-        try:
-            state = pretrain(config)
-        finally:
-            parallel_state.destroy_model_parallel()
-        out.append({"grad_norms": dict(state.grad_norms),
-                    "layer_grad_norms": dict(state.layer_grad_norms)})
-    return out
 
 
 def test_groups_cover_the_t5_names():
@@ -72,7 +51,7 @@ def single(train_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("layer_norms")
     argv = base_argv(train_data, "--log-grad-norms-per-layer", "--log-file",
                      str(out / "log.txt"), "--tensorboard-dir", str(out / "tb"))
-    return run_workers(1, run_with_layer_norms, [argv], timeout=600)[0][0], out
+    return run_workers(1, run_pretrain, [argv], timeout=600)[0][0], out
 
 
 def assert_squares_sum_to_global(result):
@@ -118,7 +97,7 @@ def test_sharded_runs_match_the_global_norm_and_one_process(train_data, single):
     runs = [("--tensor-model-parallel-size", "2"), (), ("--zero-stage", "3"),
             ("--zero-stage", "1"), ("--pipeline-model-parallel-size", "2"),
             ("--pipeline-model-parallel-size", "2", "--zero-stage", "1")]
-    got = run_workers(2, run_with_layer_norms,
+    got = run_workers(2, run_pretrain,
                       [base_argv(train_data, "--log-grad-norms-per-layer", *r) for r in runs],
                       timeout=1200)
     reference = single[0]["layer_grad_norms"]
@@ -140,7 +119,7 @@ def test_bf16_and_offloaded_runs_match_their_global_norm(train_data):
             ("--pipeline-model-parallel-size", "2", "--bf16", "--zero-stage", "1"),
             ("--zero-stage", "2", "--offload-optimizer", "cpu"),
             ("--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-param", "cpu")]
-    got = run_workers(2, run_with_layer_norms,
+    got = run_workers(2, run_pretrain,
                       [base_argv(train_data, "--log-grad-norms-per-layer", *r) for r in runs],
                       timeout=1200)
     for flags, result, other in zip(runs, got[0], got[1]):

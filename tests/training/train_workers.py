@@ -23,7 +23,8 @@ def run_pretrain(rank, world_size, argvs):
             parallel_state.destroy_model_parallel()
         out.append({"losses": dict(state.losses), "grad_norms": dict(state.grad_norms),
                     "evals": list(state.evaluations),
-                    "iteration": state.iteration})
+                    "iteration": state.iteration,
+                    "layer_grad_norms": dict(state.layer_grad_norms)})
     return out
 
 
