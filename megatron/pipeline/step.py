@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron import parallel_state
 from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.tensor_parallel.layers import counts_in_norm
 from megatron.training.profiling import PIPELINE_BATCH, PIPELINE_SUMS
 from megatron.training.step import Batch, EngineStep, EvalResult, StepResult
 
@@ -63,10 +64,10 @@ def stage_grad_norm(parameters) -> torch.Tensor:
     squares = []
     device = None
     for p in parameters:
-        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
+        if p.grad is None:
             continue
         device = p.grad.device
-        if getattr(p, "tensor_model_parallel", False) or tensor_rank == 0:
+        if counts_in_norm(p, tensor_rank):
             squares.append(p.grad.detach().double().pow(2).sum())
     total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64,
                                                                    device=device)

@@ -36,6 +36,16 @@ def normal_init(std: float) -> InitMethod:
     return init
 
 
+def counts_in_norm(param, tensor_rank: int) -> bool:
+    """Whether this rank's copy of `param` counts in a norm summed over the model-parallel
+    ranks: a tensor shard on every tensor rank, a replicated weight (layer norms) on tensor rank
+    0 only, a tied pipeline copy (DeepSpeed marks those beyond the first `ds_pipe_replicated`)
+    never."""
+    if getattr(param, "ds_pipe_replicated", False):
+        return False
+    return getattr(param, "tensor_model_parallel", False) or tensor_rank == 0
+
+
 def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int,
                                          stride: int = 1) -> None:
     param.tensor_model_parallel = is_parallel

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import parallel_state
+from megatron.tensor_parallel.layers import counts_in_norm
 
 _BLOCK = re.compile(r"^(encoder|decoder)\.block\.(\d+)\.")
 TAG_PREFIX = "grad-norm-per-layer"
@@ -135,9 +136,7 @@ class LayerGradNorms:
             if group not in index:
                 raise ValueError(f"--log-grad-norms-per-layer: parameter {full} belongs to no "
                                  f"layer group (groups: {', '.join(self.groups)})")
-            if not param.requires_grad or getattr(param, "ds_pipe_replicated", False):
-                continue  # a tied copy: its gradient is the first copy's
-            if getattr(param, "tensor_model_parallel", False) or tensor_rank == 0:
+            if param.requires_grad and counts_in_norm(param, tensor_rank):
                 self._params.append((param, index[group]))
         self._armed = False
         self._squares: Optional[torch.Tensor] = None
