@@ -264,8 +264,8 @@ def predict(model_json: Path, flags_by_name: Dict[str, List[str]], cal: Dict[str
 
 # Measurements of the other benches -----------------------------------------------------------
 def measured(work: Path) -> Dict[str, dict]:
-    """{name: {"step": fastest round's mean step (s), "spread": (max - min) / mean over the
-    steps, "flags": layout flags}} from bench_training's and bench_pipeline's results."""
+    """{name: {"step": the fastest round's mean step (s), "flags": layout flags}} from
+    bench_training's and bench_pipeline's results."""
     from bench.bench_training import CONFIGS
 
     out = {}
@@ -280,9 +280,8 @@ def measured(work: Path) -> Dict[str, dict]:
     for row in json.loads(training.read_text())["rows"]:
         if row["name"] not in flags:
             continue  # bf16 (emulated on most CPUs) and the repeat of ZeRO 0
-        steps = row["steps"]
         out[f"training: {row['name']}"] = {
-            "step": 1 / max(row["speeds"]), "steps": steps,
+            "step": 1 / max(row["speeds"]),
             "flags": base + ["--micro-batch-size", str(MICRO_BATCH)] + flags[row["name"]]}
     layouts = {"DP=2, ZeRO 0": ["--micro-batch-size", "4", "--zero-stage", "0"],
                "ZeRO-3 DP=2": ["--micro-batch-size", "4", "--zero-stage", "3"],
@@ -291,12 +290,11 @@ def measured(work: Path) -> Dict[str, dict]:
     for row in results["speed"]:
         if row["name"] in layouts:
             out[f"pipeline: {row['name']}"] = {"step": 1 / max(row["speeds"]),
-                                               "steps": row["steps"],
                                                "flags": base + layouts[row["name"]]}
     for row in results.get("bubble", []):
         m, mb = row["micro_batches"], row["micro_batch_size"]
         out[f"pipeline: PP=2, m = {m}"] = {
-            "step": row["step_s"] if "step_s" in row else None, "steps": row.get("steps", []),
+            "step": row.get("step_s"),
             "flags": ["--encoder-seq-length", str(ENC_LEN), "--global-batch-size", str(m * mb),
                       "--micro-batch-size", str(mb), "--pipeline-model-parallel-size", "2"]}
     return {k: v for k, v in out.items() if v["step"]}

@@ -13,6 +13,7 @@ line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import List, Optional, Sequence
@@ -110,7 +111,7 @@ def cluster_from_args(args: argparse.Namespace, problems: List[str]) -> Optional
     overrides = {k: v for k, v in (("intra_node_gbs", args.intra_node_gbs),
                                    ("host_link_gbs", args.host_link_gbs)) if v is not None}
     if overrides:
-        device = type(device)(**{**device.__dict__, **overrides})
+        device = dataclasses.replace(device, **overrides)
     return Cluster(nodes, per_node, device,
                    inter_node_gbs=args.inter_node_gbs or device.inter_node_gbs,
                    host_memory_gib=args.cpu_memory_gib or device.host_memory_gib,

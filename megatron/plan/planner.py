@@ -67,7 +67,7 @@ def plan(request: Request, cluster: Cluster, machine: Machine, headroom: float =
     if not ranked and find_nodes:
         for factor in (2, 4, 8, 16, 32, 64):
             bigger = dataclasses.replace(cluster, nodes=cluster.nodes * factor)
-            more = plan(request, bigger, dataclasses.replace(machine), headroom, False)
+            more = plan(request, bigger, machine, headroom, False)
             if more.ranked:
                 result.nodes_needed = bigger.nodes
                 break

@@ -64,13 +64,17 @@ class Candidate:
     host_bytes_per_node: int = 0
     nvme_bytes_per_node: int = 0
     time: Optional[StepTime] = None
-    fits: bool = False
     short: Dict[str, float] = field(default_factory=dict)
     """What does not fit: {'device': GiB over, 'host': ..., 'nvme': ...}."""
     tokens_per_s: float = 0.0
     mfu: float = 0.0
     micro_batches: int = 0
     """Per data-parallel rank per step (gradient accumulation steps)."""
+
+    @property
+    def fits(self) -> bool:
+        """Sized, and nothing short."""
+        return bool(self.stages) and not self.short
 
     @property
     def memory(self) -> Optional[MemoryEstimate]:
@@ -160,6 +164,7 @@ class Evaluator:
         self.usable = cluster.device.memory_gib * (1 - headroom) * GIB
         self._saved: Dict[tuple, List[float]] = {}
         self._cuts: Dict[Tuple[int, int], Cut] = {}
+        self._parameters: Dict[Tuple[int, int], Tuple[List[int], List[int]]] = {}
 
     def evaluate(self, c: Candidate) -> Candidate:
         layout, problems = layout_from_flags(c.flags, self.cluster.world_size,
@@ -193,7 +198,7 @@ class Evaluator:
             short["host"] = (c.host_bytes_per_node - 0.8 * host) / GIB
         if c.nvme_bytes_per_node and c.nvme_bytes_per_node > (self.cluster.nvme_gib or 0) * GIB:
             short["nvme"] = (c.nvme_bytes_per_node - (self.cluster.nvme_gib or 0) * GIB) / GIB
-        c.short, c.fits = short, not short
+        c.short = short
         shape = self.shape(layout, c.stages, cut)
         c.time = step_time(shape, self.machine)
         t5 = layout.model.t5
@@ -228,12 +233,15 @@ class Evaluator:
         vocab = t5.padded_vocab_size(mvd, tp)
         if cut is not None:
             blocks = [tuple(len(r) for r in cut.stage_blocks(s)) for s in range(pp)]
-            params = [sum(stage_parameter_numels(t5, cut, s, tp, mvd).values())
-                      for s in range(pp)]
         else:
             blocks = [(t5.num_layers, t5.num_decoder_layers)]
-            params = [sum(parameter_numels(t5, tp, mvd).values())]
-        numels = parameter_numels(t5, tp, mvd).values()
+        key = (tp, pp)
+        if key not in self._parameters:  # (per stage, each tensor's): one tp x pp layout
+            numels = parameter_numels(t5, tp, mvd)
+            self._parameters[key] = (
+                [sum(stage_parameter_numels(t5, cut, s, tp, mvd).values()) for s in range(pp)]
+                if cut is not None else [sum(numels.values())], list(numels.values()))
+        params, numels = self._parameters[key]
         buckets = ZeroBuckets.from_zero_config(layout.deepspeed.get("zero_optimization", {}))
         threshold = buckets.stage3_param_persistence_threshold
         return LayoutShape(

@@ -44,7 +44,7 @@ the node's devices; pipeline neighbours cross nodes once a stage fills a node.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from megatron.model.flops import forward_flops_per_sample, training_step_flops
 
@@ -249,7 +249,3 @@ def step_time(shape: LayoutShape, machine: Machine) -> StepTime:
         offload += m * 2 * gathered / bw
     return StepTime(compute, tp_comm, bubble, dp_comm, optimizer, offload)
 
-
-def summed(times: List[StepTime]) -> StepTime:
-    """Term-wise sum (for tests and reports)."""
-    return StepTime(*(sum(getattr(t, k) for t in times) for k in StepTime.__dataclass_fields__))
