@@ -257,7 +257,6 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
         if config.parallel.pipeline_model_parallel_size > 1:
             model_meta["pipeline_blocks"] = list(config.pipeline_cut().blocks)
 
-        saver = None
         if ckpt.save is not None:
             saver = Saver(step, ckpt.save, layout_now, runtime.device_type, config.flags,
                           model_meta, ckpt.keep_last, ckpt.async_save,

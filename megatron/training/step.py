@@ -323,9 +323,8 @@ class DataParallelStep(EngineStep):
         never accumulated, and DeepSpeed's gradient hooks and reductions do not run."""
         if self._layers is not None:
             return self._layers.first(), "watched"
-        from megatron.training.nan_locator import NonFiniteWatch
-
         from megatron.training.checkpointing import set_rng_state
+        from megatron.training.nan_locator import NonFiniteWatch
 
         if self._rng is not None:
             set_rng_state(self._rng, self.device.type)
