@@ -238,6 +238,7 @@ class DataParallelStep(EngineStep):
     _gradients = None  # nan_locator.GradientCheck where the norm comes only with the update
     _layers = None  # nan_locator.NonFiniteWatch on every step (--detect-nan-layers)
     _held = False  # the last step's update was held back
+    _keep_rng = False  # the model draws dropout masks: the re-run needs the step's generators
     _rng = None  # the generators' states at the start of the last step (for its re-run)
 
     def watch_nonfinite(self, detect_layers: bool = False) -> None:
@@ -245,6 +246,8 @@ class DataParallelStep(EngineStep):
 
         engine = self.engine
         self._hold_bad = not engine.fp16_enabled()
+        self._keep_rng = self._hold_bad and not detect_layers and \
+            getattr(getattr(engine.module, "config", None), "dropout_rate", 1.0) > 0
         if self._hold_bad and (engine.zero_optimization_stage() != 0
                                or engine.bfloat16_enabled()):
             self._gradients = GradientCheck(engine.module, self.device)
@@ -260,7 +263,7 @@ class DataParallelStep(EngineStep):
         norm = None
         ranges = self.ranges
         self.last_batches, self._held = [], False
-        if self._hold_bad and self._layers is None:  # the re-run draws the same dropout masks
+        if self._keep_rng:  # the re-run draws the same dropout masks
             from megatron.training.checkpointing import rng_state
 
             self._rng = rng_state(self.device.type)
