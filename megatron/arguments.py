@@ -309,10 +309,11 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     if values["peak_tflops"] is not None and values["peak_tflops"] <= 0:
         problems.append("--peak-tflops must be positive")
     if values["save"] is not None and not values["dry_run"]:
-        problems += lock_problems(values["save"], env)
+        problems += lock_problems(values["save"])
     if values["load"] is not None and not problems:
         problems += checkpoint_problems(values["load"], layout(parallel, resolved.zero.stage),
-                                        values["finetune"] or values["no_load_optim"])
+                                        values["finetune"] or values["no_load_optim"],
+                                        lr_schedule, values["lr_policy"], values["finetune"])
     if problems:
         return None, problems
     batch = BatchConfig(resolved.batch.micro_batch_size, global_batch,

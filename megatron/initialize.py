@@ -12,6 +12,7 @@ world of one.
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 import random
 import subprocess
@@ -69,7 +70,19 @@ def choose_device(requested_backend: Optional[str]) -> Tuple[str, str, List[str]
 
 
 def initialize_distributed(runtime: RuntimeConfig, parallel: ParallelConfig) -> bool:
-    """Join (or reuse) the process group and build the parallel groups.
+    """`join_process_group`, then `join_deepspeed`: the whole start of a rank's distributed
+    side. Returns what `join_process_group` returns."""
+    created = join_process_group(runtime, parallel)
+    join_deepspeed()
+    return created
+
+
+def join_process_group(runtime: RuntimeConfig, parallel: ParallelConfig) -> bool:
+    """Join (or reuse) torch's process group and build the parallel groups; nothing costly.
+
+    DeepSpeed is not involved yet (`join_deepspeed`): its communication backend builds (or
+    loads) a compiled op first, which a job that is about to be refused (its --save is another
+    job's, megatron/training/ownership.py) should not wait for.
 
     Returns:
         True when this call created the process group (the caller destroys it at exit).
@@ -77,29 +90,38 @@ def initialize_distributed(runtime: RuntimeConfig, parallel: ParallelConfig) -> 
         RuntimeError: the launcher started another number of processes than the flags were
             checked for.
     """
-    import deepspeed
-
     created = False
     if not dist.is_initialized():
         os.environ.update(distributed_env(os.environ, runtime.local_rank))
+        extra = {}
         if runtime.device_type == "cuda":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+            local = int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()
+            torch.cuda.set_device(local)
+            # bound as DeepSpeed binds it (eager NCCL setup, groups split from the world's)
+            if int(os.environ["WORLD_SIZE"]) > 1 and \
+                    "device_id" in inspect.signature(dist.init_process_group).parameters:
+                extra["device_id"] = torch.device("cuda", local)
         # The backend's own timeout is a backstop: the watchdog (same limit) fires first and
         # says what the rank waited for.
         minutes = 2 * runtime.distributed_timeout_minutes + 1
-        deepspeed.init_distributed(dist_backend=runtime.distributed_backend,
-                                   auto_mpi_discovery=False,
-                                   timeout=datetime.timedelta(minutes=minutes))
+        dist.init_process_group(backend=runtime.distributed_backend, init_method="env://",
+                                timeout=datetime.timedelta(minutes=minutes), **extra)
         created = True
-    else:
-        # Already joined (tests, or a caller that made its own group): DeepSpeed adopts it.
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
     if dist.get_world_size() != parallel.world_size:
         raise RuntimeError(f"the launcher started {dist.get_world_size()} processes but the "
                            f"flags were checked for {parallel.world_size}")
     parallel_state.initialize_model_parallel(parallel.tensor_model_parallel_size,
                                              parallel.pipeline_model_parallel_size)
     return created
+
+
+def join_deepspeed() -> None:
+    """DeepSpeed's communication backend on the process group already joined (a no-op when it
+    has one)."""
+    import deepspeed
+
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
 
 def set_seeds(seed: int, device_type: str) -> None:

@@ -10,10 +10,13 @@ condition after saving), 2 bad command line, 1 a failure while running.
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 import json
 import os
+import socket
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -33,12 +36,17 @@ def collate_tensors(samples: List[Dict[str, np.ndarray]]) -> Dict[str, torch.Ten
 
 
 def build_data(data: DataSettings, batch: BatchConfig, device_type: str,
-               consumed_samples: int):
-    """(train, valid, test) data loaders for this data-parallel rank (None for an empty split)."""
+               consumed_samples: int, reads_batches: bool = True):
+    """(train, valid, test) data loaders for this data-parallel rank (None for an empty split).
+
+    reads_batches: False on a pipeline stage that reads no batch (neither the first nor the
+    last): its loaders hold as many placeholder batches as the others' and load nothing.
+    """
     from megatron.data.builder import build_datasets, split_sample_counts
     from megatron.data.samplers import PretrainingSampler
     from megatron.data.t5_dataset import T5SpecialTokens
     from megatron.data.tokenizer import build_tokenizer
+    from megatron.training.signals import data_worker_init
 
     tokenizer = build_tokenizer(data.tokenizer, extra_ids=data.vocab_extra_ids)
     tokens = T5SpecialTokens.from_tokenizer(tokenizer, whole_word=data.dataset.t5.whole_word)
@@ -55,14 +63,34 @@ def build_data(data: DataSettings, batch: BatchConfig, device_type: str,
             continue
         sampler = PretrainingSampler(len(dataset), consumed_samples if name == "train" else 0,
                                      batch.micro_batch_size, dp_rank, dp_size, drop_last=True)
+        if not reads_batches:
+            loaders.append(UnreadBatches(len(sampler)))
+            continue
         # Its own generator: a loader draws a seed from the default one at every iter(), which
         # would shift the dropout masks after a resume or an evaluation.
         loaders.append(torch.utils.data.DataLoader(
             dataset, batch_sampler=sampler, collate_fn=collate_tensors,
             generator=torch.Generator().manual_seed(data.seed),
             num_workers=data.num_workers, pin_memory=device_type == "cuda",
-            persistent_workers=data.num_workers > 0 and name != "train"))
+            persistent_workers=data.num_workers > 0 and name != "train",
+            worker_init_fn=functools.partial(data_worker_init, rank_pid=os.getpid())
+            if data.num_workers > 0 else None))
     return tuple(loaders)
+
+
+class UnreadBatches:
+    """A loader's stand-in on a pipeline stage that reads no batch: as many (empty) batches as
+    the loader of the stages that do, so that every stage runs the same number of steps and
+    evaluation steps."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __iter__(self):
+        return itertools.repeat({}, self.length)
 
 
 def dry_run(config: RunConfig) -> int:
@@ -174,23 +202,59 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
     signals: a StopSignals already installed by the caller (main installs one before anything
     slow starts, so that a signal during start-up stops the run at its first step boundary).
     watchdog: the caller's (main starts one before the process group); else one of its own.
+
+    First, before anything costly or visible, rank 0 takes --save's writer lock and every rank
+    learns the verdict; only then does DeepSpeed start (it builds or loads a compiled op).
+
+    Raises:
+        RunFailure (megatron/training/failures.py), after reporting it once.
     """
+    from megatron.initialize import join_deepspeed
+    from megatron.training.failures import RunFailure, report_failure
+    from megatron.training.watchdog import Watchdog
+
+    runtime = config.runtime
+    own_watchdog = watchdog is None
+    watchdog = watchdog or Watchdog(dist.get_rank())
+    lock = None
+    try:
+        if config.checkpoint.save is not None:
+            with watchdog.watch("collective: the verdict on --save's writer lock",
+                                60 * runtime.distributed_timeout_minutes):
+                lock = _take_save_lock(config.checkpoint.save, runtime.torch_device())
+        # + 5 minutes: DeepSpeed may compile its communication op first
+        with watchdog.watch("DeepSpeed's communication backend",
+                            60 * runtime.distributed_timeout_minutes + 300):
+            join_deepspeed()
+        return _pretrain(config, signals, watchdog, lock)
+    except RunFailure as e:
+        report_failure(e, dist.get_rank(), config.logging.log_file)
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+        if own_watchdog:
+            watchdog.close()
+
+
+def _pretrain(config: RunConfig, signals, watchdog, lock):
+    """pretrain's body, holding --save's lock (None without --save, or on ranks other than 0)."""
     from megatron.initialize import set_seeds
-    from megatron.training.checkpointing import CheckpointError, layout, load_checkpoint
+    from megatron.training.checkpointing import CheckpointError, layout, load_checkpoint, \
+        resumes_schedule
+    from megatron.training.failures import DataError
     from megatron.training.saver import Saver
     from megatron.training.loop import TrainState, evaluate, train
     from megatron.training.lr_schedule import resolve_with_checkpoint
     from megatron.training.metrics import MetricsWriter
+    from megatron.training.ownership import describe
     from megatron.training.profiling import StepProfiler
     from megatron.training.signals import StopSignals
-    from megatron.training.watchdog import Watchdog
 
     rank = dist.get_rank()
     runtime, ckpt, batch = config.runtime, config.checkpoint, config.batch
     writer = MetricsWriter(config.logging.log_file, config.logging.tensorboard_dir,
                            enabled=rank == 0, train_iters=batch.train_iters)
-    own_watchdog = watchdog is None
-    watchdog = watchdog or Watchdog(rank)
     parallel = config.parallel
     if parallel.model_parallel_size > 1:
         watchdog.place = (f" (pipeline stage {parallel_state.get_pipeline_model_parallel_rank()}"
@@ -198,7 +262,7 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                           f"{parallel_state.get_tensor_model_parallel_rank()}, data-parallel "
                           f"rank {parallel_state.get_data_parallel_rank()})")
     layout_now = layout(config.parallel, config.zero.stage)
-    lock = saver = None
+    saver = None
     profiler = StepProfiler(config.profile, rank, runtime.device_type,
                             writer.write_text if rank == 0 else print)
     try:
@@ -206,9 +270,10 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
             writer.write_text(f"warning: {warning}")
         writer.write_text("flags: " + json.dumps(config.flags, sort_keys=True))
         writer.write_text("deepspeed config: " + json.dumps(config.deepspeed, sort_keys=True))
+        if lock is not None and lock.took_over is not None:
+            writer.write_text(f"warning: --save {ckpt.save}: took over the writer lock of a job "
+                              f"that is gone ({describe(lock.took_over)})")
         set_seeds(runtime.seed, runtime.device_type)
-        if ckpt.save is not None:
-            lock = _take_save_lock(ckpt.save, writer, runtime.torch_device())
         step = build_step(config, watchdog, writer)
         profiler.instrument(step)
         if config.logging.grad_norms_per_layer:
@@ -227,7 +292,7 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                 meta = load_checkpoint(step, ckpt, layout_now, runtime.device_type)
             if meta is None:
                 writer.write_text(f"no checkpoint in {ckpt.load}: starting from scratch")
-            elif ckpt.finetune or (meta.get("format") == "weights" and "optimizer" not in meta):
+            elif not resumes_schedule(meta, ckpt.finetune):
                 how = "--finetune" if ckpt.finetune else "a weights-only checkpoint"
                 writer.write_text(f"loaded the weights of {ckpt.load} iteration "
                                   f"{meta['iteration']} ({how}: optimizer, LR schedule and "
@@ -247,9 +312,11 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
         with watchdog.watch("data: building the datasets (index caches; another rank may be "
                             "building them)", runtime.data_cache_timeout_s + 60):
             train_loader, valid_loader, test_loader = build_data(
-                config.data, batch, runtime.device_type, state.consumed_samples)
+                config.data, batch, runtime.device_type, state.consumed_samples,
+                parallel_state.is_pipeline_first_stage() or
+                parallel_state.is_pipeline_last_stage())
         if train_loader is None:
-            raise RuntimeError("the train split is empty: check --split and --data-path")
+            raise DataError("the train split is empty: check --split and --data-path")
 
         model_meta = {"config": config.model.t5.to_dict(),
                       "make_vocab_size_divisible_by": config.model.make_vocab_size_divisible_by,
@@ -298,21 +365,17 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
         profiler.finish()  # a run that failed inside the window: the steps it recorded
         if saver is not None:
             saver.close()
-        if lock is not None:
-            lock.release()
-        if own_watchdog:
-            watchdog.close()
         writer.close()
 
 
-def _take_save_lock(save: str, writer, device):
+def _take_save_lock(save: str, device):
     """Rank 0 takes --save's writer lock (megatron/training/ownership.py); every rank learns
     whether it did. Returns the lock on rank 0, None elsewhere.
 
     Raises:
         CheckpointError: another live job holds the folder (on every rank)."""
     from megatron.training.checkpointing import CheckpointError
-    from megatron.training.ownership import SaveLock, SaveLockError, describe
+    from megatron.training.ownership import SaveLock, SaveLockError
 
     lock, problem = None, ""
     if dist.get_rank() == 0:
@@ -325,10 +388,23 @@ def _take_save_lock(save: str, writer, device):
     if failed.item():
         raise CheckpointError(problem or f"--save {save}: rank 0 could not take the folder's "
                                          f"writer lock (see its message)")
-    if lock is not None and lock.took_over is not None:
-        writer.write_text(f"warning: --save {save}: took over the writer lock of a job that is "
-                          f"gone ({describe(lock.took_over)})")
     return lock
+
+
+def startup_voice(env: Mapping[str, str]) -> Optional[str]:
+    """How this rank reports a command line that cannot run, found before any process group
+    exists (so no rank can ask another): '' for rank 0, which speaks for the job; None (silent)
+    for the other ranks of its node, which check the same flags and see the same files; and
+    for the first rank of every other node a prefix naming the node, since a file may be
+    missing there only."""
+    rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
+    if rank == "0":
+        return ""
+    node = env.get("GROUP_RANK", env.get("SLURM_NODEID", env.get("NODE_RANK", "0")))
+    local = env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+    if node == "0" or local != "0":
+        return None
+    return f" (node {node}, {socket.gethostname()})"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -339,7 +415,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             config = parse_args(argv)
         except ArgumentsError as e:
-            print(f"error: the command line cannot run:\n{e}", file=sys.stderr)
+            voice = startup_voice(os.environ)
+            if voice is not None:
+                print(f"error{voice}: the command line cannot run:\n{e}", file=sys.stderr)
             return 2
         if config.dry_run:
             return dry_run(config)
@@ -349,11 +427,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def run(config: RunConfig, signals) -> int:
     """Join the job, train, leave the process group (without it, gloo jobs abort at interpreter
     exit now and then)."""
-    from megatron.initialize import distributed_env, initialize_distributed
-    from megatron.training.checkpointing import CheckpointError
-    from megatron.training.watchdog import Watchdog
-
+    from megatron.initialize import distributed_env, join_process_group
     from megatron.training.ownership import watch_launcher
+    from megatron.training.watchdog import Watchdog
 
     runtime = config.runtime
     watch_launcher()  # under torchrun: end with the launcher, never outlive it
@@ -363,28 +439,21 @@ def run(config: RunConfig, signals) -> int:
         with watchdog.watch(f"process-group start: rendezvous with {launch['MASTER_ADDR']}:"
                             f"{launch['MASTER_PORT']} and connections to the other ranks (on "
                             f"hosts with several interfaces, set GLOO_SOCKET_IFNAME or "
-                            f"NCCL_SOCKET_IFNAME)",
-                            # + 5 minutes: DeepSpeed may compile its communication op first
-                            60 * runtime.distributed_timeout_minutes + 300):
-            created = initialize_distributed(runtime, config.parallel)
-        return _train(config, signals, watchdog, created, CheckpointError)
+                            f"NCCL_SOCKET_IFNAME)", 60 * runtime.distributed_timeout_minutes):
+            created = join_process_group(runtime, config.parallel)
+        return _train(config, signals, watchdog, created)
     finally:
         watchdog.close()
 
 
-def _train(config: RunConfig, signals, watchdog, created: bool, CheckpointError) -> int:
-    from megatron.training.loop import NonFiniteError
+def _train(config: RunConfig, signals, watchdog, created: bool) -> int:
+    from megatron.training.failures import RunFailure
 
     finished = False
     try:
         pretrain(config, signals, watchdog)
         finished = True
-    except CheckpointError as e:
-        print(f"error (rank {dist.get_rank()}): {e}", file=sys.stderr)
-        return 1
-    except NonFiniteError as e:  # every rank raises it, with the same message
-        if dist.get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr)
+    except RunFailure:  # pretrain reported it
         return 1
     finally:
         parallel_state.destroy_model_parallel()

@@ -93,6 +93,27 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[
     return prefixes, weights
 
 
+def data_file_problems(data_path: Sequence[str], impl: str = "infer") -> List[str]:
+    """Every `--data-path` dataset opened and checked as the run will open it (the index read and
+    matched against its `.bin`: a truncated or foreign file is found here, not after the model is
+    built); one message per bad prefix, naming the file. Costs one read of each index."""
+    try:
+        prefixes, _ = parse_data_path(data_path)
+    except ValueError as e:
+        return [str(e)]
+    problems = []
+    for prefix in prefixes:
+        try:
+            if is_cpm2_prefix(prefix) and not dataset_exists(prefix):
+                for part in cpm2_prefixes(prefix):
+                    IndexedDataset(part, impl, sequences_are_documents=True)
+            else:
+                IndexedDataset(prefix, impl)
+        except (OSError, ValueError) as e:
+            problems.append(f"--data-path {prefix}: {e}")
+    return problems
+
+
 class BlendedDataset:
     """Samples of several datasets interleaved in exact proportion to `weights`."""
 

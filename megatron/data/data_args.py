@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Mapping, Optional, Tuple
 
-from megatron.data.builder import OBJECTIVES, DataConfig, parse_data_path, split_sample_counts
+from megatron.data.builder import OBJECTIVES, DataConfig, data_file_problems, split_sample_counts
 from megatron.data.indexed_dataset import IMPLS
 from megatron.data.t5_dataset import T5DatasetConfig
 from megatron.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, build_tokenizer, \
@@ -220,10 +220,7 @@ def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
         problems += tokenizer_problems(tokenizer, flags["vocab_extra_ids"], vocab_size,
                                        tokenizer_flag(argparse.Namespace(**flags)))
     if flags["data_path"] is not None:
-        try:
-            parse_data_path(flags["data_path"])
-        except ValueError as e:
-            problems.append(str(e))
+        problems += data_file_problems(flags["data_path"], flags["data_impl"])
     if flags["num_workers"] < 0:
         problems.append("--num-workers must be >= 0")
     if schedule is None or flags["data_path"] is None:

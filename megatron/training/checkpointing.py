@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.training.failures import RunFailure
+from megatron.training.lr_schedule import LRSchedule, resolve_with_checkpoint
 from megatron.training.settings import CheckpointConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -52,8 +54,9 @@ def _test_pause(iteration: int) -> float:
     return float(seconds) if not at or int(at) == iteration else 0.0
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(RunFailure):
+    """A checkpoint that cannot be read or written (megatron/training/failures.py: raised alike
+    on every rank unless `rank_local`)."""
 
 
 def tag_for(iteration: int) -> str:
@@ -144,9 +147,12 @@ def checkpoint_flag_problems(values: Dict[str, Any]) -> List[str]:
     return problems
 
 
-def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool) -> List[str]:
-    """A checkpoint in `load` that a run of layout `now` cannot read (found before any process
-    starts); empty when the folder holds none yet."""
+def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool,
+                        schedule: Optional[LRSchedule] = None, lr_policy: str = "check", finetune: bool = False
+                        ) -> List[str]:
+    """A checkpoint in `load` that a run of layout `now` cannot read, or (given the flags'
+    learning-rate `schedule`) a resume whose schedule the checkpoint contradicts under
+    `lr_policy`; found before any process starts. Empty when the folder holds none yet."""
     root = Path(load)
     try:
         iteration = read_tracker(root) if root.is_dir() else None
@@ -154,10 +160,21 @@ def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool) -> L
             return []
         meta = read_meta(root, iteration)
         if meta.get("format") == "weights":
-            return weights_checkpoint_problems(load, weights_only, "optimizer" in meta)
-        return layout_problems(meta["layout"], now, load, weights_only)
-    except CheckpointError as e:
+            problems = weights_checkpoint_problems(load, weights_only, "optimizer" in meta)
+        else:
+            problems = layout_problems(meta["layout"], now, load, weights_only)
+        if problems or schedule is None or not resumes_schedule(meta, finetune):
+            return problems
+        resolve_with_checkpoint(schedule, meta["lr_schedule"], lr_policy)
+        return []
+    except (CheckpointError, ValueError, KeyError) as e:
         return [f"--load {load}: {e}"]
+
+
+def resumes_schedule(meta: Dict[str, Any], finetune: bool) -> bool:
+    """Whether loading the checkpoint of `meta` resumes the run (iteration, samples, LR
+    schedule) rather than starting afresh from its weights."""
+    return not (finetune or (meta.get("format") == "weights" and "optimizer" not in meta))
 
 
 def prune(root: Path, keep_last: int) -> List[Path]:
@@ -296,13 +313,15 @@ def load_checkpoint(step, config: CheckpointConfig, layout_now: Dict[str, int],
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{root / tag_for(iteration)}: a file cannot be read ({first}); "
-                              f"the checkpoint is damaged: load an earlier iteration") from None
+                              f"the checkpoint is damaged: load an earlier iteration",
+                              rank_local=True) from None
     if not loaded:
-        raise CheckpointError(f"DeepSpeed could not load {root / tag_for(iteration)}")
+        raise CheckpointError(f"DeepSpeed could not load {root / tag_for(iteration)}",
+                              rank_local=True)
     if not (config.finetune or config.no_load_rng):
         rng_file = root / tag_for(iteration) / "rng" / f"rank_{dist.get_rank():05d}.pt"
         if not rng_file.is_file():
             raise CheckpointError(f"{rng_file} is missing; pass --no-load-rng to start the "
-                                  f"random generators afresh")
+                                  f"random generators afresh", rank_local=True)
         set_rng_state(torch.load(rng_file, weights_only=True), device_type)
     return meta

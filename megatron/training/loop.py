@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from megatron import parallel_state
 from megatron.config import RuntimeConfig
+from megatron.training.failures import RunFailure
 from megatron.training.layer_norms import write_layer_norms
 from megatron.training.metrics import IntervalStats, MetricsWriter, Timer
 from megatron.training.profiling import (CHECKPOINT_SAVE, DATA_WAIT, EVALUATION, LOSS_ALL_REDUCE,
@@ -203,8 +204,7 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
                        f"{' in ' + checkpoint.save if checkpoint.save else ''} stays the one "
                        f"its tracker names (lower the learning rate, or check the data; "
                        f"--no-check-for-nan-in-loss-and-grad turns this check off)")
-            writer.write_text(f"error: {message}")
-            raise NonFiniteError(message)
+            raise NonFiniteError(message)  # reported once, for the job: training/failures.py
         saved = False
         if checkpoint.save and (last or exit_now or (checkpoint.save_interval and
                                                      state.iteration % checkpoint.save_interval
@@ -238,16 +238,17 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
     return state
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(RunFailure):
     """A step's loss or gradient norm was NaN or infinite (the message names the iteration and
     the rank); raised on every rank, before anything is saved."""
 
 
 def _nonfinite(result, device) -> torch.Tensor:
-    """[this rank + 1 if its loss is not finite else 0, the same for the gradient norm], on the
-    device (no host sync: it joins the all-reduce that agrees on stopping). An fp16 step that
-    overflowed was skipped by DeepSpeed and changed nothing: not counted."""
-    rank = float(dist.get_rank() + 1)
+    """[world size - this rank if its loss is not finite else 0, the same for the gradient
+    norm], on the device (no host sync: it joins the all-reduce that agrees on stopping, whose
+    MAX then names the lowest such rank, the one whose line the locator reports first). An fp16
+    step that overflowed was skipped by DeepSpeed and changed nothing: not counted."""
+    rank = float(dist.get_world_size() - dist.get_rank())
     if result.skipped:
         return torch.zeros(2, device=device)
     loss_bad = (~torch.isfinite(result.loss.to(device))).double() * rank
@@ -262,7 +263,7 @@ def _exit_requested(runtime: RuntimeConfig, train_iters: int, state: TrainState,
     """Whether to stop after this step: --exit-interval, or (agreed by all ranks through one
     all-reduce, so that they save and leave together) --exit-duration-in-mins or a stop
     signal received by any rank. With `nonfinite` (see `_nonfinite`), the same all-reduce finds
-    the highest rank whose loss or gradient norm was not finite and sets state.diverged. The
+    the lowest rank whose loss or gradient norm was not finite and sets state.diverged. The
     all-reduce runs at every step (also the last and --exit-interval's), so that every rank
     takes the same decision from the same flags."""
     timed_out = runtime.exit_duration_in_mins is not None and \
@@ -276,7 +277,8 @@ def _exit_requested(runtime: RuntimeConfig, train_iters: int, state: TrainState,
     timed_out, signum, loss_rank, norm_rank = (int(v) for v in flags.tolist())
     if loss_rank or norm_rank:
         what = "the loss" if loss_rank else "the gradient norm"
-        state.diverged = f"{what} is not finite (seen by rank {(loss_rank or norm_rank) - 1}" \
+        seen = dist.get_world_size() - (loss_rank or norm_rank)
+        state.diverged = f"{what} is not finite (seen by rank {seen}" \
             + (", and the gradient norm too" if loss_rank and norm_rank else "") + ")"
         return True
     if state.iteration >= train_iters:

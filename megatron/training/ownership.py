@@ -7,10 +7,10 @@ resubmitted job writes the same folder. Two guards:
 - `SaveLock`: the job holds `SAVE/writer.lock` (JSON: host, pid, the process's start time, job id,
   when it started) from before it loads until it ends; rank 0 takes it, and a heartbeat thread
   touches it every `HEARTBEAT_S` seconds. A second job that finds a live holder is refused before
-  it starts (`lock_problems`, run with the other flag checks), naming the holder. A holder is
-  dead when, on this host, its pid is gone or belongs to another process (start time), or, on
-  another host, its heartbeat is older than `STALE_S`; the next job takes a dead holder's lock
-  over with a warning.
+  it starts (`lock_problems`, run by every rank with the other flag checks), naming the
+  holder. A holder is dead when, on this host, its pid is gone or belongs to another process
+  (start time), or, on another host, its heartbeat is older than `STALE_S`; the next job takes
+  a dead holder's lock over with a warning.
 - `watch_launcher`: a worker started by torchrun checks once a second that its parent is still
   the launcher; when the launcher is gone it exits at once (exit `EXIT_ORPHANED`), writing
   nothing more: a checkpoint it was writing stays an `iter_N.tmp` folder, which the next save
@@ -86,11 +86,12 @@ def read_holder(save_dir: os.PathLike) -> Optional[Dict[str, Any]]:
     return {**holder, "alive": alive, "age_s": age}
 
 
-def lock_problems(save_dir: Optional[str], env=os.environ) -> List[str]:
-    """A live job holding `save_dir` (checked with the other flags, before anything starts, by
-    the rank that will take the lock: the others may look after it has)."""
-    rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
-    if save_dir is None or rank != "0" or not Path(save_dir).is_dir():
+def lock_problems(save_dir: Optional[str]) -> List[str]:
+    """A live job holding `save_dir`. Checked with the other flags by every rank, before any
+    process group exists, so that all ranks of a second job are refused at once, with the same
+    message. (This job's own rank 0 takes the lock only after every rank has joined the process
+    group, i.e. after every rank has passed this check.)"""
+    if save_dir is None or not Path(save_dir).is_dir():
         return []
     holder = read_holder(save_dir)
     if holder is None or not holder["alive"]:
@@ -110,6 +111,8 @@ class SaveLock:
                      "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         self.took_over: Optional[Dict[str, Any]] = None
         """The dead holder whose lock this one replaced (None: the folder was free)."""
+        self.created_folder = False
+        """Whether `acquire` made the folder (`release` removes it again while it is empty)."""
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -118,6 +121,7 @@ class SaveLock:
 
         Raises:
             SaveLockError: a live holder, or another job that took it at the same moment."""
+        self.created_folder = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         mine = self.path.with_name(f"{LOCK}.{self.mine['host']}.{os.getpid()}")
         mine.write_text(json.dumps(self.mine), encoding="utf-8")
@@ -154,12 +158,19 @@ class SaveLock:
                 pass
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the lock if it is still this process's."""
+        """Stop the heartbeat and remove the lock if it is still this process's; remove the
+        folder too when `acquire` made it and nothing was written into it (a run that failed
+        before its first save leaves no trace)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._current() == self.mine:
             self.path.unlink(missing_ok=True)
+            if self.created_folder:
+                try:
+                    self.path.parent.rmdir()  # only if empty
+                except OSError:
+                    pass
 
 
 def watch_launcher(env=os.environ, poll_s: float = 1.0) -> Optional[threading.Thread]:

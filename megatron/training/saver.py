@@ -214,7 +214,8 @@ class Saver:
             mine = f" (this rank: {error})" if error else ""
             raise SaveFailed(f"saving iteration {pending.iteration} to {self.root} failed on "
                              f"some rank{mine}; the partial folder is removed and the previous "
-                             f"checkpoint stays the one the tracker names")
+                             f"checkpoint stays the one the tracker names",
+                             rank_local=error is not None)
         if self.writer is not None:
             pending.bytes, pending.written_s = self.writer.bytes, self.writer.seconds
         totals = torch.tensor([float(pending.bytes), pending.written_s], dtype=torch.float64,

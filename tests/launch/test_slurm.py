@@ -7,36 +7,25 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict
 
 import pytest
 
+from launching import TINY, losses, read, reference_losses, tail
+
 REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "launch/examples/tiny_cpu.sh"
 SBATCH = REPO / "launch/slurm/pretrain_t5.sbatch"
 SRUN = REPO / "launch/slurm/srun_per_device.sh"
 
 pytestmark = pytest.mark.slow
 
 
-def read(path: Path) -> str:
-    return path.read_text(errors="replace") if path.exists() else f"({path} does not exist)"
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    return f"--- {path.name} (tail)\n" + "\n".join(read(path).splitlines()[-lines:])
-
-
-def losses(log: str) -> List[Tuple[int, float]]:
-    """(iteration, loss) of every training log line."""
-    return [(int(m.group(1)), float(m.group(2))) for m in
-            re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?\| loss: ([0-9.Ee+-]+)", log)]
-
-
 def tiny_env(cluster, data, out: Path, **extra: str) -> Dict[str, str]:
-    """launch/examples/tiny_cpu.sh's environment, pointed at the test cluster."""
+    """launch/examples/tiny_cpu.sh's environment, pointed at the test cluster (one thread per
+    process, as the reference runs of tests/launch/launching.py have)."""
     return {**cluster.env, "DATA": data.prefix, "TOKENIZER": data.spm,
-            "MODEL_CONFIG": data.config, "OUT": str(out), "REPO": str(REPO), **extra}
+            "MODEL_CONFIG": data.config, "OUT": str(out), "REPO": str(REPO),
+            "OMP_NUM_THREADS": "1", **extra}
 
 
 def submit_tiny(cluster, data, out: Path, *flags: str, **env: str) -> str:
@@ -66,8 +55,8 @@ def test_sbatch_runs_torchrun_with_two_processes(slurm_cluster, tiny_data, tmp_p
     log = read(out / "log.txt")
     assert '"world_size": 2' in log, describe()
     steps = losses(log)
-    assert [i for i, _ in steps] == list(range(1, 9)), describe()
-    assert steps[-1][1] < steps[0][1], f"the loss did not fall: {steps}"
+    assert sorted(steps) == list(range(1, 9)), describe()
+    assert float(steps[8]) < float(steps[1]), f"the loss did not fall: {steps}"
     assert tracker(out) == "8"
     assert (out / "ckpt/iter_0000008").is_dir()
     assert f"master {slurm_cluster.node}:" in read(slurm_out), describe()
@@ -82,20 +71,23 @@ def test_srun_runs_one_task_per_process(slurm_cluster, tiny_data, tmp_path):
     assert proc.returncode == 0, describe
     log = read(out / "log.txt")
     assert '"world_size": 2' in log, describe  # both tasks joined, from SLURM_* alone
-    assert [i for i, _ in losses(log)] == list(range(1, 9)), describe
+    assert sorted(losses(log)) == list(range(1, 9)), describe
     assert tracker(out) == "8"
 
 
-@pytest.mark.parametrize("to", ["steps", "batch"])
-def test_sigusr1_saves_exits_zero_and_resumes(slurm_cluster, tiny_data, tmp_path, to):
+@pytest.mark.parametrize("to, workers", [("steps", 2), ("batch", 1)])
+def test_sigusr1_saves_exits_zero_and_resumes(slurm_cluster, tiny_data, tmp_path, to, workers):
     """The preemption warning reaches every training process; they agree on a step, save, log
     why and exit 0, and torchrun, srun and the batch shell pass the 0 on. The same command line
-    then resumes from that step. `steps`: Slurm signals every process of the job steps, as
-    `#SBATCH --signal=USR1@120` does; `batch`: only the batch shell, as `--signal=B:USR1@120`
-    does, and the script passes it on through srun."""
+    then resumes from that step, exactly: its losses are a straight run's. `steps`: Slurm
+    signals every process of the job steps, as `#SBATCH --signal=USR1@120` does (the data-loader
+    workers too, which must leave it to their rank); `batch`: only the batch shell, as
+    `--signal=B:USR1@120` does, and the script passes it on through srun (to every process of
+    the step again)."""
     out = tmp_path / "run"
     # Many steps, no periodic save or evaluation: only the signal can save (and stop) this run.
-    long_run = ("--save-interval", "1000000", "--eval-interval", "0")
+    long_run = ("--save-interval", "1000000", "--eval-interval", "0", "--num-workers",
+                str(workers))
     job_id = submit_tiny(slurm_cluster, tiny_data, out, *long_run, NPROC_PER_NODE="2",
                          ITERS="1000000")
     slurm_out = out / f"slurm-{job_id}.out"
@@ -104,11 +96,11 @@ def test_sigusr1_saves_exits_zero_and_resumes(slurm_cluster, tiny_data, tmp_path
         return f"{tail(slurm_out)}\n{tail(out / 'log.txt')}"
 
     deadline = time.monotonic() + 180
-    while not any(i >= 3 for i, _ in losses(read(out / "log.txt"))):
+    while max(losses(read(out / "log.txt")), default=0) < 3:
         if slurm_cluster.job(job_id).finished or time.monotonic() > deadline:
             slurm_cluster.run("scancel", job_id, check=False)
             pytest.fail(f"job {job_id} did not reach iteration 3\n{describe()}")
-        time.sleep(0.5)
+        time.sleep(0.2)
     slurm_cluster.run("scancel", "--signal=USR1", *(["--batch"] if to == "batch" else []),
                       job_id)
 
@@ -118,6 +110,7 @@ def test_sigusr1_saves_exits_zero_and_resumes(slurm_cluster, tiny_data, tmp_path
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), describe()
     if to == "batch":
         assert "batch shell: SIGUSR1, passed on" in read(slurm_out), describe()
+    assert "DataLoader worker" not in read(slurm_out), describe()
     log = read(out / "log.txt")
     match = re.search(r"exiting at iteration (\d+):[^\n]*SIGUSR1[^\n]*checkpoint saved", log)
     assert match, describe()
@@ -135,3 +128,5 @@ def test_sigusr1_saves_exits_zero_and_resumes(slurm_cluster, tiny_data, tmp_path
     log = read(out / "log.txt")
     assert f"resumed from {out / 'ckpt'} at iteration {stopped}" in log, describe()
     assert tracker(out) == str(stopped + 1), describe()
+    assert losses(log) == reference_losses(tiny_data, tmp_path / "straight", stopped + 1,
+                                           *long_run, ITERS="1000000")

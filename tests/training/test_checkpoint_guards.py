@@ -102,8 +102,8 @@ def test_a_truncated_file_at_load_is_named(train_data, tmp_path):
     """A file cut short (a writer killed outside our protocol, a copy that ran out of space):
     one message naming it, on every rank, instead of a zip or pickle traceback."""
     ckpt = tmp_path / "ckpt"
-    run_workers(2, run_pretrain, [base_argv(train_data, "--save", str(ckpt), iters=2)],
-                timeout=600)
+    run_workers(2, run_pretrain, [base_argv(train_data, "--save", str(ckpt), "--exit-interval",
+                                            "2", iters=4)], timeout=600)
     target = ckpt / "iter_0000002" / "mp_rank_00_model_states.pt"
     target.write_bytes(target.read_bytes()[:len(target.read_bytes()) // 2])
     results = run_workers(2, run_pretrain_until_error, [base_argv(

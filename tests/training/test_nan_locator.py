@@ -69,6 +69,9 @@ def test_the_report_names_the_block_with_the_huge_weight(train_data, huge_weight
     assert want + "\n" in log.read_text(), done.stdout[-3000:] + done.stderr[-3000:]
     assert "error: iteration 1: the loss is not finite (seen by rank 0" in done.stderr
     assert want in done.stderr and "stopping without saving" in done.stderr
+    # said once (stderr), and kept in the log file
+    assert (done.stdout + done.stderr).count("error: iteration 1:") == 1
+    assert "error: iteration 1: the loss is not finite" in log.read_text()
     assert not list(save.glob("iter_*"))  # nothing saved
 
 

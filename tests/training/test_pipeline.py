@@ -8,7 +8,8 @@ import json
 import pytest
 
 from harness import run_workers
-from train_workers import assert_same_run, base_argv, run_pretrain
+from train_workers import assert_same_run, base_argv, run_pretrain, \
+    run_pretrain_counting_samples
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +48,8 @@ def test_two_stages_match_one_process(train_data, tied, single):
 
 def test_pipeline_with_data_and_tensor_parallelism_matches_one_process(train_data, tied, single):
     """PP=2 x DP=2 (ZeRO 0 and 1), TP=2 x PP=2, and PP=4 with the encoder and the decoder each
-    on two stages (split rank 2), tied and untied, recomputed activations."""
+    on two stages (split rank 2), tied and untied, recomputed activations. Only the first and
+    the last stage read data: the two middle stages of PP=4 load no sample."""
     pp2 = ["--pipeline-model-parallel-size", "2"]
     runs = [base_argv(train_data, *pp2),
             base_argv(train_data, *pp2, "--zero-stage", "1", model=tied),
@@ -59,8 +61,11 @@ def test_pipeline_with_data_and_tensor_parallelism_matches_one_process(train_dat
             base_argv(train_data, "--pipeline-model-parallel-size", "4",
                       "--pipeline-model-parallel-split-rank", "2", "--checkpoint-activations",
                       "--zero-stage", "1", model=tied)]
-    got = run_workers(4, run_pretrain, runs, timeout=1200)
+    got = run_workers(4, run_pretrain_counting_samples, runs, timeout=1200)
+    read = [[result.pop("samples_read") for result in rank] for rank in got]
     assert all(g == got[0] for g in got)
+    for i in (4, 5):  # PP=4: stages 0 and 3 read, 1 and 2 do not
+        assert [read[rank][i] > 0 for rank in range(4)] == [True, False, False, True], read
     for i, want in enumerate((0, 1, 0, 1, 0, 1)):
         assert_same_run(got[0][i], single[want], rtol=2e-5), runs[i]
 

@@ -28,6 +28,30 @@ def run_pretrain(rank, world_size, argvs):
     return out
 
 
+def run_pretrain_counting_samples(rank, world_size, argvs):
+    """As run_pretrain (with --num-workers 0), each result with 'samples_read': how many
+    samples this rank's datasets served."""
+    from megatron.data.t5_dataset import T5SpanCorruptionDataset
+
+    served = [0]
+    getitem = T5SpanCorruptionDataset.__getitem__
+
+    def counting(self, index):
+        served[0] += 1
+        return getitem(self, index)
+
+    T5SpanCorruptionDataset.__getitem__ = counting
+    try:
+        out = []
+        for argv in argvs:
+            served[0] = 0
+            out += [{**result, "samples_read": served[0]}
+                    for result in run_pretrain(rank, world_size, [argv])]
+        return out
+    finally:
+        T5SpanCorruptionDataset.__getitem__ = getitem
+
+
 def run_pretrain_until_error(rank, world_size, argvs):
     """As run_pretrain, but an exception ends the list: its result is {'error': type: message}
     (every rank reports its own)."""

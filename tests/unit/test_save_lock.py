@@ -26,17 +26,29 @@ def test_a_live_holder_is_refused_and_named(tmp_path):
     try:
         holder = json.loads((tmp_path / LOCK).read_text())
         assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
-        problems = lock_problems(str(tmp_path), env={"SLURM_JOB_ID": "77"})
+        problems = lock_problems(str(tmp_path))
         assert len(problems) == 1
         assert f"pid {os.getpid()}" in problems[0] and "being written by another job" in \
             problems[0]
         with pytest.raises(SaveLockError, match=f"pid {os.getpid()}"):
             SaveLock(tmp_path).acquire()
-        assert lock_problems(str(tmp_path), env={"RANK": "1"}) == []  # rank 0 checks
     finally:
         lock.release()
     assert not (tmp_path / LOCK).exists()
+    assert tmp_path.is_dir()  # the lock did not make it: stays
     assert lock_problems(str(tmp_path)) == []
+
+
+def test_a_folder_the_lock_made_goes_with_it_while_empty(tmp_path):
+    """A run that fails before its first save leaves no --save folder behind; one that wrote
+    something keeps it."""
+    save = tmp_path / "a/ckpt"
+    SaveLock(save).acquire().release()
+    assert not save.exists() and (tmp_path / "a").is_dir()
+    lock = SaveLock(save).acquire()
+    (save / "iter_0000001").mkdir()
+    lock.release()
+    assert (save / "iter_0000001").is_dir() and not (save / LOCK).exists()
 
 
 def test_a_dead_holder_on_this_host_is_taken_over(tmp_path):
@@ -82,22 +94,28 @@ def test_the_heartbeat_touches_the_lock(tmp_path, monkeypatch):
     try:
         old = time.time() - 100
         os.utime(tmp_path / LOCK, (old, old))
-        time.sleep(0.3)
-        assert read_holder(tmp_path)["age_s"] < 5
+        deadline = time.monotonic() + 30
+        while read_holder(tmp_path)["age_s"] > 50:  # until the heartbeat touches it
+            assert time.monotonic() < deadline, "the heartbeat never touched the lock"
+            time.sleep(0.01)
     finally:
         lock.release()
 
 
-def test_watch_launcher_only_under_torchrun():
+def test_watch_launcher_only_under_torchrun(tmp_path):
     assert ownership.watch_launcher(env={}) is None
-    code = ("import os, sys, time; sys.path.insert(0, %r); "
+    ready = tmp_path / "watching"
+    code = ("import os, pathlib, sys, time; sys.path.insert(0, %r); "
             "from megatron.training.ownership import watch_launcher; "
             "watch_launcher(env={'TORCHELASTIC_RUN_ID': 'x', 'RANK': '0'}, poll_s=0.05); "
-            "print(os.getpid(), flush=True); time.sleep(30)") % os.getcwd()
-    # a parent that dies at once: its child is orphaned and must exit by itself
+            "print(os.getpid(), flush=True); pathlib.Path(%r).write_text('1'); "
+            "time.sleep(30)") % (os.getcwd(), str(ready))
+    # a parent that dies as soon as its child watches it: the child is orphaned and must exit
+    # by itself
     parent = subprocess.run(
-        ["bash", "-c", f"{sys.executable} -c \"{code}\" & sleep 0.5; exit 0"],
-        capture_output=True, text=True, timeout=20)
+        ["bash", "-c", f"{sys.executable} -c \"{code}\" & "
+                       f"until [ -s {ready} ]; do sleep 0.01; done; exit 0"],
+        capture_output=True, text=True, timeout=60)
     # run() returned, so the orphan closed the pipes it shared: it ended, long before its sleep
     assert "the launcher (pid" in parent.stderr and "exiting without saving (exit 4)" in \
         parent.stderr

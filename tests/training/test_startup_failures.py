@@ -1,0 +1,73 @@
+"""A job that cannot run says so once and leaves nothing behind, under a real torchrun with two
+ranks: bad data (a truncated .bin, a missing prefix) and a resume that contradicts its
+checkpoint are refused by every rank while the flags are checked, before any process group,
+model or DeepSpeed exists; rank 0 prints the one message, the others stay silent, and no --save
+folder is created. (A second job on a held --save: tests/launch/test_ownership.py; a
+non-finite step: tests/training/test_nan_locator.py.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import free_port
+from train_workers import base_argv
+
+REPO = Path(__file__).resolve().parents[2]
+REFUSED = "the command line cannot run"
+
+
+def torchrun(argv, cwd) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_", "SLURM_"))}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                           "2", "--master_port", str(free_port()), "-m", "megatron.pretrain_t5",
+                           *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def assert_refused_once(proc, *names):
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert proc.stderr.count(REFUSED) == 1, output[-3000:]
+    for name in names:
+        assert name in proc.stderr, output[-3000:]
+    assert not re.search(r"\[rank\d+\]: *Traceback", output), output[-3000:]
+    # refused before DeepSpeed's communication backend started (it says so when it does)
+    assert "built successfully" not in output, output[-3000:]
+
+
+@pytest.mark.slow
+def test_bad_data_is_refused_once_before_anything_starts(train_data, tmp_path):
+    truncated = tmp_path / "half_text_document"
+    shutil.copy(train_data.prefix + ".idx", str(truncated) + ".idx")
+    data = Path(train_data.prefix + ".bin").read_bytes()
+    Path(str(truncated) + ".bin").write_bytes(data[:len(data) // 2])
+    save = tmp_path / "save"
+    for prefix, message in ((truncated, "truncated?"),
+                            (tmp_path / "nothing_text_document", "no .bin/.idx pair")):
+        argv = base_argv(train_data, "--save", str(save), "--log-file", str(tmp_path / "log"))
+        argv[argv.index("--data-path") + 1] = str(prefix)
+        proc = torchrun(argv, tmp_path)
+        assert_refused_once(proc, str(prefix), message)
+        assert not save.exists() and not (tmp_path / "log").exists()
+
+
+@pytest.mark.slow
+def test_a_resume_that_contradicts_its_checkpoint_is_refused_once(train_data, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    argv = base_argv(train_data, "--save", str(ckpt), "--load", str(ckpt), iters=2)
+    done = torchrun(argv, tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    before = sorted(p.name for p in ckpt.iterdir())
+    longer = base_argv(train_data, "--save", str(ckpt), "--load", str(ckpt), iters=5)
+    proc = torchrun(longer, tmp_path)
+    assert_refused_once(proc, "the learning-rate schedule in the checkpoint differs",
+                        "--use-new-lr")
+    assert sorted(p.name for p in ckpt.iterdir()) == before

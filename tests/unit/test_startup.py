@@ -1,0 +1,59 @@
+"""The start of a job: who reports a command line that cannot run (before any process group, so
+no rank can ask another), the data files checked with the flags, and the stand-in loader of a
+pipeline stage that reads no batch."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from megatron.data.builder import data_file_problems
+from megatron.data.indexed_dataset import IndexedDatasetBuilder
+from megatron.pretrain_t5 import UnreadBatches, startup_voice
+
+
+def test_rank_0_speaks_for_the_job_and_one_rank_of_every_other_node():
+    # torchrun: RANK, LOCAL_RANK, GROUP_RANK (the node)
+    assert startup_voice({"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0"}) == ""
+    assert startup_voice({"RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0"}) is None
+    assert startup_voice({"RANK": "9", "LOCAL_RANK": "1", "GROUP_RANK": "1"}) is None
+    other = startup_voice({"RANK": "8", "LOCAL_RANK": "0", "GROUP_RANK": "1"})
+    assert other is not None and other.startswith(" (node 1, ")
+    # srun, one task per device: SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID
+    assert startup_voice({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}) == ""
+    assert startup_voice({"SLURM_PROCID": "3", "SLURM_LOCALID": "3",
+                          "SLURM_NODEID": "0"}) is None
+    assert startup_voice({"SLURM_PROCID": "4", "SLURM_LOCALID": "0",
+                          "SLURM_NODEID": "1"}).startswith(" (node 1, ")
+    assert startup_voice({}) == ""  # one process
+
+
+def write_dataset(prefix: Path, documents) -> None:
+    with IndexedDatasetBuilder(str(prefix) + ".bin", np.int32) as builder:
+        for doc in documents:
+            builder.add_item(np.asarray(doc, dtype=np.int32))
+            builder.end_document()
+        builder.finalize(str(prefix) + ".idx")
+
+
+def test_data_files_are_opened_with_the_flags(tmp_path):
+    good = tmp_path / "good"
+    write_dataset(good, [[1, 2, 3], [4, 5], [6, 7, 8, 9]])
+    assert data_file_problems([str(good)]) == []
+    assert data_file_problems(["1", str(good), "2", str(good)]) == []
+    cut = tmp_path / "cut"
+    shutil.copy(str(good) + ".idx", str(cut) + ".idx")
+    Path(str(cut) + ".bin").write_bytes(Path(str(good) + ".bin").read_bytes()[:20])
+    problems = data_file_problems([str(good), str(cut)])
+    assert len(problems) == 1
+    assert problems[0].startswith(f"--data-path {cut}: ") and "cut.bin" in problems[0]
+    missing = data_file_problems([str(tmp_path / "none")])
+    assert len(missing) == 1 and str(tmp_path / "none") in missing[0]
+
+
+def test_a_stage_that_reads_no_batch_gets_as_many_empty_ones():
+    unread = UnreadBatches(3)
+    assert len(unread) == 3
+    assert list(unread) == [{}, {}, {}] and list(unread) == [{}, {}, {}]  # every epoch anew
