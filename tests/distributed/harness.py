@@ -11,12 +11,20 @@ from __future__ import annotations
 import io
 import os
 import queue
+import socket
 import tempfile
 import time
 import traceback
 
 import torch
 import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the kernel's choice), for a launcher's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _entry(target, rank, world_size, init_file, args, results):

@@ -24,6 +24,8 @@ from typing import Dict, Optional
 
 import pytest
 
+from launching import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 SLURM_PACKAGES = "slurmctld slurmd munge"
 SBIN = ("/usr/sbin", "/sbin", "/usr/local/sbin")
@@ -37,12 +39,6 @@ def tiny_data(train_data):
 
 def _which(name: str) -> Optional[str]:
     return shutil.which(name) or shutil.which(name, path=os.pathsep.join(SBIN))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -184,8 +180,8 @@ def _slurm_conf(root: Path, node: str, munge_socket: Path) -> str:
 # Written by tests/launch/conftest.py: a private single-node cluster under {root}
 ClusterName=t5launchtest
 SlurmctldHost={node}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

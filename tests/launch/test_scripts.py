@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from launching import losses, read, tail, tiny_env
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted([REPO / "launch/torchrun.sh", REPO / "launch/slurm/pretrain_t5.sbatch",
                   REPO / "launch/slurm/srun_per_device.sh",
@@ -95,25 +97,29 @@ def test_sbatch_script_refuses_to_run_outside_slurm():
 @pytest.mark.slow
 def test_torchrun_sh_trains_and_survives_sigusr1(tiny_data, tmp_path):
     """Two processes through launch/torchrun.sh; SIGUSR1 to torchrun itself does not kill it (its
-    default action would, orphaning the workers), so Slurm's preemption warning reaches the
-    trainer with torchrun still in charge. Then a plain run of the example finishes."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "WORLD_SIZE"))}
-    env.update(DATA=tiny_data.prefix, TOKENIZER=tiny_data.spm, MODEL_CONFIG=tiny_data.config,
-               NPROC_PER_NODE="2", PYTHON=sys.executable, MASTER_PORT="29517")
+    default action would, orphaning the workers, which then exit within a second), so Slurm's
+    preemption warning reaches the trainer with torchrun still in charge: training goes on.
+    Then a plain run of the example finishes."""
+    log = tmp_path / "long/log.txt"
     long = subprocess.Popen(
         ["bash", str(REPO / "launch/examples/tiny_cpu.sh"), "--eval-interval", "0",
          "--save-interval", "1000000"],
-        env={**env, "OUT": str(tmp_path / "long"), "ITERS": "1000000"},
+        env=tiny_env(tiny_data, tmp_path / "long", ITERS="1000000"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    log = tmp_path / "long/log.txt"
-    try:
+
+    def wait_for_step(n: int) -> None:
         deadline = time.monotonic() + 120
-        while not (log.exists() and "iteration        2/" in log.read_text()):
-            assert long.poll() is None and time.monotonic() < deadline, long.stdout.read()
-            time.sleep(0.5)
+        while max(losses(read(log)), default=0) < n:
+            assert long.poll() is None, f"torchrun ended:\n{long.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, f"no step {n} in time\n{tail(log)}"
+            time.sleep(0.2)
+
+    try:
+        wait_for_step(2)
         os.kill(long.pid, signal.SIGUSR1)  # tiny_cpu.sh and torchrun.sh exec: this is torchrun
-        time.sleep(3)
-        assert long.poll() is None, f"torchrun died of SIGUSR1:\n{long.stdout.read()}"
+        signalled = max(losses(read(log)))
+        wait_for_step(signalled + 3)  # torchrun alive all along, its workers still training
+        assert long.poll() is None
     finally:
         if long.poll() is None:
             long.send_signal(signal.SIGTERM)  # torchrun passes it on to its workers
@@ -123,8 +129,8 @@ def test_torchrun_sh_trains_and_survives_sigusr1(tiny_data, tmp_path):
                 os.killpg(long.pid, signal.SIGKILL)
                 long.wait(10)
 
-    env.update(OUT=str(tmp_path / "short"), ITERS="4", MASTER_PORT="29518")
-    proc = subprocess.run(["bash", str(REPO / "launch/examples/tiny_cpu.sh")], env=env,
+    proc = subprocess.run(["bash", str(REPO / "launch/examples/tiny_cpu.sh")],
+                          env=tiny_env(tiny_data, tmp_path / "short", ITERS="4"),
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "short/ckpt/latest_checkpointed_iteration.txt").read_text().strip() == "4"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,15 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from launching import free_port
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 PORT = 29611  # any port: each namespace is fresh, nothing else listens there
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env(**extra: str) -> dict:

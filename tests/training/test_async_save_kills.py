@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from harness import free_port
 from train_workers import base_argv
 
 from megatron.training.checkpointing import damaged_file, read_tracker, tag_for
@@ -51,14 +52,14 @@ def test_kills_during_async_saves_never_lose_the_tracked_checkpoint(train_data, 
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MEGATRON_CHECKPOINT_TEST_PAUSE_S="0.2")
     first = subprocess.run(  # a first checkpoint, so that every round has one to lose
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-         "29598", "-m", "megatron.pretrain_t5", *flags, "--exit-interval", "1"],
+         str(free_port()), "-m", "megatron.pretrain_t5", *flags, "--exit-interval", "1"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0 and read_tracker(ckpt) == 1, first.stderr[-3000:]
     seen = []
     for round_ in range(ROUNDS):
         before = log.read_text().count("saving checkpoint") if log.exists() else 0
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(29600 + round_), "-m", "megatron.pretrain_t5", *flags]
+               "--master_port", str(free_port()), "-m", "megatron.pretrain_t5", *flags]
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
@@ -78,7 +79,7 @@ def test_kills_during_async_saves_never_lose_the_tracked_checkpoint(train_data, 
     # the last tracked checkpoint resumes (a launch that ends by itself)
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-         "29599", "-m", "megatron.pretrain_t5", *flags, "--exit-interval", str(seen[-1] + 1)],
+         str(free_port()), "-m", "megatron.pretrain_t5", *flags, "--exit-interval", str(seen[-1] + 1)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from {ckpt} at iteration {seen[-1]}" in log.read_text()

@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,16 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from harness import free_port
 from train_workers import base_argv
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env():
