@@ -194,11 +194,11 @@ def read_source(args) -> Tuple[dict, Iterator, dict, int]:
 
 def _count(model_meta: dict) -> int:
     """The tensors a model has under our names (the progress bar's total)."""
-    from megatron.checkpoint.deepspeed import model_parameters
+    from megatron.model.meta import parameter_splits
     from megatron.model.config import T5Config
 
     config = T5Config.from_dict(model_meta["config"], source="the checkpoint's meta.json")
-    return len(model_parameters(config, model_meta.get("make_vocab_size_divisible_by", 128)))
+    return len(parameter_splits(config))
 
 
 def tokenizer_of(args, source_meta_path: Optional[Path]):

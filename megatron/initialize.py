@@ -129,6 +129,6 @@ def set_seeds(seed: int, device_type: str) -> None:
     initial weights); the tensor-parallel stream differs per tensor rank."""
     random.seed(seed)
     np.random.seed(seed % 2 ** 32)
-    model_parallel_seed(seed, device_type)
+    model_parallel_seed(seed, device_type, parallel_state.get_tensor_model_parallel_rank())
     if device_type == "cuda":
         torch.cuda.manual_seed(seed)

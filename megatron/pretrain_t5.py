@@ -95,13 +95,14 @@ class UnreadBatches:
 
 def dry_run(config: RunConfig) -> int:
     """Print what one rank would hold; nothing is allocated."""
-    from megatron.training.memory import count_parameters, estimate_run
+    from megatron.model.meta import count_parameters, num_parameters
+    from megatron.training.memory import estimate_run
 
     parallel, model, batch = config.parallel, config.model, config.batch
     tp = parallel.tensor_model_parallel_size
     device = config.runtime.device_type if config.dry_run_device == "auto" \
         else config.dry_run_device
-    total = model.t5.num_parameters(model.make_vocab_size_divisible_by, tp)
+    total = num_parameters(model.t5, model.make_vocab_size_divisible_by, tp)
     per_rank = count_parameters(model.t5, tp, model.make_vocab_size_divisible_by)
     estimate = estimate_run(config.layout(), device)
     print(f"dry run: the flags and files are valid for {parallel.world_size} processes "

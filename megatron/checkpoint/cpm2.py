@@ -57,7 +57,7 @@ import torch
 
 from megatron.checkpoint.deepspeed_files import CheckpointReadError, _only, allowed_globals
 from megatron.model.config import ConfigError, T5Config
-from megatron.model.state_dict import full_parameter_shapes
+from megatron.model.meta import full_parameter_shapes
 
 TRACKER = "latest_checkpointed_iteration.txt"
 SHARD = re.compile(r"mp_rank_(\d+)_model_states\.pt")

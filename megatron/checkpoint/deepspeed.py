@@ -55,11 +55,13 @@ from megatron.checkpoint.deepspeed_files import (
     zero_masters,
 )
 from megatron.model.config import ConfigError, T5Config
-from megatron.model.state_dict import VOCAB_PARAMETERS, _unshard
+from megatron.model.meta import parameter_splits
+from megatron.model.state_dict import VOCAB_PARAMETERS
+from megatron.tensor_parallel.layers import unshard
 
 __all__ = ["ALLOWED_GLOBALS", "CheckpointReadError", "SOURCES", "check_optimizer_states",
            "describe", "find_iteration", "iter_full_tensors", "load_file", "model_config",
-           "model_parameters", "optimizer_step", "read_meta"]
+           "optimizer_step", "read_meta"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
@@ -220,7 +222,7 @@ def iter_full_tensors(iter_dir: PathLike, source: str = "master"
     config = model_config(meta, folder / META)
     divisible = int(meta["model"].get("make_vocab_size_divisible_by", 128))
     tensor_size = meta["layout"]["tensor_model_parallel_size"]
-    params = model_parameters(config, divisible)
+    params = parameter_splits(config)
     files = Files(folder)
     shards = [_tensor_rank_shards(files, meta, source, t) for t in range(tensor_size)]
     for t, found in enumerate(shards):
@@ -228,7 +230,7 @@ def iter_full_tensors(iter_dir: PathLike, source: str = "master"
     padded = config.padded_vocab_size(divisible, tensor_size)
     for name, (shape, split) in params.items():
         parts = [rank[name]() for rank in shards]
-        tensor = _unshard(parts, *split) if split is not None and tensor_size > 1 else parts[0]
+        tensor = unshard(parts, *split) if split is not None and tensor_size > 1 else parts[0]
         if name in VOCAB_PARAMETERS:
             if tensor.shape[0] != padded:
                 raise CheckpointReadError(
@@ -240,29 +242,6 @@ def iter_full_tensors(iter_dir: PathLike, source: str = "master"
             raise CheckpointReadError(f"{folder}: tensor {name} has shape {tuple(tensor.shape)}; "
                                       f"the model meta.json describes has {shape}")
         yield name, tensor
-
-
-def model_parameters(config: T5Config, make_vocab_size_divisible_by: int = 128
-                     ) -> Dict[str, Tuple[Tuple[int, ...], Optional[Tuple[int, int]]]]:
-    """{name: (full unpadded shape, (dim, stride) of its tensor-parallel split or None)} in the
-    model's order, read from the model built on the meta device (no memory, no initialization),
-    so the split rules are the layers' own (tensor_parallel/layers.py)."""
-    from megatron import parallel_state
-    from megatron.model.t5 import T5Model
-
-    model = T5Model(config, make_vocab_size_divisible_by, device="meta")
-    built_tp = parallel_state.get_tensor_model_parallel_world_size()  # 1 outside a run
-    out = {}
-    for name, param in model.named_parameters():
-        split = (param.partition_dim, param.partition_stride) \
-            if getattr(param, "tensor_model_parallel", False) else None
-        shape = list(param.shape)
-        if split is not None:
-            shape[split[0]] *= built_tp
-        if name in VOCAB_PARAMETERS:
-            shape[0] = config.vocab_size
-        out[name] = (tuple(shape), split)
-    return out
 
 
 def _check_names(found: Dict[str, Shard], params, folder: Path, tensor_rank: int) -> None:
@@ -381,7 +360,7 @@ def check_optimizer_states(iter_dir: PathLike) -> int:
     if _is_weights_format(meta):
         return step
     config = model_config(meta, folder / META)
-    params = model_parameters(config, int(meta["model"].get("make_vocab_size_divisible_by", 128)))
+    params = parameter_splits(config)
     files = Files(folder)
     for key in MOMENTS:
         for t in range(meta["layout"]["tensor_model_parallel_size"]):
@@ -497,7 +476,7 @@ def describe(iter_dir: PathLike) -> Dict[str, Any]:
     try:
         config = model_config(meta, folder / META)
         divisible = int(meta["model"].get("make_vocab_size_divisible_by", 128))
-        params = model_parameters(config, divisible)
+        params = parameter_splits(config)
         out["model"] = meta["model"]
         out["parameters"] = sum(math.prod(shape) for shape, _ in params.values())
     except CheckpointReadError as e:

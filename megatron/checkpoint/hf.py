@@ -42,10 +42,10 @@ import torch
 
 from megatron.checkpoint.shards import ShardWriter
 from megatron.model.config import T5Config
+from megatron.model.meta import full_parameter_shapes
 from megatron.model.state_dict import (
     HF_IGNORED,
     StateDictError,
-    full_parameter_shapes,
     hf_copies,
     hf_copy_problem,
     hf_embedding_source,

@@ -118,18 +118,6 @@ class T5Config:
         multiple = divisible_by * tensor_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
-    def num_parameters(self, divisible_by: int = 1, tensor_parallel_size: int = 1) -> int:
-        """All parameters of the unsharded model (embedding at its padded size)."""
-        d, inner, ff = self.d_model, self.inner_dim, self.d_ff
-        vocab = self.padded_vocab_size(divisible_by, tensor_parallel_size)
-        ffn = (3 if self.is_gated_act else 2) * d * ff
-        attention = 4 * d * inner
-        bias = self.relative_attention_num_buckets * self.num_heads
-        encoder = self.num_layers * (attention + ffn + 2 * d) + bias + d
-        decoder = self.num_decoder_layers * (2 * attention + ffn + 3 * d) + bias + d
-        head = 0 if self.tie_word_embeddings else vocab * d
-        return vocab * d + encoder + decoder + head
-
     # Validation -------------------------------------------------------------------------------
     def problems(self) -> list:
         """Every problem with the values, as messages; empty when the config is buildable."""

@@ -1,8 +1,12 @@
-"""Floating-point operations of a T5 training step, from the encoder-decoder formula.
+"""Floating-point operations of a T5 training step, from the model's own modules.
 
-A multiply-add is 2 FLOPs; backward costs twice the forward, so a training step is 3 forwards
-(and one more forward of the blocks when activations are recomputed: that is hardware work, not
-model work, and MFU leaves it out). Per sample, with inner = num_heads * d_kv:
+Each layer states its forward FLOPs (`forward_flops` of the linears, `query_flops` and
+`key_value_flops` of T5Attention, `forward_flops` of a T5Block, `head_flops` of T5Model); this
+module sums them over the model built on the meta device (model/meta.py), so a new layer kind is
+counted by the layer itself. A multiply-add is 2 FLOPs; backward costs twice the forward, so a
+training step is 3 forwards (and one more forward of the blocks when activations are recomputed:
+that is hardware work, not model work, and MFU leaves it out). Per sample, with inner =
+num_heads * d_kv, the layers' sums come to:
 
     encoder block, per encoder token:  2 * (4 d inner + n_ff d d_ff)  + 2 * 2 * enc_len * inner
     decoder block, per decoder token:  2 * (6 d inner + n_ff d d_ff)  + 2 * 2 * dec_len * inner
@@ -14,13 +18,22 @@ n_ff is 3 for gated feed-forwards and 2 otherwise; "6 d inner" is self-attention
 cross-attention's q, o. The score and value products count the full (unmasked) matrices, which is
 what the kernels compute. The decoder-only shortcut 6 N (L_in + L_out) charges every parameter to
 every token and overcounts T5 about twofold.
+
+This is the one FLOPs function: the log line's TFLOP/s and MFU, the pipeline's cut, the planner
+and the benchmarks all read it.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
+from typing import Dict
 
 from megatron.model.config import T5Config
+from megatron.model.meta import meta_model
+from megatron.model.t5 import head_flops, shared_embedding, untied_lm_head
+from megatron.tensor_parallel.group import SINGLE
 
 
 @dataclass(frozen=True)
@@ -32,18 +45,29 @@ class StepFlops:
 
 
 def forward_flops_per_sample(config: T5Config, enc_len: int, dec_len: int,
-                             vocab_size: int) -> dict:
-    """Forward FLOPs of one sample, by part: 'encoder', 'decoder', 'cross_kv', 'lm_head'."""
-    d, inner, ff = config.d_model, config.inner_dim, config.d_ff
-    n_ff = 3 if config.is_gated_act else 2
-    encoder_token = 2 * (4 * d * inner + n_ff * d * ff) + 4 * enc_len * inner
-    decoder_token = 2 * (6 * d * inner + n_ff * d * ff) + 4 * dec_len * inner + 4 * enc_len * inner
-    return {
-        "encoder": config.num_layers * enc_len * encoder_token,
-        "decoder": config.num_decoder_layers * dec_len * decoder_token,
-        "cross_kv": config.num_decoder_layers * enc_len * 4 * d * inner,
-        "lm_head": dec_len * 2 * d * vocab_size,
-    }
+                             vocab_size: int) -> Dict[str, int]:
+    """Forward FLOPs of one sample, by part: 'encoder', 'decoder' (without its cross-attention
+    K/V projections), 'cross_kv' (those, over encoder tokens) and 'lm_head'.
+
+    vocab_size: the rows the LM head computes (the padded vocabulary).
+    """
+    return dict(_parts(json.dumps(config.to_dict(), sort_keys=True), enc_len, dec_len,
+                       vocab_size))
+
+
+@functools.lru_cache(maxsize=256)
+def _parts(config_json: str, enc_len: int, dec_len: int, vocab_size: int):
+    config = T5Config.from_dict(json.loads(config_json))
+    model = meta_model(config, 1)  # its blocks are the same at any vocabulary size
+    build = shared_embedding if config.tie_word_embeddings else untied_lm_head
+    head = build(config, vocab_size, SINGLE, device="meta")  # exactly vocab_size rows
+    decoder = model.decoder.block
+    return (("encoder", sum(b.forward_flops(enc_len) for b in model.encoder.block)),
+            ("decoder", sum(b.forward_flops(dec_len, enc_len, cross_key_value=False)
+                            for b in decoder)),
+            ("cross_kv", sum(b.layer[1].EncDecAttention.key_value_flops(enc_len)
+                             for b in decoder)),
+            ("lm_head", head_flops(head, dec_len)))
 
 
 def training_step_flops(config: T5Config, samples: int, enc_len: int, dec_len: int,

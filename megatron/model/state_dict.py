@@ -17,9 +17,8 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state
 from megatron.model.config import T5Config
-from megatron.tensor_parallel.layers import shard
+from megatron.tensor_parallel.layers import shard, unshard
 
 StateDict = Dict[str, torch.Tensor]
 VOCAB_PARAMETERS = ("shared.weight", "lm_head.weight")
@@ -131,36 +130,6 @@ def _same(a: torch.Tensor, b) -> bool:
                                          and torch.equal(a, b)))
 
 
-def full_parameter_shapes(config: T5Config) -> Dict[str, Tuple[int, ...]]:
-    """Name -> shape of every parameter of the full, unpadded model (our names, which are
-    Hugging Face's without the tied copies), in the order the model lists them."""
-    d, inner, ff, heads = config.d_model, config.inner_dim, config.d_ff, config.num_heads
-    wi = ("wi_0", "wi_1") if config.is_gated_act else ("wi",)
-    out = {"shared.weight": (config.vocab_size, d)}
-    for stack, layers in (("encoder", config.num_layers), ("decoder", config.num_decoder_layers)):
-        attentions = ("SelfAttention", "EncDecAttention") if stack == "decoder" else \
-            ("SelfAttention",)
-        for i in range(layers):
-            block = f"{stack}.block.{i}.layer"
-            for j, attention in enumerate(attentions):
-                for proj, shape in (("q", (inner, d)), ("k", (inner, d)), ("v", (inner, d)),
-                                    ("o", (d, inner))):
-                    out[f"{block}.{j}.{attention}.{proj}.weight"] = shape
-                if i == 0 and j == 0:
-                    out[f"{block}.0.SelfAttention.relative_attention_bias.weight"] = (
-                        config.relative_attention_num_buckets, heads)
-                out[f"{block}.{j}.layer_norm.weight"] = (d,)
-            j = len(attentions)
-            for name in wi:
-                out[f"{block}.{j}.DenseReluDense.{name}.weight"] = (ff, d)
-            out[f"{block}.{j}.DenseReluDense.wo.weight"] = (d, ff)
-            out[f"{block}.{j}.layer_norm.weight"] = (d,)
-        out[f"{stack}.final_layer_norm.weight"] = (d,)
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = (config.vocab_size, d)
-    return out
-
-
 def to_hf_state_dict(full: StateDict, config: T5Config) -> StateDict:
     """A Hugging Face T5ForConditionalGeneration state dict from our full one."""
     out = dict(full)
@@ -172,12 +141,14 @@ def to_hf_state_dict(full: StateDict, config: T5Config) -> StateDict:
 
 
 def load_full_state_dict(model: torch.nn.Module, full: StateDict) -> None:
-    """Pad the vocabulary rows, keep this rank's tensor-parallel shard, load (strict).
+    """Pad the vocabulary rows, keep the model's tensor-parallel shard (`model.tensor_parallel`),
+    load (strict).
 
     Raises:
         StateDictError: missing or unexpected names, or shapes that differ, all listed.
     """
     params = dict(model.named_parameters())
+    tp = model.tensor_parallel
     missing = sorted(set(params) - set(full))
     unexpected = sorted(set(full) - set(params))
     problems = []
@@ -199,7 +170,7 @@ def load_full_state_dict(model: torch.nn.Module, full: StateDict) -> None:
             rows = model.padded_vocab_size - vocab
             tensor = torch.cat([tensor, tensor.new_zeros(rows, *tensor.shape[1:])])
         if getattr(param, "tensor_model_parallel", False):
-            tensor = shard(tensor, param.partition_dim, param.partition_stride)
+            tensor = shard(tensor, param.partition_dim, param.partition_stride, tp.rank, tp.size)
         if tensor.shape != param.shape:
             problems.append(f"{name}: shape {tuple(tensor.shape)} does not fit "
                             f"{tuple(param.shape)}")
@@ -216,25 +187,18 @@ def gather_full_state_dict(model: torch.nn.Module, grads: bool = False) -> State
     """The full parameters (or their gradients) of a tensor-parallel model, vocabulary unpadded;
     every tensor rank gets the whole dict. Parameters without a gradient are left out when
     `grads` is set."""
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp = model.tensor_parallel
     out = {}
     for name, param in model.named_parameters():
         tensor = param.grad if grads else param.detach()
         if tensor is None:
             continue
-        if tp > 1 and getattr(param, "tensor_model_parallel", False):
-            parts = [torch.empty_like(tensor) for _ in range(tp)]
-            dist.all_gather(parts, tensor.contiguous(),
-                            group=parallel_state.get_tensor_model_parallel_group())
-            tensor = _unshard(parts, param.partition_dim, param.partition_stride)
+        if tp.size > 1 and getattr(param, "tensor_model_parallel", False):
+            parts = [torch.empty_like(tensor) for _ in range(tp.size)]
+            dist.all_gather(parts, tensor.contiguous(), group=tp.group)
+            tensor = unshard(parts, param.partition_dim, param.partition_stride)
         if name in VOCAB_PARAMETERS:
             tensor = tensor[:model.config.vocab_size]
         out[name] = tensor.clone()
     return out
 
-
-def _unshard(parts, dim: int, stride: int) -> torch.Tensor:
-    if stride == 1:
-        return torch.cat(parts, dim=dim)
-    blocks = [torch.chunk(p, stride, dim=dim) for p in parts]
-    return torch.cat([blocks[r][s] for s in range(stride) for r in range(len(parts))], dim=dim)

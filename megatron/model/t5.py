@@ -19,11 +19,11 @@ from typing import Callable, List, NamedTuple, Optional
 import torch
 from torch import nn
 
-from megatron import parallel_state
 from megatron.model.config import ConfigError, T5Config
 from megatron.model.dropout import Dropout
 from megatron.model.transformer import Carry, InitMethods, T5Block, T5LayerNorm
 from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.tensor_parallel.group import TensorParallel
 from megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -57,8 +57,8 @@ def model_parallel_problems(config: T5Config, tensor_parallel_size: int) -> List
 
 
 class T5Stack(nn.Module):
-    def __init__(self, config: T5Config, is_decoder: bool, backend: str, device=None,
-                 dtype=None) -> None:
+    def __init__(self, config: T5Config, is_decoder: bool, backend: str, tp: TensorParallel,
+                 device=None, dtype=None) -> None:
         super().__init__()
         num_layers = config.num_decoder_layers if is_decoder else config.num_layers
         init = InitMethods(config, num_layers)
@@ -67,7 +67,7 @@ class T5Stack(nn.Module):
         for i in range(num_layers):
             with init_rng(f"{name}.block.{i}"):
                 blocks.append(T5Block(config, init, is_decoder, has_relative_attention_bias=(i == 0),
-                                      backend=backend, device=device, dtype=dtype))
+                                      backend=backend, tp=tp, device=device, dtype=dtype))
         self.block = nn.ModuleList(blocks)
         self.final_layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device,
                                             dtype)
@@ -84,6 +84,10 @@ class T5Model(nn.Module):
         checkpoint_activations: recompute blocks in backward, `checkpoint_num_layers` at a time.
         label_smoothing: of the cross entropy.
         device, dtype: of the parameters ('meta' builds without memory or initialization).
+        tensor_parallel: which tensor-parallel shard to build, and the group its collectives
+            run on; default: this process's, read from megatron.parallel_state here and nowhere
+            below. With explicit sizes on the meta device, any rank's model of any layout is
+            built without process groups.
 
     Raises:
         ConfigError: the config cannot be split over the tensor-parallel ranks.
@@ -92,10 +96,10 @@ class T5Model(nn.Module):
     def __init__(self, config: T5Config, make_vocab_size_divisible_by: int = 128,
                  attention_backend: str = "auto", checkpoint_activations: bool = False,
                  checkpoint_num_layers: int = 1, label_smoothing: float = 0.0, device=None,
-                 dtype=None) -> None:
+                 dtype=None, tensor_parallel: Optional[TensorParallel] = None) -> None:
         super().__init__()
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        problems = model_parallel_problems(config, tp)
+        tp = tensor_parallel or TensorParallel.of_this_process()
+        problems = model_parallel_problems(config, tp.size)
         if attention_backend not in ATTENTION_BACKENDS:
             problems.append(f"attention backend {attention_backend!r} is not one of "
                             f"{', '.join(ATTENTION_BACKENDS)}")
@@ -104,20 +108,20 @@ class T5Model(nn.Module):
                             f"{checkpoint_num_layers}")
         if problems:
             raise ConfigError("; ".join(problems))
-        self.config = config
-        self.padded_vocab_size = config.padded_vocab_size(make_vocab_size_divisible_by, tp)
+        self.config, self.tensor_parallel = config, tp
+        self.padded_vocab_size = config.padded_vocab_size(make_vocab_size_divisible_by, tp.size)
         self.checkpoint_activations = checkpoint_activations
         self.checkpoint_num_layers = checkpoint_num_layers
         self.label_smoothing = label_smoothing
         # Each layer draws its weights from its own stream (init_rng): the same weights
         # whichever layers a process builds (pipeline stages build only theirs).
         with init_rng("shared"):
-            self.shared = shared_embedding(config, self.padded_vocab_size, device, dtype)
-        self.encoder = T5Stack(config, False, attention_backend, device, dtype)
-        self.decoder = T5Stack(config, True, attention_backend, device, dtype)
+            self.shared = shared_embedding(config, self.padded_vocab_size, tp, device, dtype)
+        self.encoder = T5Stack(config, False, attention_backend, tp, device, dtype)
+        self.decoder = T5Stack(config, True, attention_backend, tp, device, dtype)
         if not config.tie_word_embeddings:
             with init_rng("lm_head"):
-                self.lm_head = untied_lm_head(config, self.padded_vocab_size, device, dtype)
+                self.lm_head = untied_lm_head(config, self.padded_vocab_size, tp, device, dtype)
         self.dropout = Dropout(config.dropout_rate)
 
     # The flat layer list ----------------------------------------------------------------------
@@ -147,13 +151,19 @@ class T5Model(nn.Module):
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[batch, dec_len, padded vocab / TP]."""
         if self.config.tie_word_embeddings:
-            return parallel_lm_logits(hidden, self.shared.weight)
+            return parallel_lm_logits(hidden, self.shared)
         return self.lm_head(hidden)
+
+    def head_flops(self, decoder_length: int) -> int:
+        """Forward FLOPs of one sample's logits over the padded vocabulary."""
+        return head_flops(self.shared if self.config.tie_word_embeddings else self.lm_head,
+                          decoder_length)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor):
         """(mean loss over labelled tokens, per-token losses)."""
         token_losses = vocab_parallel_cross_entropy(logits, labels, self.config.vocab_size,
-                                                    label_smoothing=self.label_smoothing)
+                                                    label_smoothing=self.label_smoothing,
+                                                    tp=self.tensor_parallel)
         count = (labels != -100).sum().clamp(min=1)
         return token_losses.sum() / count, token_losses
 
@@ -225,20 +235,29 @@ def additive_decoder_mask(attention_mask: Optional[torch.Tensor], batch: int, le
     return torch.where(keep, zero, _MINIMUM).expand(batch, 1, length, length)
 
 
-def shared_embedding(config: T5Config, padded_vocab_size: int, device=None,
-                     dtype=None) -> VocabParallelEmbedding:
+def shared_embedding(config: T5Config, padded_vocab_size: int, tp: TensorParallel,
+                     device=None, dtype=None) -> VocabParallelEmbedding:
     """The embedding shared by the encoder, the decoder and (tied) the LM head."""
     init = InitMethods(config, config.num_layers)
-    return VocabParallelEmbedding(padded_vocab_size, config.d_model,
+    return VocabParallelEmbedding(padded_vocab_size, config.d_model, tp=tp,
                                   init_method=init("embedding"), init_size=config.vocab_size,
                                   device=device, dtype=dtype)
 
 
-def untied_lm_head(config: T5Config, padded_vocab_size: int, device=None,
-                   dtype=None) -> ColumnParallelLinear:
+def untied_lm_head(config: T5Config, padded_vocab_size: int, tp: TensorParallel,
+                   device=None, dtype=None) -> ColumnParallelLinear:
     init = InitMethods(config, config.num_layers)
-    return ColumnParallelLinear(config.d_model, padded_vocab_size, init_method=init("lm_head"),
-                                init_size=config.vocab_size, device=device, dtype=dtype)
+    return ColumnParallelLinear(config.d_model, padded_vocab_size, tp=tp,
+                                init_method=init("lm_head"), init_size=config.vocab_size,
+                                device=device, dtype=dtype)
+
+
+def head_flops(head, decoder_length: int) -> int:
+    """Forward FLOPs of one sample's logits from the module that computes them: the shared
+    embedding when the head is tied, the LM head otherwise."""
+    if isinstance(head, VocabParallelEmbedding):
+        return head.logits_flops(decoder_length)
+    return head.forward_flops(decoder_length)
 
 
 def _chunk_runner(blocks):

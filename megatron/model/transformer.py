@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron import parallel_state
 from megatron.model.config import T5Config
 from megatron.model.dropout import Dropout, dropout
 from megatron.tensor_parallel.layers import (
@@ -32,6 +31,7 @@ from megatron.tensor_parallel.layers import (
     normal_init,
     set_tensor_model_parallel_attributes,
 )
+from megatron.tensor_parallel.group import TensorParallel
 from megatron.tensor_parallel.random import get_cuda_rng_tracker, init_rng
 
 
@@ -177,21 +177,22 @@ def relative_position_bucket(relative_position: torch.Tensor, bidirectional: boo
 
 
 class RelativeAttentionBias(nn.Module):
-    """The [num_buckets, num_heads] bias table, split by heads over tensor ranks."""
+    """The [num_buckets, num_heads] bias table, split by heads over tensor ranks (`tp`)."""
 
     def __init__(self, num_buckets: int, num_heads: int, init_method: InitMethod,
-                 device=None, dtype=None) -> None:
+                 tp: TensorParallel, device=None, dtype=None) -> None:
         super().__init__()
         self.num_buckets, self.num_heads, self.init_method = num_buckets, num_heads, init_method
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        self.weight = nn.Parameter(torch.empty(num_buckets, divide(num_heads, tp, "num_heads"),
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(num_buckets,
+                                               divide(num_heads, tp.size, "num_heads"),
                                                device=device, dtype=dtype))
         set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         initialize_shard(self.weight, (self.num_buckets, self.num_heads), 1, 1,
-                          self.init_method)
+                          self.init_method, self.tp)
 
     def forward(self, buckets: torch.Tensor) -> torch.Tensor:
         return F.embedding(buckets, self.weight)
@@ -211,12 +212,14 @@ def relative_bias(table: RelativeAttentionBias, config: T5Config, is_decoder: bo
 
 
 def relative_attention_bias(config: T5Config, init: "InitMethods", is_decoder: bool,
-                            device=None, dtype=None) -> RelativeAttentionBias:
+                            tp: TensorParallel, device=None, dtype=None
+                            ) -> RelativeAttentionBias:
     """A stack's bias table, drawn from a stream of its own (the same table whether block 0
     or a pipeline stage's tied copy builds it)."""
     with init_rng(("decoder" if is_decoder else "encoder") + ".relative_attention_bias"):
         return RelativeAttentionBias(config.relative_attention_num_buckets, config.num_heads,
-                                     init("relative_attention_bias"), device=device, dtype=dtype)
+                                     init("relative_attention_bias"), tp, device=device,
+                                     dtype=dtype)
 
 
 def core_attention(query, key, value, bias, dropout_p: float, use_sdpa: bool):
@@ -246,15 +249,13 @@ class T5Attention(nn.Module):
     """Self- or cross-attention; block 0's self-attention owns the relative position bias."""
 
     def __init__(self, config: T5Config, init: InitMethods, is_decoder: bool,
-                 has_relative_attention_bias: bool = False, backend: str = "auto",
-                 device=None, dtype=None) -> None:
+                 has_relative_attention_bias: bool = False, backend: str = "auto", *,
+                 tp: TensorParallel, device=None, dtype=None) -> None:
         super().__init__()
         self.config, self.is_decoder, self.backend = config, is_decoder, backend
         d, inner = config.d_model, config.inner_dim
-        self.heads_per_rank = divide(config.num_heads,
-                                     parallel_state.get_tensor_model_parallel_world_size(),
-                                     "num_heads")
-        kw = dict(device=device, dtype=dtype)
+        self.heads_per_rank = divide(config.num_heads, tp.size, "num_heads")
+        kw = dict(tp=tp, device=device, dtype=dtype)
         self.q = ColumnParallelLinear(d, inner, init_method=init("q"), **kw)
         self.k = ColumnParallelLinear(d, inner, init_method=init("k"), **kw)
         self.v = ColumnParallelLinear(d, inner, init_method=init("v"), **kw)
@@ -263,6 +264,17 @@ class T5Attention(nn.Module):
         if has_relative_attention_bias:
             self.relative_attention_bias = relative_attention_bias(config, init, is_decoder,
                                                                    **kw)
+
+    def query_flops(self, query_length: int, key_length: int) -> int:
+        """Forward FLOPs of one sample on the query side: q and o over the queries, and the
+        score and value products (the full matrices, which the kernels compute)."""
+        inner = self.config.inner_dim
+        return self.q.forward_flops(query_length) + self.o.forward_flops(query_length) + \
+            2 * 2 * query_length * key_length * inner
+
+    def key_value_flops(self, key_length: int) -> int:
+        """Forward FLOPs of one sample's k and v projections over its keys."""
+        return self.k.forward_flops(key_length) + self.v.forward_flops(key_length)
 
     def compute_bias(self, query_length: int, key_length: int) -> torch.Tensor:
         """[1, heads per rank, query_length, key_length]."""
@@ -304,9 +316,10 @@ def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 class T5DenseActDense(nn.Module):
     """wo(dropout(act(wi x))), or with a gate: wo(dropout(act(wi_0 x) * wi_1 x))."""
 
-    def __init__(self, config: T5Config, init: InitMethods, device=None, dtype=None) -> None:
+    def __init__(self, config: T5Config, init: InitMethods, *, tp: TensorParallel, device=None,
+                 dtype=None) -> None:
         super().__init__()
-        kw = dict(device=device, dtype=dtype)
+        kw = dict(tp=tp, device=device, dtype=dtype)
         self.gated = config.is_gated_act
         if self.gated:
             self.wi_0 = ColumnParallelLinear(config.d_model, config.d_ff, init_method=init("wi"),
@@ -320,6 +333,11 @@ class T5DenseActDense(nn.Module):
         self.act = _activation(config.activation)
         self.dropout_p = config.dropout_rate
 
+    def forward_flops(self, tokens: int) -> int:
+        """Forward FLOPs over `tokens` positions: the linears (the activation is left out)."""
+        wi = (self.wi_0, self.wi_1) if self.gated else (self.wi,)
+        return sum(w.forward_flops(tokens) for w in wi) + self.wo.forward_flops(tokens)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.gated:
             inner = self.act(self.wi_0(hidden)) * self.wi_1(hidden)
@@ -332,11 +350,11 @@ class T5DenseActDense(nn.Module):
 
 
 class T5LayerSelfAttention(nn.Module):
-    def __init__(self, config, init, is_decoder, has_relative_attention_bias, backend,
+    def __init__(self, config, init, is_decoder, has_relative_attention_bias, backend, *, tp,
                  device=None, dtype=None):
         super().__init__()
         self.SelfAttention = T5Attention(config, init, is_decoder, has_relative_attention_bias,
-                                         backend, device=device, dtype=dtype)
+                                         backend, tp=tp, device=device, dtype=dtype)
         self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device, dtype)
         self.dropout = Dropout(config.dropout_rate)
 
@@ -345,10 +363,10 @@ class T5LayerSelfAttention(nn.Module):
 
 
 class T5LayerCrossAttention(nn.Module):
-    def __init__(self, config, init, backend, device=None, dtype=None):
+    def __init__(self, config, init, backend, *, tp, device=None, dtype=None):
         super().__init__()
-        self.EncDecAttention = T5Attention(config, init, True, False, backend, device=device,
-                                           dtype=dtype)
+        self.EncDecAttention = T5Attention(config, init, True, False, backend, tp=tp,
+                                           device=device, dtype=dtype)
         self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device, dtype)
         self.dropout = Dropout(config.dropout_rate)
 
@@ -358,9 +376,9 @@ class T5LayerCrossAttention(nn.Module):
 
 
 class T5LayerFF(nn.Module):
-    def __init__(self, config, init, device=None, dtype=None):
+    def __init__(self, config, init, *, tp, device=None, dtype=None):
         super().__init__()
-        self.DenseReluDense = T5DenseActDense(config, init, device=device, dtype=dtype)
+        self.DenseReluDense = T5DenseActDense(config, init, tp=tp, device=device, dtype=dtype)
         self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device, dtype)
         self.dropout = Dropout(config.dropout_rate)
 
@@ -393,16 +411,32 @@ class T5Block(nn.Module):
     list: takes and returns a Carry."""
 
     def __init__(self, config: T5Config, init: InitMethods, is_decoder: bool,
-                 has_relative_attention_bias: bool, backend: bool = False,
-                 device=None, dtype=None) -> None:
+                 has_relative_attention_bias: bool, backend: str = "auto", *,
+                 tp: TensorParallel, device=None, dtype=None) -> None:
         super().__init__()
         self.is_decoder = is_decoder
+        kw = dict(tp=tp, device=device, dtype=dtype)
         self.layer = nn.ModuleList([T5LayerSelfAttention(config, init, is_decoder,
                                                          has_relative_attention_bias, backend,
-                                                         device, dtype)])
+                                                         **kw)])
         if is_decoder:
-            self.layer.append(T5LayerCrossAttention(config, init, backend, device, dtype))
-        self.layer.append(T5LayerFF(config, init, device, dtype))
+            self.layer.append(T5LayerCrossAttention(config, init, backend, **kw))
+        self.layer.append(T5LayerFF(config, init, **kw))
+
+    def forward_flops(self, length: int, encoder_length: int = 0,
+                      cross_key_value: bool = True) -> int:
+        """Forward FLOPs of one sample of `length` positions (a decoder block attends to
+        `encoder_length` encoder positions; `cross_key_value=False` leaves out its k and v
+        projections of the encoder output, which run over encoder tokens). Norms, the bias and
+        the softmax are left out: the linears and the attention products only."""
+        attention = self.layer[0].SelfAttention
+        flops = attention.query_flops(length, length) + attention.key_value_flops(length)
+        if self.is_decoder:
+            cross = self.layer[1].EncDecAttention
+            flops += cross.query_flops(length, encoder_length)
+            if cross_key_value:
+                flops += cross.key_value_flops(encoder_length)
+        return flops + self.layer[-1].DenseReluDense.forward_flops(length)
 
     def forward(self, carry: Carry) -> Carry:
         hidden, position_bias = carry.hidden, carry.position_bias

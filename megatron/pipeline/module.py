@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -50,6 +50,7 @@ from megatron.model.transformer import (
     stack_position_bias,
 )
 from megatron.pipeline.partition import Cut
+from megatron.tensor_parallel.group import TensorParallel
 from megatron.tensor_parallel.layers import parallel_lm_logits
 from megatron.tensor_parallel.random import init_rng
 
@@ -107,20 +108,22 @@ class _TiedCall:
 class SharedEmbeddingPipe(nn.Module):
     """The shared embedding, on every stage that embeds or (tied) projects to the vocabulary."""
 
-    def __init__(self, config: T5Config, padded_vocab_size: int, device=None, dtype=None):
+    def __init__(self, config: T5Config, padded_vocab_size: int, tp: TensorParallel,
+                 device=None, dtype=None):
         super().__init__()
         with init_rng("shared"):
-            self.embedding = shared_embedding(config, padded_vocab_size, device, dtype)
+            self.embedding = shared_embedding(config, padded_vocab_size, tp, device, dtype)
 
 
 class RelativeBiasPipe(nn.Module):
     """A stack's bucket table (tied over the stages that hold the stack's blocks)."""
 
-    def __init__(self, config: T5Config, is_decoder: bool, device=None, dtype=None):
+    def __init__(self, config: T5Config, is_decoder: bool, tp: TensorParallel, device=None,
+                 dtype=None):
         super().__init__()
         layers = config.num_decoder_layers if is_decoder else config.num_layers
         self.table = relative_attention_bias(config, InitMethods(config, layers), is_decoder,
-                                             device, dtype)
+                                             tp, device, dtype)
         self.config, self.is_decoder = config, is_decoder
 
 
@@ -129,13 +132,13 @@ class BlockPipe(_Fields):
     the bias)."""
 
     def __init__(self, config: T5Config, is_decoder: bool, index: int, backend: str,
-                 fields_in, fields_out, device=None, dtype=None) -> None:
+                 fields_in, fields_out, tp: TensorParallel, device=None, dtype=None) -> None:
         super().__init__(fields_in, fields_out)
         stack = "decoder" if is_decoder else "encoder"
         layers = config.num_decoder_layers if is_decoder else config.num_layers
         with init_rng(f"{stack}.block.{index}"):
             self.block = T5Block(config, InitMethods(config, layers), is_decoder,
-                                 has_relative_attention_bias=False, backend=backend,
+                                 has_relative_attention_bias=False, backend=backend, tp=tp,
                                  device=device, dtype=dtype)
         self.is_decoder, self.index = is_decoder, index
 
@@ -172,11 +175,11 @@ class FinalNormPipe(_Fields):
 class LMHeadPipe(nn.Module):
     """The untied LM head: logits of this tensor rank's vocabulary slice."""
 
-    def __init__(self, config: T5Config, padded_vocab_size: int, fields_in, device=None,
-                 dtype=None) -> None:
+    def __init__(self, config: T5Config, padded_vocab_size: int, fields_in, tp: TensorParallel,
+                 device=None, dtype=None) -> None:
         super().__init__()
         with init_rng("lm_head"):
-            self.lm_head = untied_lm_head(config, padded_vocab_size, device, dtype)
+            self.lm_head = untied_lm_head(config, padded_vocab_size, tp, device, dtype)
         self.fields_in = tuple(fields_in)
 
     def forward(self, inputs):
@@ -204,7 +207,7 @@ def _bias(module: RelativeBiasPipe, fields: Fields) -> None:
 
 
 def _tied_logits(module: SharedEmbeddingPipe, fields: Fields) -> torch.Tensor:
-    return parallel_lm_logits(fields["hidden"], module.embedding.weight)
+    return parallel_lm_logits(fields["hidden"], module.embedding)
 
 
 # The layer list ------------------------------------------------------------------------------
@@ -213,8 +216,10 @@ def _ordered(fields) -> Tuple[str, ...]:
 
 
 def pipeline_specs(config: T5Config, cut: Cut, padded_vocab_size: int, attention_backend: str,
-                   device=None, dtype=None) -> Tuple[list, List[int], List[str]]:
-    """(DeepSpeed layer specs, stage boundaries in that list, each spec's name).
+                   tp: TensorParallel, device=None, dtype=None
+                   ) -> Tuple[list, List[int], List[str]]:
+    """(DeepSpeed layer specs, stage boundaries in that list, each spec's name), each layer
+    built for the tensor-parallel share `tp`.
 
     Names say what a layer is in the single-process model ('shared', 'encoder.block.3', ...)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
@@ -222,6 +227,7 @@ def pipeline_specs(config: T5Config, cut: Cut, padded_vocab_size: int, attention
     specs, names, parts = [], [], [0]
     fields = set(INPUT_FIELDS)
     kw = dict(device=device, dtype=dtype)
+    tkw = dict(tp=tp, **kw)
     rate = config.dropout_rate
 
     def add(spec, name, out):
@@ -258,14 +264,14 @@ def pipeline_specs(config: T5Config, cut: Cut, padded_vocab_size: int, attention
                 fields = add(TiedLayerSpec(SHARED_KEY, SharedEmbeddingPipe, config,
                                            padded_vocab_size, forward_fn=_TiedCall(
                                                fin, out, _embed(ids, rate)),
-                                           tied_weight_attr=["embedding.weight"], **kw),
+                                           tied_weight_attr=["embedding.weight"], **tkw),
                              "shared", out)
             elif kind == "bias":
                 out = flow(fields | {"position_bias"}, last)
                 stack = "decoder" if arg else "encoder"
                 fields = add(TiedLayerSpec(BIAS_KEYS[arg], RelativeBiasPipe, config, arg,
                                            forward_fn=_TiedCall(fin, out, _bias),
-                                           tied_weight_attr=["table.weight"], **kw),
+                                           tied_weight_attr=["table.weight"], **tkw),
                              f"{stack}.relative_attention_bias", out)
             elif kind == "block":
                 is_decoder, index = arg
@@ -275,7 +281,7 @@ def pipeline_specs(config: T5Config, cut: Cut, padded_vocab_size: int, attention
                 out = flow(after, last)
                 stack = "decoder" if is_decoder else "encoder"
                 fields = add(LayerSpec(BlockPipe, config, is_decoder, index, attention_backend,
-                                       fin, out, **kw), f"{stack}.block.{index}", out)
+                                       fin, out, **tkw), f"{stack}.block.{index}", out)
             elif kind == "finish":
                 after = fields - {"position_bias"}
                 if not arg:
@@ -288,9 +294,10 @@ def pipeline_specs(config: T5Config, cut: Cut, padded_vocab_size: int, attention
                 if config.tie_word_embeddings:
                     add(TiedLayerSpec(SHARED_KEY, SharedEmbeddingPipe, config, padded_vocab_size,
                                       forward_fn=_TiedCall(fin, (), _tied_logits),
-                                      tied_weight_attr=["embedding.weight"], **kw), "shared", ())
+                                      tied_weight_attr=["embedding.weight"], **tkw), "shared",
+                        ())
                 else:
-                    add(LayerSpec(LMHeadPipe, config, padded_vocab_size, fin, **kw), "lm_head",
+                    add(LayerSpec(LMHeadPipe, config, padded_vocab_size, fin, **tkw), "lm_head",
                         ())
         parts.append(len(specs))
     return specs, parts, names
@@ -298,15 +305,18 @@ def pipeline_specs(config: T5Config, cut: Cut, padded_vocab_size: int, attention
 
 def build_pipeline_module(config: T5Config, cut: Cut, topology, padded_vocab_size: int,
                           attention_backend: str, loss_fn, checkpoint_activations: bool,
-                          checkpoint_num_layers: int, device=None, dtype=None):
+                          checkpoint_num_layers: int, device=None, dtype=None,
+                          tensor_parallel: Optional[TensorParallel] = None):
     """This stage's part of the model as a DeepSpeed PipelineModule (collective: it creates
-    the tied-weight groups and broadcasts the tied weights)."""
+    the tied-weight groups and broadcasts the tied weights). tensor_parallel: as T5Model's
+    (default: this process's, read here and nowhere below)."""
     from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
     from deepspeed.pipe import PipelineModule
 
     from megatron.tensor_parallel.random import checkpoint
 
-    specs, parts, names = pipeline_specs(config, cut, padded_vocab_size, attention_backend,
+    tp = tensor_parallel or TensorParallel.of_this_process()
+    specs, parts, names = pipeline_specs(config, cut, padded_vocab_size, attention_backend, tp,
                                          device, dtype)
 
     class T5PipelineModule(PipelineModule):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron import parallel_state
 from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.tensor_parallel.group import TensorParallel
 from megatron.tensor_parallel.layers import counts_in_norm
 from megatron.training.profiling import PIPELINE_BATCH, PIPELINE_SUMS
 from megatron.training.step import Batch, EngineStep, EvalResult, StepResult
@@ -35,8 +36,9 @@ from megatron.training.step import Batch, EngineStep, EvalResult, StepResult
 class PipelineLoss:
     """The last stage's loss function; keeps the sums the step reports."""
 
-    def __init__(self, vocab_size: int, label_smoothing: float, device) -> None:
-        self.vocab_size, self.label_smoothing = vocab_size, label_smoothing
+    def __init__(self, vocab_size: int, label_smoothing: float, device,
+                 tp: TensorParallel) -> None:
+        self.vocab_size, self.label_smoothing, self.tp = vocab_size, label_smoothing, tp
         self.evaluating = False
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)
         """Training: [sum of micro-batch mean losses, target tokens]; evaluation: [sum of token
@@ -44,7 +46,8 @@ class PipelineLoss:
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         token_losses = vocab_parallel_cross_entropy(logits, labels, self.vocab_size,
-                                                    label_smoothing=self.label_smoothing)
+                                                    label_smoothing=self.label_smoothing,
+                                                    tp=self.tp)
         count = (labels != -100).sum()
         if self.evaluating:
             self.sums[0] += token_losses.detach().double().sum()
@@ -172,7 +175,8 @@ def build_pipeline_step(config, watchdog, writer) -> PipelineStep:
     topology = PipeModelDataParallelTopology(num_pp=parallel.pipeline_model_parallel_size,
                                              num_mp=parallel.tensor_model_parallel_size,
                                              num_dp=parallel.data_parallel_size)
-    loss = PipelineLoss(model.t5.vocab_size, model.label_smoothing, device)
+    tp = TensorParallel.of_this_process()
+    loss = PipelineLoss(model.t5.vocab_size, model.label_smoothing, device, tp)
     padded = model.t5.padded_vocab_size(model.make_vocab_size_divisible_by,
                                         parallel.tensor_model_parallel_size)
     collective_s = 60 * runtime.distributed_timeout_minutes
@@ -180,7 +184,8 @@ def build_pipeline_step(config, watchdog, writer) -> PipelineStep:
                         "stages)", collective_s):
         module = build_pipeline_module(model.t5, cut, topology, padded, model.attention_backend,
                                        loss, model.checkpoint_activations,
-                                       model.checkpoint_num_layers, device=device)
+                                       model.checkpoint_num_layers, device=device,
+                                       tensor_parallel=tp)
     counts = torch.zeros(parallel.pipeline_model_parallel_size, dtype=torch.int64,
                          device=device)
     counts[parallel_state.get_pipeline_model_parallel_rank()] = sum(

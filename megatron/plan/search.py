@@ -21,8 +21,9 @@ from megatron.pipeline.partition import Cut
 from megatron.plan.cluster import Cluster
 from megatron.plan.timing import LayoutShape, Machine, StepTime, block_flops, \
     model_flops_per_sample, step_time
+from megatron.model.meta import parameter_numels
 from megatron.training.memory import MemoryEstimate, ZeroBuckets, estimate_stages, \
-    parameter_numels, stage_parameter_numels
+    stage_parameter_numels
 
 GIB = 2 ** 30
 # (ZeRO stage, offload optimizer, offload param); a pipeline runs ZeRO 0 or 1 only

@@ -1,6 +1,7 @@
 """Tensor parallelism: sharded layers, autograd collectives, vocab-parallel loss, RNG tracker."""
 
 from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.tensor_parallel.group import SINGLE, TensorParallel
 from megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -22,6 +23,7 @@ from megatron.tensor_parallel.random import (
 )
 
 __all__ = [
+    "SINGLE", "TensorParallel",
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "parallel_lm_logits",
     "set_tensor_model_parallel_attributes", "shard", "vocab_parallel_cross_entropy",
     "copy_to_tensor_model_parallel_region", "gather_from_tensor_model_parallel_region",

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state
+from megatron.tensor_parallel.group import TensorParallel
 from megatron.tensor_parallel.mappings import all_reduce_tensor_parallel
 
 
@@ -31,9 +31,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     second backward through the same loss (retain_graph) raises."""
 
     @staticmethod
-    def forward(ctx, logits, target, vocab_size, ignore_index, label_smoothing):
+    def forward(ctx, logits, target, vocab_size, ignore_index, label_smoothing, tp):
         per_rank = logits.shape[-1]
-        start = parallel_state.get_tensor_model_parallel_rank() * per_rank
+        start = tp.rank * per_rank
         valid = max(min(vocab_size - start, per_rank), 0)  # local columns below vocab_size
         x = logits.float()
         real = x if valid == per_rank else x[..., :valid]
@@ -42,12 +42,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             local_lse = real[..., 0] - log_probs[..., 0]
         else:
             local_lse = torch.full(x.shape[:-1], float("-inf"), device=x.device)
-        ctx.tensor_parallel = parallel_state.get_tensor_model_parallel_world_size() > 1
+        ctx.tensor_parallel = tp.size > 1
         if ctx.tensor_parallel:
             top = local_lse.clone()
-            top = all_reduce_tensor_parallel(top, dist.ReduceOp.MAX)
+            top = all_reduce_tensor_parallel(top, tp, dist.ReduceOp.MAX)
             total = (local_lse - top).exp_()
-            total = all_reduce_tensor_parallel(total, dist.ReduceOp.SUM)
+            total = all_reduce_tensor_parallel(total, tp, dist.ReduceOp.SUM)
             log_sum_exp = total.log_().add_(top)
         else:
             log_sum_exp = local_lse
@@ -57,11 +57,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = torch.where(in_range, target - start, torch.zeros_like(target))
         target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(~in_range, 0.0)
-        target_logit = all_reduce_tensor_parallel(target_logit, dist.ReduceOp.SUM)
+        target_logit = all_reduce_tensor_parallel(target_logit, tp, dist.ReduceOp.SUM)
         loss = log_sum_exp - target_logit
         if label_smoothing > 0:
             logit_sum = real.sum(dim=-1)
-            logit_sum = all_reduce_tensor_parallel(logit_sum, dist.ReduceOp.SUM)
+            logit_sum = all_reduce_tensor_parallel(logit_sum, tp, dist.ReduceOp.SUM)
             mean_log_prob = logit_sum / vocab_size - log_sum_exp
             loss = (1.0 - label_smoothing) * loss - label_smoothing * mean_log_prob
         loss = loss.masked_fill(ignored, 0.0)
@@ -82,7 +82,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         eps = ctx.label_smoothing
         if log_probs.shape[-1] == 0:  # every column of this rank is padding
             return (grad_loss.new_zeros(*log_probs.shape[:-1], ctx.per_rank,
-                                        dtype=ctx.logits_dtype), None, None, None, None)
+                                        dtype=ctx.logits_dtype), None, None, None, None, None)
         if ctx.tensor_parallel:  # local log-probabilities -> global ones
             log_probs = log_probs.add_(correction.unsqueeze(-1))
         # The softmax over this rank's real columns. Log-probabilities are clamped just above the
@@ -98,24 +98,26 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
         if grad.shape[-1] < ctx.per_rank:  # padded columns get no gradient
             grad = torch.nn.functional.pad(grad, (0, ctx.per_rank - grad.shape[-1]))
-        return grad.to(ctx.logits_dtype), None, None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
                                  vocab_size: Optional[int] = None, ignore_index: int = -100,
-                                 label_smoothing: float = 0.0) -> torch.Tensor:
+                                 label_smoothing: float = 0.0, *,
+                                 tp: TensorParallel) -> torch.Tensor:
     """Per-token loss [...] (0 where target == ignore_index) from this rank's logits [..., V/tp].
 
     Args:
         logits: this rank's slice of the (padded) vocabulary, any float dtype; math is fp32.
+        tp: the ranks that split the vocabulary (the head's).
         target: global token ids, or ignore_index.
         vocab_size: the true vocabulary size; columns at or past it are excluded. Default: the
             padded size (nothing excluded).
         label_smoothing: as torch.nn.functional.cross_entropy's, over the true vocabulary.
     """
     if vocab_size is None:
-        vocab_size = logits.shape[-1] * parallel_state.get_tensor_model_parallel_world_size()
+        vocab_size = logits.shape[-1] * tp.size
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label smoothing {label_smoothing} must be in [0, 1)")
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, ignore_index,
-                                            label_smoothing)
+                                            label_smoothing, tp)

@@ -6,6 +6,9 @@ whatever the tensor-parallel size, and TP=1 is plain math with the same classes.
 initializes its own weights in `reset_parameters` (DeepSpeed's zero.Init partitions a module's
 parameters right after its constructor, so a parent that writes them later would be ignored).
 
+Each layer takes its `TensorParallel` (tensor_parallel/group.py) as an argument: its size and
+rank fix the shard a layer holds, its group the collectives it runs.
+
 Every sharded parameter carries `tensor_model_parallel=True`, `partition_dim` and
 `partition_stride`; DeepSpeed's gradient norm and clipping count a parameter without that flag
 only on tensor rank 0, which is right for replicated weights and wrong for shards.
@@ -19,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron import parallel_state
+from megatron.tensor_parallel.group import TensorParallel
 from megatron.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -60,20 +63,27 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def shard(full: torch.Tensor, dim: int, stride: int = 1, rank: Optional[int] = None,
-          size: Optional[int] = None) -> torch.Tensor:
-    """This rank's slice of a full tensor along `dim`; with stride s the dimension is cut into
-    size * s blocks and rank r keeps blocks r, r + size, ... (for fused weights)."""
-    size = parallel_state.get_tensor_model_parallel_world_size() if size is None else size
-    rank = parallel_state.get_tensor_model_parallel_rank() if rank is None else rank
+def shard(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s slice of a full tensor along `dim` split over `size` ranks; with stride s
+    the dimension is cut into size * s blocks and rank r keeps blocks r, r + size, ... (for
+    fused weights)."""
     if size == 1:
         return full
     blocks = torch.chunk(full, size * stride, dim=dim)
     return torch.cat(blocks[rank::size], dim=dim)
 
 
+def unshard(parts, dim: int, stride: int) -> torch.Tensor:
+    """The full tensor from every rank's `shard` of it (in rank order)."""
+    if stride == 1:
+        return torch.cat(parts, dim=dim)
+    blocks = [torch.chunk(p, stride, dim=dim) for p in parts]
+    return torch.cat([blocks[r][s] for s in range(stride) for r in range(len(parts))], dim=dim)
+
+
 def initialize_shard(weight: torch.Tensor, full_shape, dim: int, stride: int,
-                      init_method: InitMethod, init_size: Optional[int] = None) -> None:
+                      init_method: InitMethod, tp: TensorParallel,
+                      init_size: Optional[int] = None) -> None:
     """Draw the full weight, then keep this rank's slice (the same model at any TP).
 
     init_size: draw only the first init_size entries along `dim`; the rest (vocabulary padding,
@@ -89,7 +99,7 @@ def initialize_shard(weight: torch.Tensor, full_shape, dim: int, stride: int,
         init_method(drawn)
         master.narrow(dim, 0, init_size).copy_(drawn)
     with torch.no_grad():
-        weight.copy_(shard(master, dim, stride))
+        weight.copy_(shard(master, dim, stride, tp.rank, tp.size))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -102,19 +112,19 @@ class ColumnParallelLinear(nn.Module):
             returns its own slice, ready for a RowParallelLinear with input_is_parallel.
         init_method: fills the full weight.
         init_size: draw only this many output rows; the rest (vocabulary padding) are zero.
+        tp: the ranks that split the output features.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 gather_output: bool = False, init_method: InitMethod = normal_init(0.02),
-                 stride: int = 1, init_size: Optional[int] = None, device=None,
-                 dtype=None) -> None:
+    def __init__(self, input_size: int, output_size: int, *, tp: TensorParallel,
+                 bias: bool = False, gather_output: bool = False,
+                 init_method: InitMethod = normal_init(0.02), stride: int = 1,
+                 init_size: Optional[int] = None, device=None, dtype=None) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.init_size = init_size
         self.gather_output = gather_output
-        self.init_method, self.stride = init_method, stride
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        self.output_size_per_partition = divide(output_size, tp, "output size")
+        self.init_method, self.stride, self.tp = init_method, stride, tp
+        self.output_size_per_partition = divide(output_size, tp.size, "output size")
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
                                                device=device, dtype=dtype))
         set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
@@ -127,15 +137,20 @@ class ColumnParallelLinear(nn.Module):
 
     def reset_parameters(self) -> None:
         initialize_shard(self.weight, (self.output_size, self.input_size), 0, self.stride,
-                          self.init_method, self.init_size)
+                          self.init_method, self.tp, self.init_size)
         if self.bias is not None and self.bias.device.type != "meta":
             with torch.no_grad():
                 self.bias.zero_()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = copy_to_tensor_model_parallel_region(hidden)
+        hidden = copy_to_tensor_model_parallel_region(hidden, self.tp)
         out = F.linear(hidden, self.weight, self.bias)
-        return gather_from_tensor_model_parallel_region(out) if self.gather_output else out
+        return gather_from_tensor_model_parallel_region(out, self.tp) if self.gather_output \
+            else out
+
+    def forward_flops(self, tokens: int) -> int:
+        """Multiply-adds x 2 of the full layer (all tensor ranks) over `tokens` input rows."""
+        return 2 * self.input_size * self.output_size * tokens
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size} "
@@ -149,17 +164,18 @@ class RowParallelLinear(nn.Module):
     Args:
         input_is_parallel: the input is already this rank's slice (from a ColumnParallelLinear);
             else the full input is split here.
+        tp: the ranks that split the input features.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 input_is_parallel: bool = True, init_method: InitMethod = normal_init(0.02),
-                 stride: int = 1, device=None, dtype=None) -> None:
+    def __init__(self, input_size: int, output_size: int, *, tp: TensorParallel,
+                 bias: bool = False, input_is_parallel: bool = True,
+                 init_method: InitMethod = normal_init(0.02), stride: int = 1, device=None,
+                 dtype=None) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.input_is_parallel = input_is_parallel
-        self.init_method, self.stride = init_method, stride
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        self.input_size_per_partition = divide(input_size, tp, "input size")
+        self.init_method, self.stride, self.tp = init_method, stride, tp
+        self.input_size_per_partition = divide(input_size, tp.size, "input size")
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
                                                device=device, dtype=dtype))
         set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
@@ -170,16 +186,20 @@ class RowParallelLinear(nn.Module):
 
     def reset_parameters(self) -> None:
         initialize_shard(self.weight, (self.output_size, self.input_size), 1, self.stride,
-                          self.init_method)
+                          self.init_method, self.tp)
         if self.bias is not None and self.bias.device.type != "meta":
             with torch.no_grad():
                 self.bias.zero_()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            hidden = scatter_to_tensor_model_parallel_region(hidden)
-        out = reduce_from_tensor_model_parallel_region(F.linear(hidden, self.weight))
+            hidden = scatter_to_tensor_model_parallel_region(hidden, self.tp)
+        out = reduce_from_tensor_model_parallel_region(F.linear(hidden, self.weight), self.tp)
         return out if self.bias is None else out + self.bias
+
+    def forward_flops(self, tokens: int) -> int:
+        """Multiply-adds x 2 of the full layer (all tensor ranks) over `tokens` input rows."""
+        return 2 * self.input_size * self.output_size * tokens
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size} (per rank {self.input_size_per_partition}), "
@@ -188,18 +208,18 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """An embedding table split by vocabulary rows; each rank looks up the ids it owns and the
-    rows are summed over tensor ranks. `num_embeddings` must divide by the TP size (pad it)."""
+    rows are summed over tensor ranks (`tp`). `num_embeddings` must divide by the TP size (pad
+    it)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int,
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: TensorParallel,
                  init_method: InitMethod = normal_init(1.0), init_size: Optional[int] = None,
                  device=None, dtype=None) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.init_size = init_size
-        self.init_method = init_method
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        per_rank = divide(num_embeddings, tp, "vocabulary size")
-        self.vocab_start_index = parallel_state.get_tensor_model_parallel_rank() * per_rank
+        self.init_method, self.tp = init_method, tp
+        per_rank = divide(num_embeddings, tp.size, "vocabulary size")
+        self.vocab_start_index = tp.rank * per_rank
         self.vocab_end_index = self.vocab_start_index + per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, device=device,
                                                dtype=dtype))
@@ -208,21 +228,25 @@ class VocabParallelEmbedding(nn.Module):
 
     def reset_parameters(self) -> None:
         initialize_shard(self.weight, (self.num_embeddings, self.embedding_dim), 0, 1,
-                          self.init_method, self.init_size)
+                          self.init_method, self.tp, self.init_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
         local = (ids - self.vocab_start_index).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(out)
+        return reduce_from_tensor_model_parallel_region(out, self.tp)
+
+    def logits_flops(self, tokens: int) -> int:
+        """FLOPs of `parallel_lm_logits` against this table (a lookup itself costs none)."""
+        return 2 * self.embedding_dim * self.num_embeddings * tokens
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim} "
                 f"(rows {self.vocab_start_index}-{self.vocab_end_index - 1} here)")
 
 
-def parallel_lm_logits(hidden: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
-    """Logits of this rank's vocabulary slice against a (tied) vocab-parallel embedding weight."""
-    return F.linear(copy_to_tensor_model_parallel_region(hidden), embedding_weight)
+def parallel_lm_logits(hidden: torch.Tensor, embedding: VocabParallelEmbedding) -> torch.Tensor:
+    """Logits of this rank's vocabulary slice against a (tied) vocab-parallel embedding."""
+    return F.linear(copy_to_tensor_model_parallel_region(hidden, embedding.tp), embedding.weight)

@@ -5,8 +5,9 @@
     scatter_to_tensor_model_parallel_region   forward: split last    backward: gather last
     gather_from_tensor_model_parallel_region  forward: gather last   backward: split last
 
-With one tensor-parallel rank every one of them is the identity, so TP=1 runs the same classes as
-plain math. The group is the tensor-parallel group of megatron.parallel_state.
+Each takes the `TensorParallel` (tensor_parallel/group.py) of the layer that calls it: its size,
+its rank and the group the collective runs on. With one rank every one of them is the identity,
+so TP=1 runs the same classes as plain math.
 """
 
 from __future__ import annotations
@@ -14,96 +15,97 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state
+from megatron.tensor_parallel.group import TensorParallel
 
 
-def all_reduce_tensor_parallel(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """All-reduce over the tensor-parallel group, in place on a contiguous tensor (no autograd);
-    the identity with one tensor rank."""
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+def all_reduce_tensor_parallel(tensor: torch.Tensor, tp: TensorParallel,
+                               op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce over `tp`'s group, in place on a contiguous tensor (no autograd); the identity
+    with one tensor rank."""
+    if tp.size == 1:
         return tensor
     tensor = tensor.contiguous()
-    dist.all_reduce(tensor, op=op, group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_reduce(tensor, op=op, group=tp.group)
     return tensor
 
 
-def _split_last_dim(tensor: torch.Tensor) -> torch.Tensor:
-    size = parallel_state.get_tensor_model_parallel_world_size()
-    if size == 1:
+def _split_last_dim(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    if tp.size == 1:
         return tensor
-    if tensor.shape[-1] % size:
+    if tensor.shape[-1] % tp.size:
         raise ValueError(f"last dimension {tensor.shape[-1]} is not divisible by the "
-                         f"tensor-model-parallel size {size}")
-    chunk = tensor.shape[-1] // size
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    return tensor[..., rank * chunk:(rank + 1) * chunk].contiguous()
+                         f"tensor-model-parallel size {tp.size}")
+    chunk = tensor.shape[-1] // tp.size
+    return tensor[..., tp.rank * chunk:(tp.rank + 1) * chunk].contiguous()
 
 
-def _gather_last_dim(tensor: torch.Tensor) -> torch.Tensor:
-    size = parallel_state.get_tensor_model_parallel_world_size()
-    if size == 1:
+def _gather_last_dim(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    if tp.size == 1:
         return tensor
     tensor = tensor.contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(parts, tensor, group=parallel_state.get_tensor_model_parallel_group())
+    parts = [torch.empty_like(tensor) for _ in range(tp.size)]
+    dist.all_gather(parts, tensor, group=tp.group)
     return torch.cat(parts, dim=-1)
 
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor):
+    def forward(ctx, tensor, tp):
+        ctx.tp = tp
         return tensor
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduce_tensor_parallel(grad.clone())
+        return all_reduce_tensor_parallel(grad.clone(), ctx.tp), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor):
-        return all_reduce_tensor_parallel(tensor.clone())
+    def forward(ctx, tensor, tp):
+        return all_reduce_tensor_parallel(tensor.clone(), tp)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor):
-        return _split_last_dim(tensor)
+    def forward(ctx, tensor, tp):
+        ctx.tp = tp
+        return _split_last_dim(tensor, tp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last_dim(grad)
+        return _gather_last_dim(grad, ctx.tp), None
 
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor):
-        return _gather_last_dim(tensor)
+    def forward(ctx, tensor, tp):
+        ctx.tp = tp
+        return _gather_last_dim(tensor, tp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split_last_dim(grad)
+        return _split_last_dim(grad, ctx.tp), None
 
 
-def _single() -> bool:
-    return parallel_state.get_tensor_model_parallel_world_size() == 1
+def copy_to_tensor_model_parallel_region(tensor: torch.Tensor,
+                                         tp: TensorParallel) -> torch.Tensor:
+    return tensor if tp.size == 1 else _CopyToRegion.apply(tensor, tp)
 
 
-def copy_to_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if _single() else _CopyToRegion.apply(tensor)
+def reduce_from_tensor_model_parallel_region(tensor: torch.Tensor,
+                                             tp: TensorParallel) -> torch.Tensor:
+    return tensor if tp.size == 1 else _ReduceFromRegion.apply(tensor, tp)
 
 
-def reduce_from_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if _single() else _ReduceFromRegion.apply(tensor)
+def scatter_to_tensor_model_parallel_region(tensor: torch.Tensor,
+                                            tp: TensorParallel) -> torch.Tensor:
+    return tensor if tp.size == 1 else _ScatterToRegion.apply(tensor, tp)
 
 
-def scatter_to_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if _single() else _ScatterToRegion.apply(tensor)
-
-
-def gather_from_tensor_model_parallel_region(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if _single() else _GatherFromRegion.apply(tensor)
+def gather_from_tensor_model_parallel_region(tensor: torch.Tensor,
+                                             tp: TensorParallel) -> torch.Tensor:
+    return tensor if tp.size == 1 else _GatherFromRegion.apply(tensor, tp)

@@ -23,7 +23,6 @@ from typing import Dict, Iterator
 
 import torch
 
-from megatron import parallel_state
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
@@ -93,12 +92,11 @@ def get_cuda_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def model_parallel_seed(seed: int, device_type: str = "cpu") -> None:
+def model_parallel_seed(seed: int, device_type: str = "cpu", tensor_rank: int = 0) -> None:
     """Seed the default generators with `seed` and the tracker's stream per tensor rank."""
     torch.manual_seed(seed)
     _TRACKER.reset(device_type)
-    _TRACKER.add(MODEL_PARALLEL_RNG,
-                 seed + 2718 + parallel_state.get_tensor_model_parallel_rank())
+    _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + tensor_rank)
 
 
 def _rng_snapshot(device_type: str):

@@ -49,8 +49,8 @@ from collections import namedtuple
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from megatron.model.config import ConfigError, T5Config
-from megatron.model.t5 import model_parallel_problems
+from megatron.model.config import T5Config
+from megatron.model.meta import parameter_numels
 
 if TYPE_CHECKING:
     from megatron.config import Layout
@@ -121,49 +121,6 @@ class MemoryEstimate:
         if self.pipeline_buffers:
             rows.insert(6, ("pipeline send/recv", self.pipeline_buffers))
         return [f"{name:<22}{value / 2 ** 30:>10.3f} GiB" for name, value in rows]
-
-
-def parameter_numels(config: T5Config, tensor_parallel_size: int = 1,
-                     make_vocab_size_divisible_by: int = 128) -> Dict[str, int]:
-    """Elements of each parameter on one tensor rank, by T5Model's parameter names.
-
-    Raises:
-        ConfigError: heads or d_ff do not divide by tensor_parallel_size.
-    """
-    tp = tensor_parallel_size
-    problems = model_parallel_problems(config, tp)
-    if problems:
-        raise ConfigError("; ".join(problems))
-    d, inner, ff = config.d_model, config.inner_dim // tp, config.d_ff // tp
-    vocab = config.padded_vocab_size(make_vocab_size_divisible_by, tp) // tp
-    attention = {name: d * inner for name in ("q", "k", "v", "o")}
-    dense = {"wi_0": d * ff, "wi_1": d * ff} if config.is_gated_act else {"wi": d * ff}
-    dense["wo"] = ff * d
-    out = {"shared.weight": vocab * d}
-    for stack, layers in (("encoder", config.num_layers), ("decoder", config.num_decoder_layers)):
-        sublayers = [("SelfAttention", attention)]
-        if stack == "decoder":
-            sublayers.append(("EncDecAttention", attention))
-        sublayers.append(("DenseReluDense", dense))
-        for i in range(layers):
-            for j, (name, weights) in enumerate(sublayers):
-                prefix = f"{stack}.block.{i}.layer.{j}"
-                out.update({f"{prefix}.{name}.{w}.weight": n for w, n in weights.items()})
-                if i == 0 and j == 0:
-                    out[f"{prefix}.SelfAttention.relative_attention_bias.weight"] = \
-                        config.relative_attention_num_buckets * (config.num_heads // tp)
-                out[f"{prefix}.layer_norm.weight"] = d
-        out[f"{stack}.final_layer_norm.weight"] = d
-    if not config.tie_word_embeddings:
-        out["lm_head.weight"] = vocab * d
-    return out
-
-
-def count_parameters(config: T5Config, tensor_parallel_size: int = 1,
-                     make_vocab_size_divisible_by: int = 128) -> int:
-    """Parameters held by one tensor rank (layer norms are whole on every rank)."""
-    return sum(parameter_numels(config, tensor_parallel_size,
-                                make_vocab_size_divisible_by).values())
 
 
 def stage_parameter_numels(config: T5Config, cut: "Cut", stage: int,

@@ -5,6 +5,8 @@ against TP=1 with the same full weights (logits, loss and every gradient); dropo
 tensor and data-parallel rank; DeepSpeed's gradient norm with our parallel_state as its mpu.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -187,3 +189,21 @@ def test_zero_init_builds_the_same_weights(tp):
     for diffs, partitioned in got:
         assert diffs and max(diffs.values()) == 0.0
         assert partitioned is (True if tp == 1 else None)
+
+
+@pytest.mark.parametrize("tp, world", [(2, 2), (4, 4), (2, 4)], ids=["tp2", "tp4", "tp2-dp2"])
+def test_the_meta_model_of_a_layout_is_every_rank_s_real_model(tp, world):
+    """model/meta.py builds any rank's model of any layout in this process, without process
+    groups: its parameters' names, shapes and counts are those each real rank builds."""
+    from megatron.model.meta import count_parameters, meta_model, parameter_numels
+
+    fields = dict(FIELDS, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                  num_decoder_layers=3)
+    got = run_workers(world, workers.built_shapes, tp, fields, 8)
+    config = T5Config(**fields)
+    for shapes, tensor_rank in got:
+        meta = meta_model(config, 8, tp, tensor_rank)
+        assert {n: tuple(p.shape) for n, p in meta.named_parameters()} == shapes
+        assert list(parameter_numels(config, tp, 8).values()) == \
+            [math.prod(s) for s in shapes.values()]
+        assert count_parameters(config, tp, 8) == sum(math.prod(s) for s in shapes.values())

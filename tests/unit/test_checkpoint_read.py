@@ -17,10 +17,10 @@ from megatron.checkpoint.deepspeed import (
     find_iteration,
     iter_full_tensors,
     model_config,
-    model_parameters,
     read_meta,
 )
 from megatron.model.config import T5Config
+from megatron.model.meta import parameter_splits
 from megatron.model.t5 import T5Model
 
 CONFIG = dict(vocab_size=100, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2,
@@ -74,7 +74,7 @@ def test_a_one_process_checkpoint_reads_as_its_unpadded_module(ckpt):
 def test_split_rules_are_the_layers_own():
     """Column-parallel (dim 0): q, k, v, wi_*, the vocabulary; row-parallel (dim 1): o, wo and
     the bias table's heads; norms replicated. Shapes are full and unpadded."""
-    params = model_parameters(T5Config(**CONFIG), DIVISIBLE)
+    params = parameter_splits(T5Config(**CONFIG))
     prefix = "encoder.block.0.layer."
     assert params["shared.weight"] == ((100, 8), (0, 1))
     assert params["lm_head.weight"] == ((100, 8), (0, 1))

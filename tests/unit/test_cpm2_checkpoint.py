@@ -232,7 +232,8 @@ def tp_logits(rank, world_size, folder, fields, enc, dec):
                          WeightsReader(folder), fields["vocab_size"], rank, world_size)
     assert not problems, problems
     with torch.no_grad():
-        logits = gather_from_tensor_model_parallel_region(model(enc, dec).logits)
+        logits = gather_from_tensor_model_parallel_region(model(enc, dec).logits,
+                                                          model.tensor_parallel)
     return logits[..., :fields["vocab_size"]]
 
 

@@ -27,10 +27,10 @@ from megatron.checkpoint.hf import (
 )
 from megatron.data.tokenizer import T5Tokenizer as OurTokenizer
 from megatron.model import T5Config, T5Model
+from megatron.model.meta import full_parameter_shapes
 from megatron.model.state_dict import (
     HF_IGNORED,
     StateDictError,
-    full_parameter_shapes,
     gather_full_state_dict,
     load_full_state_dict,
 )

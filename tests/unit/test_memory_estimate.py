@@ -8,13 +8,9 @@ import torch
 
 from megatron.model import T5Config, T5Model
 from megatron.model.config import ConfigError
+from megatron.model.meta import count_parameters, num_parameters, parameter_numels
 from megatron.tensor_parallel.random import model_parallel_seed
-from megatron.training.memory import (
-    ZeroBuckets,
-    count_parameters,
-    estimate_memory,
-    parameter_numels,
-)
+from megatron.training.memory import ZeroBuckets, estimate_memory
 
 SMALL = dict(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)
 BATCH, ENC_LEN, DEC_LEN = 2, 64, 16
@@ -40,7 +36,7 @@ def test_parameter_numels_match_a_meta_model(fields):
     expected = {name: p.numel() for name, p in model.named_parameters()}
     assert parameter_numels(config, 1, 128) == expected
     assert count_parameters(config, 1, 128) == sum(expected.values())
-    assert count_parameters(config, 1, 1) == config.num_parameters(1)
+    assert count_parameters(config, 1, 1) == num_parameters(config, 1)
 
 
 def test_tensor_parallel_parameter_count_by_hand():

@@ -8,6 +8,7 @@ import torch
 
 from megatron.model import T5Config
 from megatron.pipeline.partition import cut_model
+from megatron.tensor_parallel.group import SINGLE
 from megatron.tensor_parallel.random import checkpoint, model_parallel_seed
 from megatron.training.memory import estimate_memory, stage_parameter_numels
 
@@ -31,7 +32,7 @@ def build_stages(config, cut, dtype):
 
     model_parallel_seed(0)
     specs, parts, _ = pipeline_specs(config, cut, config.padded_vocab_size(128, 1), "eager",
-                                     dtype=dtype)
+                                     SINGLE, dtype=dtype)
     stages = []
     for s in range(cut.stages):
         layers, params, tied = [], {}, {}
@@ -77,7 +78,7 @@ def run_stage(layers, params, inputs, chunk, labels, vocab_size):
             blocks = chunk and all(type(f).__name__ == "BlockPipe" for f in run)
             x = checkpoint(forward, *args) if blocks else forward(*args)
         if labels is not None:
-            PipelineLoss(vocab_size, 0.0, "cpu")(x, labels)
+            PipelineLoss(vocab_size, 0.0, "cpu", SINGLE)(x, labels)
     for t in inputs + ((labels,) if labels is not None else x):
         keep(t)
     return sum(s.nbytes() for s in kept.values()), x

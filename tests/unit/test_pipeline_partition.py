@@ -94,6 +94,7 @@ def test_a_layer_built_alone_has_the_weights_it_has_in_the_whole_model():
     it was."""
     from megatron.model.t5 import T5Model
     from megatron.model.transformer import InitMethods, T5Block, relative_attention_bias
+    from megatron.tensor_parallel.group import SINGLE
     from megatron.tensor_parallel.random import init_rng
 
     c = config(num_layers=3, num_decoder_layers=2)
@@ -104,8 +105,9 @@ def test_a_layer_built_alone_has_the_weights_it_has_in_the_whole_model():
     assert torch.equal(torch.rand(3), after)  # building the model drew nothing from it
     torch.manual_seed(11)
     with init_rng("decoder.block.1"):
-        block = T5Block(c, InitMethods(c, 2), True, has_relative_attention_bias=False)
-    table = relative_attention_bias(c, InitMethods(c, 3), False)
+        block = T5Block(c, InitMethods(c, 2), True, has_relative_attention_bias=False,
+                        tp=SINGLE)
+    table = relative_attention_bias(c, InitMethods(c, 3), False, SINGLE)
     want = model.decoder.block[1].state_dict()
     assert want.keys() == block.state_dict().keys()
     assert all(torch.equal(v, want[k]) for k, v in block.state_dict().items())
