@@ -41,7 +41,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import sentencepiece as spm
 
 from megatron.data.jsonl import JSONL_SUFFIXES, BadLine, expand_inputs, parse_line, read_chunks
-from megatron.data.tokenizer import T5Tokenizer, _available_cpus
+from megatron.data.tokenizer import T5Tokenizer, available_cpus
 
 
 TEXT_SUFFIXES = (".txt", ".txt.gz")
@@ -79,7 +79,7 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="longest line in bytes given to SentencePiece; longer lines are cut")
     p.add_argument("--max-docs", type=int, default=0,
                    help="stop after this many documents (JSON objects or text lines; 0: all)")
-    p.add_argument("--num-threads", type=int, default=_available_cpus(),
+    p.add_argument("--num-threads", type=int, default=available_cpus(),
                    help="SentencePiece trainer threads")
     p.add_argument("--seed", type=int, default=1234, help="seed of SentencePiece's sampling")
     p.add_argument("--split-digits", action="store_true", help="make every digit its own piece")

@@ -27,6 +27,7 @@ from megatron.data.data_args import add_data_args, resolve_data
 from megatron.data.t5_dataset import T5DatasetConfig
 from megatron.initialize import choose_device
 from megatron.model.settings import ModelConfig, resolve_model
+from megatron.model.transformer import ATTENTION_BACKENDS
 from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
 from megatron.training.checkpointing import checkpoint_flag_problems, checkpoint_problems, layout
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "enc_dec config) or a preset name from configs/model (e.g. t5-base)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the embedding to a multiple of this x tensor-parallel size")
-    g.add_argument("--attention-backend", choices=("auto", "sdpa", "eager"), default="auto",
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="attention kernel: auto picks sdpa on CUDA and for cross-attention")
     g.add_argument("--label-smoothing", type=float, default=0.0,
                    help="of the cross entropy, in [0, 1)")

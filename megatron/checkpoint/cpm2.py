@@ -55,7 +55,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from megatron.checkpoint.deepspeed_files import CheckpointReadError, _only, allowed_globals
+from megatron.checkpoint.deepspeed_files import CheckpointReadError, allowed_globals, only_globals
 from megatron.model.config import ConfigError, T5Config
 from megatron.model.meta import full_parameter_shapes
 
@@ -363,7 +363,7 @@ def _module(path: Path, loaded: Any) -> Dict[str, torch.Tensor]:
 
 def _load(path: Path) -> Any:
     try:
-        with _only(allowed_globals() + _numpy_globals()):
+        with only_globals(allowed_globals() + _numpy_globals()):
             try:
                 return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
             except RuntimeError as e:

@@ -59,7 +59,7 @@ def allowed_globals() -> list:
 
 
 @contextlib.contextmanager
-def _only(classes):
+def only_globals(classes):
     """Exactly `classes` allowed while loading: globals another library registered for the
     whole process (megatron-core adds argparse.Namespace, for one) are set aside meanwhile."""
     registered = torch.serialization.get_safe_globals()
@@ -80,7 +80,7 @@ def load_file(path: Path) -> Any:
     if not path.is_file():
         raise CheckpointReadError(f"{path}: missing; the checkpoint is incomplete")
     try:
-        with _only(allowed_globals()):
+        with only_globals(allowed_globals()):
             return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))

@@ -199,7 +199,7 @@ def _copy(param, full: str, reader: WeightsReader, vocab_size: int, tensor_rank:
     with context:
         if getattr(param, "partition_stride", 1) != 1:
             return f"{full}: strided tensor-parallel shards are not supported"
-        tensor = _local_tensor(param, full, reader, vocab_size, tensor_rank, tensor_size)
+        tensor = local_tensor(param, full, reader, vocab_size, tensor_rank, tensor_size)
         if tuple(tensor.shape) != tuple(param.shape):
             return (f"{reader.folder}: tensor {full!r} has shape {tuple(tensor.shape)}, this "
                     f"rank's parameter {tuple(param.shape)}: another model")
@@ -208,7 +208,7 @@ def _copy(param, full: str, reader: WeightsReader, vocab_size: int, tensor_rank:
     return None
 
 
-def _local_tensor(param, full: str, reader: WeightsReader, vocab_size: int, rank: int,
+def local_tensor(param, full: str, reader: WeightsReader, vocab_size: int, rank: int,
                   size: int) -> torch.Tensor:
     """This rank's part of tensor `full`: its slice along the partition dimension (all our
     layers shard with stride 1); vocabulary rows beyond vocab_size are padding, zero."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -147,9 +147,6 @@ class BlendedDataset:
             int(self.dataset_sample_index[index])]
 
 
-OBJECTIVES = ("span-corruption", "megatron")
-
-
 @dataclass
 class DataConfig:
     """What `build_datasets` needs besides the tokenizer.
@@ -185,25 +182,48 @@ class _Source:
 
     def make(self, name: str, documents: Tuple[int, int], num_samples: int, config: DataConfig,
              tokens: T5SpecialTokens, cache_dir: str):
+        """The `name` split's dataset: CPM-2's own samples for CPM-2 data, else the objective's
+        (`OBJECTIVES`)."""
         t5 = config.t5
-        if self.cpm2 or config.objective == "megatron":
-            if t5.decoder_seq_length is None:
-                kind = "CPM-2 data" if self.cpm2 else "--t5-objective megatron"
-                raise ValueError(f"{kind} ({self.prefix}) needs --decoder-seq-length")
         if self.cpm2:
+            if t5.decoder_seq_length is None:
+                raise ValueError(f"CPM-2 data ({self.prefix}) needs --decoder-seq-length")
             return CPM2Dataset(self.prefix, documents, num_samples, t5.encoder_seq_length,
                                t5.decoder_seq_length, tokens, seed=t5.seed, name=name,
                                impl=config.data_impl, cache_dir=cache_dir,
                                cache_timeout=config.cache_timeout)
-        if config.objective == "megatron":
-            return MegatronT5Dataset(name, self.indexed, documents, num_samples,
-                                     t5.encoder_seq_length, t5.decoder_seq_length, tokens,
-                                     masked_lm_prob=t5.noise_density,
-                                     short_seq_prob=config.short_seq_prob,
-                                     max_ngram=config.max_ngram, seed=t5.seed,
-                                     cache_dir=cache_dir, cache_timeout=config.cache_timeout)
-        return T5SpanCorruptionDataset(name, self.indexed, documents, num_samples, t5, tokens,
-                                       cache_dir, config.cache_timeout)
+        return OBJECTIVES[config.objective](name, self.indexed, documents, num_samples, config,
+                                            tokens, cache_dir)
+
+
+def _span_corruption(name: str, indexed: IndexedDataset, documents: Tuple[int, int],
+                     num_samples: int, config: DataConfig, tokens: T5SpecialTokens,
+                     cache_dir: str) -> T5SpanCorruptionDataset:
+    return T5SpanCorruptionDataset(name, indexed, documents, num_samples, config.t5, tokens,
+                                   cache_dir, config.cache_timeout)
+
+
+def _megatron(name: str, indexed: IndexedDataset, documents: Tuple[int, int],
+              num_samples: int, config: DataConfig, tokens: T5SpecialTokens,
+              cache_dir: str) -> MegatronT5Dataset:
+    t5 = config.t5
+    if t5.decoder_seq_length is None:
+        raise ValueError(f"--t5-objective megatron ({indexed.path_prefix}) needs "
+                         f"--decoder-seq-length")
+    return MegatronT5Dataset(name, indexed, documents, num_samples, t5.encoder_seq_length,
+                             t5.decoder_seq_length, tokens, masked_lm_prob=t5.noise_density,
+                             short_seq_prob=config.short_seq_prob, max_ngram=config.max_ngram,
+                             seed=t5.seed, cache_dir=cache_dir,
+                             cache_timeout=config.cache_timeout)
+
+
+OBJECTIVES: Dict[str, Callable[..., object]] = {
+    "span-corruption": _span_corruption,
+    "megatron": _megatron,
+}
+"""--t5-objective: the dataset of a split of a token dataset, by objective (a new objective is
+one entry here): f(split name, IndexedDataset, (first, end) documents, samples, DataConfig,
+T5SpecialTokens, cache folder)."""
 
 
 def build_datasets(config: DataConfig, tokens: T5SpecialTokens,

@@ -52,7 +52,7 @@ SENTINEL_FORMAT = "<extra_id_{}>"
 _SPACE = "\u2581"  # SentencePiece's escaped whitespace "▁"
 
 
-def _available_cpus() -> int:
+def available_cpus() -> int:
     # Respect CPU affinity (containers, taskset): hardware_concurrency, spm's default, does not.
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -216,7 +216,7 @@ class T5Tokenizer(TokenizerNames):
             if not isinstance(t, str):
                 raise TypeError(f"encode_batch expects str items, not {type(t).__name__}")
         if num_threads is None:
-            num_threads = _available_cpus()
+            num_threads = available_cpus()
         num_threads = max(1, min(int(num_threads), len(texts) or 1))
         splits = [self._split(t) for t in texts]
         if not any(splits):

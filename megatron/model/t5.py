@@ -21,7 +21,8 @@ from torch import nn
 
 from megatron.model.config import ConfigError, T5Config
 from megatron.model.dropout import Dropout
-from megatron.model.transformer import Carry, InitMethods, T5Block, T5LayerNorm
+from megatron.model.transformer import ATTENTION_BACKENDS, Carry, InitMethods, T5Block, \
+    T5LayerNorm
 from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.tensor_parallel.group import TensorParallel
 from megatron.tensor_parallel.layers import (
@@ -31,7 +32,6 @@ from megatron.tensor_parallel.layers import (
 )
 from megatron.tensor_parallel.random import checkpoint, init_rng
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "eager")
 
 
 class T5Output(NamedTuple):
@@ -61,16 +61,10 @@ class T5Stack(nn.Module):
                  device=None, dtype=None) -> None:
         super().__init__()
         num_layers = config.num_decoder_layers if is_decoder else config.num_layers
-        init = InitMethods(config, num_layers)
-        name = "decoder" if is_decoder else "encoder"
-        blocks = []
-        for i in range(num_layers):
-            with init_rng(f"{name}.block.{i}"):
-                blocks.append(T5Block(config, init, is_decoder, has_relative_attention_bias=(i == 0),
-                                      backend=backend, tp=tp, device=device, dtype=dtype))
-        self.block = nn.ModuleList(blocks)
-        self.final_layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device,
-                                            dtype)
+        self.block = nn.ModuleList([build_block(config, is_decoder, i, backend, tp,
+                                                device=device, dtype=dtype)
+                                    for i in range(num_layers)])
+        self.final_layer_norm = final_layer_norm(config, device, dtype)
 
 
 class T5Model(nn.Module):
@@ -113,15 +107,14 @@ class T5Model(nn.Module):
         self.checkpoint_activations = checkpoint_activations
         self.checkpoint_num_layers = checkpoint_num_layers
         self.label_smoothing = label_smoothing
-        # Each layer draws its weights from its own stream (init_rng): the same weights
-        # whichever layers a process builds (pipeline stages build only theirs).
-        with init_rng("shared"):
-            self.shared = shared_embedding(config, self.padded_vocab_size, tp, device, dtype)
+        # Each part draws its weights from its own stream (init_rng): the same weights
+        # whichever parts a process builds (pipeline stages build only theirs, with the same
+        # builders: build_block, shared_embedding, untied_lm_head, final_layer_norm).
+        self.shared = shared_embedding(config, self.padded_vocab_size, tp, device, dtype)
         self.encoder = T5Stack(config, False, attention_backend, tp, device, dtype)
         self.decoder = T5Stack(config, True, attention_backend, tp, device, dtype)
         if not config.tie_word_embeddings:
-            with init_rng("lm_head"):
-                self.lm_head = untied_lm_head(config, self.padded_vocab_size, tp, device, dtype)
+            self.lm_head = untied_lm_head(config, self.padded_vocab_size, tp, device, dtype)
         self.dropout = Dropout(config.dropout_rate)
 
     # The flat layer list ----------------------------------------------------------------------
@@ -235,21 +228,44 @@ def additive_decoder_mask(attention_mask: Optional[torch.Tensor], batch: int, le
     return torch.where(keep, zero, _MINIMUM).expand(batch, 1, length, length)
 
 
+# The model's parts, each from its own init stream; T5Model and the pipeline's stages
+# (pipeline/module.py) build them with these, by name.
+def build_block(config: T5Config, is_decoder: bool, index: int, backend: str,
+                tp: TensorParallel, has_relative_attention_bias: Optional[bool] = None,
+                device=None, dtype=None) -> T5Block:
+    """Block `index` of the encoder or the decoder; block 0 holds the stack's bias table unless
+    `has_relative_attention_bias` says otherwise (a pipeline stage keeps the table apart)."""
+    stack = "decoder" if is_decoder else "encoder"
+    layers = config.num_decoder_layers if is_decoder else config.num_layers
+    if has_relative_attention_bias is None:
+        has_relative_attention_bias = index == 0
+    with init_rng(f"{stack}.block.{index}"):
+        return T5Block(config, InitMethods(config, layers), is_decoder,
+                       has_relative_attention_bias, backend=backend, tp=tp, device=device,
+                       dtype=dtype)
+
+
+def final_layer_norm(config: T5Config, device=None, dtype=None) -> T5LayerNorm:
+    return T5LayerNorm(config.d_model, config.layer_norm_epsilon, device, dtype)
+
+
 def shared_embedding(config: T5Config, padded_vocab_size: int, tp: TensorParallel,
                      device=None, dtype=None) -> VocabParallelEmbedding:
     """The embedding shared by the encoder, the decoder and (tied) the LM head."""
     init = InitMethods(config, config.num_layers)
-    return VocabParallelEmbedding(padded_vocab_size, config.d_model, tp=tp,
-                                  init_method=init("embedding"), init_size=config.vocab_size,
-                                  device=device, dtype=dtype)
+    with init_rng("shared"):
+        return VocabParallelEmbedding(padded_vocab_size, config.d_model, tp=tp,
+                                      init_method=init("embedding"), init_size=config.vocab_size,
+                                      device=device, dtype=dtype)
 
 
 def untied_lm_head(config: T5Config, padded_vocab_size: int, tp: TensorParallel,
                    device=None, dtype=None) -> ColumnParallelLinear:
     init = InitMethods(config, config.num_layers)
-    return ColumnParallelLinear(config.d_model, padded_vocab_size, tp=tp,
-                                init_method=init("lm_head"), init_size=config.vocab_size,
-                                device=device, dtype=dtype)
+    with init_rng("lm_head"):
+        return ColumnParallelLinear(config.d_model, padded_vocab_size, tp=tp,
+                                    init_method=init("lm_head"), init_size=config.vocab_size,
+                                    device=device, dtype=dtype)
 
 
 def head_flops(head, decoder_length: int) -> int:

@@ -222,6 +222,11 @@ def relative_attention_bias(config: T5Config, init: "InitMethods", is_decoder: b
                                      dtype=dtype)
 
 
+ATTENTION_BACKENDS = ("auto", "sdpa", "eager")
+"""The attention kernels a model can run (T5Attention.forward picks for 'auto'), the one list
+the flags and the model read."""
+
+
 def core_attention(query, key, value, bias, dropout_p: float, use_sdpa: bool):
     """softmax(q k^T + bias) v over [batch, heads, length, d_kv], without score scaling.
 

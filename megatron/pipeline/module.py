@@ -1,23 +1,17 @@
 """The T5 encoder-decoder as a DeepSpeed PipelineModule, cut by partition.py.
 
-Every stage builds only its own layers (LayerSpec / TiedLayerSpec), each drawing its weights from
-the stream that the single-process model uses for it (tensor_parallel.random.init_rng), so a
-pipeline of any cut starts from the same weights as one process.
+Every stage builds only its own layers (LayerSpec / TiedLayerSpec) with the single-process
+model's own builders (model/t5.py: build_block, shared_embedding, final_layer_norm,
+untied_lm_head; transformer.py: relative_attention_bias), each drawing its weights from the
+stream the single-process model uses for it (tensor_parallel/random.init_rng), so a pipeline of
+any cut starts from the same weights as one process.
 
-What crosses a stage is a tuple of tensors whose fields each layer knows statically
-(`fields_in`, `fields_out`; DeepSpeed sends tuples, not dicts or None):
-
-    enc_ids, dec_ids        int64 ids (the decoder's ride through the encoder stages)
-    enc_mask, dec_mask      int64 0/1 attention masks; each stage makes its additive masks
-    hidden                  the current stack's activations
-    encoder_output          from finish_encoder to the last decoder block
-
-DeepSpeed makes every received floating tensor require a gradient and sends one back for each,
-so a floating field leaves the tuple as soon as no later layer reads it: `encoder_output` after
-the last decoder block, `position_bias` at the end of every stage. The relative position bias
-(batch x heads x L x L) is never sent: each stage holding blocks of a stack has that stack's
-small bucket table (tied across those stages, like the shared embedding across the first stage,
-the first decoder stage and the LM head) and computes the bias itself.
+Which layers a stage runs and what crosses between them is `Cut.layers` (partition.py, with the
+fields of `WIRE_ORDER`): each layer here reads its `PipeLayer.fields_in` by name and passes on
+its `fields_out`. The relative position bias (batch x heads x L x L) is never sent: each stage
+holding blocks of a stack has that stack's small bucket table (tied across those stages, like
+the shared embedding across the first stage, the first decoder stage and the LM head) and
+computes it.
 
 Tied weights: DeepSpeed sums their gradients over the stages that hold them (ReduceTiedGrads)
 and marks the copies beyond the first `ds_pipe_replicated`, so gradient norms count them once.
@@ -27,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -37,28 +31,21 @@ from megatron.model.dropout import dropout
 from megatron.model.t5 import (
     additive_decoder_mask,
     additive_encoder_mask,
+    build_block,
+    final_layer_norm,
     shared_embedding,
     untied_lm_head,
 )
 from megatron.model.transformer import (
     Carry,
     InitMethods,
-    T5Block,
-    T5LayerNorm,
     relative_attention_bias,
     relative_bias,
     stack_position_bias,
 )
-from megatron.pipeline.partition import Cut
+from megatron.pipeline.partition import Cut, PipeLayer
 from megatron.tensor_parallel.group import TensorParallel
 from megatron.tensor_parallel.layers import parallel_lm_logits
-from megatron.tensor_parallel.random import init_rng
-
-INPUT_FIELDS = ("enc_ids", "dec_ids", "enc_mask", "dec_mask")
-"""The first stage's input tuple (batch[0] of DeepSpeed's (inputs, labels) pairs)."""
-
-FIELD_ORDER = ("hidden", "encoder_output", "position_bias", "enc_ids", "dec_ids", "enc_mask",
-               "dec_mask")
 
 LAYERS_FILE = "pipeline_layers.json"
 """Written into a pipeline checkpoint: each layer file's single-process name, the stage starts
@@ -73,17 +60,26 @@ BIAS_KEYS = {False: "encoder_relative_attention_bias", True: "decoder_relative_a
 Fields = Dict[str, torch.Tensor]
 
 
-class _Fields(nn.Module):
-    """A layer that reads a tuple as named fields and writes back `fields_out`."""
+def _read(layer: PipeLayer, inputs) -> Fields:
+    """The tuple DeepSpeed hands a layer, by the field names `Cut.layers` gave it."""
+    return dict(zip(layer.fields_in, inputs if isinstance(inputs, tuple) else (inputs,)))
 
-    def __init__(self, fields_in: Sequence[str], fields_out: Sequence[str]) -> None:
+
+def _write(layer: PipeLayer, fields: Fields) -> tuple:
+    return tuple(fields[k] for k in layer.fields_out)
+
+
+class _Fields(nn.Module):
+    """A layer that reads its tuple as named fields and passes on `layer.fields_out`."""
+
+    def __init__(self, layer: PipeLayer) -> None:
         super().__init__()
-        self.fields_in, self.fields_out = tuple(fields_in), tuple(fields_out)
+        self.layer_fields = layer
 
     def forward(self, inputs):
-        fields = dict(zip(self.fields_in, inputs if isinstance(inputs, tuple) else (inputs,)))
+        fields = _read(self.layer_fields, inputs)
         self.apply_fields(fields)
-        return tuple(fields[k] for k in self.fields_out)
+        return _write(self.layer_fields, fields)
 
     def apply_fields(self, fields: Fields) -> None:
         raise NotImplementedError
@@ -92,27 +88,25 @@ class _Fields(nn.Module):
 class _TiedCall:
     """forward_fn of a TiedLayerSpec: DeepSpeed calls it with (tied module, inputs)."""
 
-    def __init__(self, fields_in: Sequence[str], fields_out: Sequence[str],
-                 apply: Callable[[nn.Module, Fields], None]) -> None:
-        self.fields_in, self.fields_out, self.apply = tuple(fields_in), tuple(fields_out), apply
+    def __init__(self, layer: PipeLayer, apply: Callable[[nn.Module, Fields], None]) -> None:
+        self.layer, self.apply = layer, apply
 
     def __call__(self, module: nn.Module, inputs):
-        fields = dict(zip(self.fields_in, inputs if isinstance(inputs, tuple) else (inputs,)))
+        fields = _read(self.layer, inputs)
         out = self.apply(module, fields)
         if out is not None:  # the head returns the logits alone
             return out
-        return tuple(fields[k] for k in self.fields_out)
+        return _write(self.layer, fields)
 
 
-# Modules built by the specs (each under the init stream of its single-process counterpart) --
+# Modules built by the specs, with the single-process model's builders --------------------------
 class SharedEmbeddingPipe(nn.Module):
     """The shared embedding, on every stage that embeds or (tied) projects to the vocabulary."""
 
     def __init__(self, config: T5Config, padded_vocab_size: int, tp: TensorParallel,
                  device=None, dtype=None):
         super().__init__()
-        with init_rng("shared"):
-            self.embedding = shared_embedding(config, padded_vocab_size, tp, device, dtype)
+        self.embedding = shared_embedding(config, padded_vocab_size, tp, device, dtype)
 
 
 class RelativeBiasPipe(nn.Module):
@@ -128,19 +122,15 @@ class RelativeBiasPipe(nn.Module):
 
 
 class BlockPipe(_Fields):
-    """Block `index` of a stack (without the bias table; the stage's RelativeBiasPipe computes
-    the bias)."""
+    """Block `layer.index` of a stack (without the bias table; the stage's RelativeBiasPipe
+    computes the bias)."""
 
-    def __init__(self, config: T5Config, is_decoder: bool, index: int, backend: str,
-                 fields_in, fields_out, tp: TensorParallel, device=None, dtype=None) -> None:
-        super().__init__(fields_in, fields_out)
-        stack = "decoder" if is_decoder else "encoder"
-        layers = config.num_decoder_layers if is_decoder else config.num_layers
-        with init_rng(f"{stack}.block.{index}"):
-            self.block = T5Block(config, InitMethods(config, layers), is_decoder,
-                                 has_relative_attention_bias=False, backend=backend, tp=tp,
-                                 device=device, dtype=dtype)
-        self.is_decoder, self.index = is_decoder, index
+    def __init__(self, config: T5Config, layer: PipeLayer, backend: str, tp: TensorParallel,
+                 device=None, dtype=None) -> None:
+        super().__init__(layer)
+        self.is_decoder = layer.stack == "decoder"
+        self.block = build_block(config, self.is_decoder, layer.index, backend, tp,
+                                 has_relative_attention_bias=False, device=device, dtype=dtype)
 
     def apply_fields(self, fields: Fields) -> None:
         encoder_mask = additive_encoder_mask(fields["enc_mask"]) if self.is_decoder else None
@@ -153,12 +143,10 @@ class BlockPipe(_Fields):
 class FinalNormPipe(_Fields):
     """A stack's final layer norm and dropout (the decoder's scaled when the config says so)."""
 
-    def __init__(self, config: T5Config, is_decoder: bool, fields_in, fields_out, device=None,
-                 dtype=None) -> None:
-        super().__init__(fields_in, fields_out)
-        self.final_layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device,
-                                            dtype)
-        self.config, self.is_decoder = config, is_decoder
+    def __init__(self, config: T5Config, layer: PipeLayer, device=None, dtype=None) -> None:
+        super().__init__(layer)
+        self.final_layer_norm = final_layer_norm(config, device, dtype)
+        self.config, self.is_decoder = config, layer.stack == "decoder"
 
     def apply_fields(self, fields: Fields) -> None:
         hidden = dropout(self.final_layer_norm(fields["hidden"]), self.config.dropout_rate,
@@ -175,16 +163,14 @@ class FinalNormPipe(_Fields):
 class LMHeadPipe(nn.Module):
     """The untied LM head: logits of this tensor rank's vocabulary slice."""
 
-    def __init__(self, config: T5Config, padded_vocab_size: int, fields_in, tp: TensorParallel,
-                 device=None, dtype=None) -> None:
+    def __init__(self, config: T5Config, padded_vocab_size: int, layer: PipeLayer,
+                 tp: TensorParallel, device=None, dtype=None) -> None:
         super().__init__()
-        with init_rng("lm_head"):
-            self.lm_head = untied_lm_head(config, padded_vocab_size, tp, device, dtype)
-        self.fields_in = tuple(fields_in)
+        self.lm_head = untied_lm_head(config, padded_vocab_size, tp, device, dtype)
+        self.layer_fields = layer
 
     def forward(self, inputs):
-        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-        return self.lm_head(dict(zip(self.fields_in, inputs))["hidden"])
+        return self.lm_head(_read(self.layer_fields, inputs)["hidden"])
 
 
 # Tied forward functions ----------------------------------------------------------------------
@@ -211,94 +197,41 @@ def _tied_logits(module: SharedEmbeddingPipe, fields: Fields) -> torch.Tensor:
 
 
 # The layer list ------------------------------------------------------------------------------
-def _ordered(fields) -> Tuple[str, ...]:
-    return tuple(k for k in FIELD_ORDER if k in fields)
-
-
 def pipeline_specs(config: T5Config, cut: Cut, padded_vocab_size: int, attention_backend: str,
                    tp: TensorParallel, device=None, dtype=None
                    ) -> Tuple[list, List[int], List[str]]:
-    """(DeepSpeed layer specs, stage boundaries in that list, each spec's name), each layer
-    built for the tensor-parallel share `tp`.
+    """(DeepSpeed layer specs, stage boundaries in that list, each spec's name): one spec per
+    layer of `cut.layers`, built for the tensor-parallel share `tp`.
 
     Names say what a layer is in the single-process model ('shared', 'encoder.block.3', ...)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     specs, names, parts = [], [], [0]
-    fields = set(INPUT_FIELDS)
-    kw = dict(device=device, dtype=dtype)
-    tkw = dict(tp=tp, **kw)
-    rate = config.dropout_rate
-
-    def add(spec, name, out):
-        specs.append(spec)
-        names.append(name)
-        return set(out)
-
-    def flow(after: set, last_in_stage: bool) -> Tuple[str, ...]:
-        return _ordered(after - {"position_bias"} if last_in_stage else after)
-
+    kw = dict(tp=tp, device=device, dtype=dtype)
     for stage in range(cut.stages):
-        enc, dec = cut.stage_blocks(stage)
-        plan: List[tuple] = []  # (kind, argument) in order; fields worked out below
-        if stage == 0:
-            plan.append(("embed_encoder", None))
-        if len(enc):
-            plan.append(("bias", False))
-            plan += [("block", (False, i)) for i in enc]
-            if enc.stop == cut.encoder_layers:
-                plan.append(("finish", False))
-        if len(dec):
-            if dec.start == 0:
-                plan.append(("embed_decoder", None))
-            plan.append(("bias", True))
-            plan += [("block", (True, j)) for j in dec]
-        if stage == cut.stages - 1:
-            plan += [("finish", True), ("head", None)]
-        for n, (kind, arg) in enumerate(plan):
-            last = n == len(plan) - 1
-            fin = _ordered(fields)
-            if kind in ("embed_encoder", "embed_decoder"):
-                ids = "enc_ids" if kind == "embed_encoder" else "dec_ids"
-                out = flow(fields - {ids} | {"hidden"}, last)
-                fields = add(TiedLayerSpec(SHARED_KEY, SharedEmbeddingPipe, config,
-                                           padded_vocab_size, forward_fn=_TiedCall(
-                                               fin, out, _embed(ids, rate)),
-                                           tied_weight_attr=["embedding.weight"], **tkw),
-                             "shared", out)
-            elif kind == "bias":
-                out = flow(fields | {"position_bias"}, last)
-                stack = "decoder" if arg else "encoder"
-                fields = add(TiedLayerSpec(BIAS_KEYS[arg], RelativeBiasPipe, config, arg,
-                                           forward_fn=_TiedCall(fin, out, _bias),
-                                           tied_weight_attr=["table.weight"], **tkw),
-                             f"{stack}.relative_attention_bias", out)
-            elif kind == "block":
-                is_decoder, index = arg
-                after = set(fields)
-                if is_decoder and index == cut.decoder_layers - 1:
-                    after -= {"encoder_output", "enc_mask", "dec_mask"}
-                out = flow(after, last)
-                stack = "decoder" if is_decoder else "encoder"
-                fields = add(LayerSpec(BlockPipe, config, is_decoder, index, attention_backend,
-                                       fin, out, **tkw), f"{stack}.block.{index}", out)
-            elif kind == "finish":
-                after = fields - {"position_bias"}
-                if not arg:
-                    after = after - {"hidden"} | {"encoder_output"}
-                out = flow(after, last)
-                stack = "decoder" if arg else "encoder"
-                fields = add(LayerSpec(FinalNormPipe, config, arg, fin, out, **kw),
-                             f"{stack}.final_layer_norm", out)
-            else:  # head
-                if config.tie_word_embeddings:
-                    add(TiedLayerSpec(SHARED_KEY, SharedEmbeddingPipe, config, padded_vocab_size,
-                                      forward_fn=_TiedCall(fin, (), _tied_logits),
-                                      tied_weight_attr=["embedding.weight"], **tkw), "shared",
-                        ())
-                else:
-                    add(LayerSpec(LMHeadPipe, config, padded_vocab_size, fin, **tkw), "lm_head",
-                        ())
+        for layer in cut.stage_layers(stage):
+            decoder = layer.stack == "decoder"
+            if layer.kind == "embed":
+                ids = "dec_ids" if decoder else "enc_ids"
+                spec = TiedLayerSpec(SHARED_KEY, SharedEmbeddingPipe, config, padded_vocab_size,
+                                     forward_fn=_TiedCall(layer, _embed(ids, config.dropout_rate)),
+                                     tied_weight_attr=["embedding.weight"], **kw)
+            elif layer.kind == "bias":
+                spec = TiedLayerSpec(BIAS_KEYS[decoder], RelativeBiasPipe, config, decoder,
+                                     forward_fn=_TiedCall(layer, _bias),
+                                     tied_weight_attr=["table.weight"], **kw)
+            elif layer.kind == "block":
+                spec = LayerSpec(BlockPipe, config, layer, attention_backend, **kw)
+            elif layer.kind == "final_norm":
+                spec = LayerSpec(FinalNormPipe, config, layer, device=device, dtype=dtype)
+            elif config.tie_word_embeddings:  # the head
+                spec = TiedLayerSpec(SHARED_KEY, SharedEmbeddingPipe, config, padded_vocab_size,
+                                     forward_fn=_TiedCall(layer, _tied_logits),
+                                     tied_weight_attr=["embedding.weight"], **kw)
+            else:
+                spec = LayerSpec(LMHeadPipe, config, padded_vocab_size, layer, **kw)
+            specs.append(spec)
+            names.append(layer.owner(config.tie_word_embeddings))
         parts.append(len(specs))
     return specs, parts, names
 

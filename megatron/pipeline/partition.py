@@ -22,10 +22,59 @@ No process group is needed: `--dry-run` and the planner print the same cut the r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from megatron.model.config import T5Config
+
+WIRE_ORDER = ("hidden", "encoder_output", "position_bias", "enc_ids", "dec_ids", "enc_mask",
+              "dec_mask")
+"""What travels between a pipeline's layers, in this order (DeepSpeed sends tuples, not dicts
+or None: a field absent from a tuple is not there):
+
+    enc_ids, dec_ids        int64 ids (the decoder's ride through the encoder stages)
+    enc_mask, dec_mask      int64 0/1 attention masks; each stage makes its additive masks
+    hidden                  the current stack's activations
+    encoder_output          from the encoder's final norm to the last decoder block
+    position_bias           the stack's bias, made on each stage by its bias layer: never sent
+
+DeepSpeed makes every received floating tensor require a gradient and sends one back for each,
+so a floating field leaves the tuple as soon as no later layer reads it: `encoder_output` after
+the last decoder block, `position_bias` at the end of every stage."""
+INPUT_FIELDS = ("enc_ids", "dec_ids", "enc_mask", "dec_mask")
+"""The first stage's input tuple (batch[0] of DeepSpeed's (inputs, labels) pairs)."""
+
+
+@dataclass(frozen=True)
+class PipeLayer:
+    """One layer of the pipeline's flat list: the single-process model's part it runs, and the
+    fields it takes and passes on (`WIRE_ORDER`; the head passes on its logits alone).
+
+    kind: 'embed' (the shared embedding, of `stack`'s ids), 'bias' (`stack`'s relative
+        attention bias table), 'block' (`stack`.block.`index`), 'final_norm' (`stack`'s final
+        layer norm) or 'head' (the logits: the shared embedding when tied, else lm_head).
+    """
+
+    kind: str
+    stack: Optional[str]
+    index: Optional[int]
+    fields_in: Tuple[str, ...]
+    fields_out: Tuple[str, ...]
+
+    def owner(self, tie_word_embeddings: bool) -> str:
+        """The single-process model's name of the module whose weights it holds ('shared',
+        'encoder.relative_attention_bias', 'encoder.block.3', 'decoder.final_layer_norm',
+        'lm_head'); written into pipeline checkpoints (pipeline/module.py's LAYERS_FILE)."""
+        if self.kind == "embed" or (self.kind == "head" and tie_word_embeddings):
+            return "shared"
+        if self.kind == "bias":
+            return f"{self.stack}.relative_attention_bias"
+        if self.kind == "block":
+            return f"{self.stack}.block.{self.index}"
+        if self.kind == "final_norm":
+            return f"{self.stack}.final_layer_norm"
+        return "lm_head"
 
 
 @dataclass(frozen=True)
@@ -49,6 +98,51 @@ class Cut:
         start, stop = self.blocks[stage], self.blocks[stage + 1]
         e = self.encoder_layers
         return range(min(start, e), min(stop, e)), range(max(start, e) - e, max(stop, e) - e)
+
+    @functools.cached_property
+    def layers(self) -> Tuple[Tuple[PipeLayer, ...], ...]:
+        """Each stage's layers in order, with the fields each takes and passes on: the one
+        description of what crosses a stage boundary (module docstring, `WIRE_ORDER`)."""
+        stages, fields = [], set(INPUT_FIELDS)
+        for stage in range(self.stages):
+            out = []
+            plan = self._stage_plan(stage)
+            for n, (kind, stack, index) in enumerate(plan):
+                after = _after(kind, stack, index, fields, self.decoder_layers)
+                if n == len(plan) - 1:  # the bias is made again on the next stage
+                    after = after - {"position_bias"}
+                out.append(PipeLayer(kind, stack, index, _ordered(fields), _ordered(after)))
+                fields = after
+            stages.append(tuple(out))
+        return tuple(stages)
+
+    def stage_layers(self, stage: int) -> Tuple[PipeLayer, ...]:
+        return self.layers[stage]
+
+    def sent_after(self, stage: int) -> Tuple[str, ...]:
+        """The fields stage `stage` sends to the next one."""
+        return self.layers[stage][-1].fields_out
+
+    def _stage_plan(self, stage: int) -> List[Tuple[str, Optional[str], Optional[int]]]:
+        """(kind, stack, index) of each layer of `stage`: the small layers go with the blocks
+        beside them (module docstring)."""
+        enc, dec = self.stage_blocks(stage)
+        plan: List[Tuple[str, Optional[str], Optional[int]]] = []
+        if stage == 0:
+            plan.append(("embed", "encoder", None))
+        if len(enc):
+            plan.append(("bias", "encoder", None))
+            plan += [("block", "encoder", i) for i in enc]
+            if enc.stop == self.encoder_layers:
+                plan.append(("final_norm", "encoder", None))
+        if len(dec):
+            if dec.start == 0:
+                plan.append(("embed", "decoder", None))
+            plan.append(("bias", "decoder", None))
+            plan += [("block", "decoder", j) for j in dec]
+        if stage == self.stages - 1:
+            plan += [("final_norm", "decoder", None), ("head", None, None)]
+        return plan
 
     def describe(self) -> List[str]:
         """One line per stage, for the start of a run and --dry-run."""
@@ -74,6 +168,27 @@ class Cut:
             lines.append(f"  stage {s}: {', '.join(parts)} "
                          f"({100 * self.stage_costs[s] / total:.0f}% of the forward FLOPs)")
         return lines
+
+
+def _ordered(fields) -> Tuple[str, ...]:
+    return tuple(k for k in WIRE_ORDER if k in fields)
+
+
+def _after(kind: str, stack: Optional[str], index: Optional[int], fields: set,
+           decoder_layers: int) -> set:
+    """The fields alive after a layer that takes `fields` (WIRE_ORDER's docstring)."""
+    if kind == "embed":
+        return fields - {"enc_ids" if stack == "encoder" else "dec_ids"} | {"hidden"}
+    if kind == "bias":
+        return fields | {"position_bias"}
+    if kind == "block":
+        if stack == "decoder" and index == decoder_layers - 1:  # their last reader
+            return fields - {"encoder_output", "enc_mask", "dec_mask"}
+        return set(fields)
+    if kind == "final_norm":
+        after = fields - {"position_bias"}
+        return after - {"hidden"} | {"encoder_output"} if stack == "encoder" else after
+    return set()  # the head: its logits alone
 
 
 def cut_problems(config: T5Config, pipeline_size: int, split_rank: Optional[int]) -> List[str]:

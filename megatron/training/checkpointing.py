@@ -46,7 +46,7 @@ TEST_PAUSE_ENV = "MEGATRON_CHECKPOINT_TEST_PAUSE_S"
 written and before the rename, so that a test can kill the process mid-save."""
 
 
-def _test_pause(iteration: int) -> float:
+def pause_for_tests(iteration: int) -> float:
     value = os.environ.get(TEST_PAUSE_ENV, "")
     if not value:
         return 0.0
@@ -63,7 +63,7 @@ def tag_for(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -78,7 +78,7 @@ def write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def rng_state(device_type: str) -> Dict[str, Any]:

@@ -491,25 +491,34 @@ PIPELINE_ALLREDUCE_ELEMENTS = 500_000_000  # DeepSpeed's MEMORY_OPT_ALLREDUCE_SI
 _StageActivations = namedtuple("_StageActivations", "saved peak pipeline_buffers in_flight m")
 
 
+_KIND_CODES = {("embed", "encoder"): "embed_encoder", ("bias", "encoder"): "encoder_bias",
+               ("block", "encoder"): "E", ("final_norm", "encoder"): "finish_encoder",
+               ("embed", "decoder"): "embed_decoder", ("bias", "decoder"): "decoder_bias",
+               ("block", "decoder"): "D", ("final_norm", "decoder"): "finish_decoder",
+               ("head", None): "head"}
+
+
 def _stage_layers(cut: "Cut", stage: int) -> List[str]:
-    """The stage's layers in DeepSpeed's order (pipeline/module.py, pipeline_specs): 'E' and 'D'
+    """The stage's layers (`Cut.layers`, in DeepSpeed's order) as the codes below: 'E' and 'D'
     a block, the other names the small layers."""
-    enc, dec = cut.stage_blocks(stage)
-    out = ["embed_encoder"] if stage == 0 else []
-    if len(enc):
-        out += ["encoder_bias"] + ["E"] * len(enc)
-        out += ["finish_encoder"] if enc.stop == cut.encoder_layers else []
-    if len(dec):
-        out += (["embed_decoder"] if dec.start == 0 else []) + ["decoder_bias"] + ["D"] * len(dec)
-    return out + (["finish_decoder", "head"] if stage == cut.stages - 1 else [])
+    return [_KIND_CODES[layer.kind, layer.stack] for layer in cut.stage_layers(stage)]
 
 
-def _wire(s: _Shape, cut: "Cut", boundary: int, e: int, d: int) -> Tuple[int, int, int]:
-    """(floating, int64, hidden state) bytes of the tuple crossing after flat block `boundary`:
-    hidden state, encoder output (decoder), masks, decoder ids (up to the decoder embedding)."""
-    E, unit = cut.encoder_layers, s.a * s.b * s.D
-    hidden = unit * (e if boundary < E else 0 if boundary == E else d)
-    return hidden + unit * e * (boundary >= E), 8 * s.b * (e + d + d * (boundary <= E)), hidden
+_FIELD_LENGTHS = {"encoder_output": "e", "enc_ids": "e", "enc_mask": "e", "dec_ids": "d",
+                  "dec_mask": "d"}
+
+
+def _wire(s: _Shape, cut: "Cut", stage: int, e: int, d: int) -> Tuple[int, int, int]:
+    """(floating, int64, hidden state) bytes of the tuple stage `stage` sends on
+    (`Cut.sent_after`: hidden state, encoder output, ids and masks)."""
+    fields = cut.sent_after(stage)
+    lengths = {"e": e, "d": d}
+    hidden_len = e if cut.stage_layers(stage)[-1].stack == "encoder" else d
+    hidden = s.a * s.b * s.D * hidden_len if "hidden" in fields else 0
+    floating = hidden + s.a * s.b * s.D * e * ("encoder_output" in fields)
+    ints = sum(8 * s.b * lengths[_FIELD_LENGTHS[f]] for f in fields
+               if f in _FIELD_LENGTHS and f != "encoder_output")
+    return floating, ints, hidden
 
 
 def _stage_activations(s: _Shape, tp: int, vocab: int, e: int, d: int, cut: "Cut", stage: int,
@@ -543,10 +552,8 @@ def _stage_activations(s: _Shape, tp: int, vocab: int, e: int, d: int, cut: "Cut
     # DeepSpeed keeps per micro-batch the received tuple (stage 0: the batch), of the clone the
     # layers run on what they do not save (encoder output, ints passed on), the output or labels
     first, last = stage == 0, stage == P - 1
-    in_float, in_int, _ = (0, 16 * b * (e + d), 0) if first else \
-        _wire(s, cut, cut.blocks[stage], e, d)
-    out_float, out_int, out_hidden = (0, 0, 0) if last else \
-        _wire(s, cut, cut.blocks[stage + 1], e, d)
+    in_float, in_int, _ = (0, 16 * b * (e + d), 0) if first else _wire(s, cut, stage - 1, e, d)
+    out_float, out_int, out_hidden = (0, 0, 0) if last else _wire(s, cut, stage, e, d)
     held = in_float + in_int + out_int + out_hidden + 8 * b * d * last
     held += a * b * D * e * (not first and cut.blocks[stage] >= cut.encoder_layers)
     in_flight = min(P - stage, micro_batches)

@@ -26,7 +26,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from megatron.checkpoint.weights import MOMENTS, WeightsError, WeightsReader, _local_tensor
+from megatron.checkpoint.weights import MOMENTS, WeightsError, WeightsReader, local_tensor
 
 Values = Callable[..., Dict[str, torch.Tensor]]
 """values(param, keys): a parameter's local values, by key ('fp32', the master, and each of
@@ -50,7 +50,7 @@ def load_optimizer_state(engine, names: Dict[str, str], folder: Path, step: int,
                                f"{' ...' if len(absent) > 4 else ''}")
 
     def values(param, keys=tuple(readers)) -> Dict[str, torch.Tensor]:
-        return {key: _local_tensor(param, full[id(param)], readers[key], vocab_size,
+        return {key: local_tensor(param, full[id(param)], readers[key], vocab_size,
                                    tensor_rank, tensor_size).to(torch.float32)
                 for key in keys}
 

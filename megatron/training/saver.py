@@ -37,8 +37,8 @@ from megatron.training.async_save import HostBuffers, Writer, snapshot, write_fi
 from megatron.training.checkpointing import (
     TRACKER,
     CheckpointError,
-    _fsync_dir,
-    _test_pause,
+    fsync_dir,
+    pause_for_tests,
     prune,
     rng_state,
     tag_for,
@@ -131,7 +131,7 @@ class Saver:
             meta["model"] = self.model
         self.pending = pending = _Pending(iteration, meta, time.monotonic(), waited_s=waited,
                                           capture_s=time.monotonic() - captured, began=began)
-        pause = _test_pause(iteration)
+        pause = pause_for_tests(iteration)
         if self.writer is not None:
             if pause:
                 files.insert(0, (None, pause))
@@ -240,7 +240,7 @@ class Saver:
         meta = {**pending.meta, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
         write_atomic(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
         for folder, _, _ in os.walk(tmp):  # the files are durable (each writer fsynced its
-            _fsync_dir(Path(folder))       # own); now their directory entries
+            fsync_dir(Path(folder))       # own); now their directory entries
         if final.exists():  # saving the same iteration again: keep the old one until the swap
             old = final.with_name(final.name + ".old")
             shutil.rmtree(old, ignore_errors=True)
@@ -249,7 +249,7 @@ class Saver:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         write_atomic(self.root / TRACKER, f"{pending.iteration}\n")
         write_atomic(self.root / "latest", final.name)
         if self.keep_last is not None:
