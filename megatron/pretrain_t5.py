@@ -162,7 +162,7 @@ def build_step(config: RunConfig, watchdog, writer):
     from megatron.training.step import DataParallelStep
 
     if config.parallel.pipeline_model_parallel_size > 1:
-        from megatron.pipeline.step import build_pipeline_step
+        from megatron.training.pipeline_step import build_pipeline_step
 
         return build_pipeline_step(config, watchdog, writer)
     runtime = config.runtime
@@ -208,10 +208,10 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
     learns the verdict; only then does DeepSpeed start (it builds or loads a compiled op).
 
     Raises:
-        RunFailure (megatron/training/failures.py), after reporting it once.
+        RunFailure (megatron/failures.py), after reporting it once.
     """
     from megatron.initialize import join_deepspeed
-    from megatron.training.failures import RunFailure, report_failure
+    from megatron.failures import RunFailure, report_failure
     from megatron.training.watchdog import Watchdog
 
     runtime = config.runtime
@@ -243,7 +243,7 @@ def _pretrain(config: RunConfig, signals, watchdog, lock):
     from megatron.initialize import set_seeds
     from megatron.training.checkpointing import CheckpointError, layout, load_checkpoint, \
         resumes_schedule
-    from megatron.training.failures import DataError
+    from megatron.failures import DataError
     from megatron.training.saver import Saver
     from megatron.training.loop import TrainState, evaluate, train
     from megatron.training.lr_schedule import resolve_with_checkpoint
@@ -448,7 +448,7 @@ def run(config: RunConfig, signals) -> int:
 
 
 def _train(config: RunConfig, signals, watchdog, created: bool) -> int:
-    from megatron.training.failures import RunFailure
+    from megatron.failures import RunFailure
 
     finished = False
     try:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.tensor_parallel.random import get_cuda_rng_tracker
-from megatron.training.failures import RunFailure
+from megatron.failures import RunFailure
 from megatron.training.lr_schedule import LRSchedule, resolve_with_checkpoint
 from megatron.training.settings import CheckpointConfig
 
@@ -55,7 +55,7 @@ def pause_for_tests(iteration: int) -> float:
 
 
 class CheckpointError(RunFailure):
-    """A checkpoint that cannot be read or written (megatron/training/failures.py: raised alike
+    """A checkpoint that cannot be read or written (megatron/failures.py: raised alike
     on every rank unless `rank_local`)."""
 
 

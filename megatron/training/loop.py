@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megatron import parallel_state
 from megatron.config import RuntimeConfig
-from megatron.training.failures import RunFailure
+from megatron.failures import RunFailure
 from megatron.training.layer_norms import write_layer_norms
 from megatron.training.metrics import IntervalStats, MetricsWriter, Timer
 from megatron.training.profiling import (CHECKPOINT_SAVE, DATA_WAIT, EVALUATION, LOSS_ALL_REDUCE,
@@ -204,7 +204,7 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
                        f"{' in ' + checkpoint.save if checkpoint.save else ''} stays the one "
                        f"its tracker names (lower the learning rate, or check the data; "
                        f"--no-check-for-nan-in-loss-and-grad turns this check off)")
-            raise NonFiniteError(message)  # reported once, for the job: training/failures.py
+            raise NonFiniteError(message)  # reported once, for the job: megatron/failures.py
         saved = False
         if checkpoint.save and (last or exit_now or (checkpoint.save_interval and
                                                      state.iteration % checkpoint.save_interval

@@ -250,7 +250,7 @@ class StepProfiler:
         return path
 
     def instrument(self, step) -> None:
-        """Give a TrainStep (megatron/training/step.py, megatron/pipeline/step.py) this
+        """Give a TrainStep (megatron/training/step.py, megatron/training/pipeline_step.py) this
         profiler's ranges, and put ranges around DeepSpeed's gradient reduction (and, on a
         pipeline engine, around each instruction of its schedule). Only on a profiled rank."""
         if not self.enabled:

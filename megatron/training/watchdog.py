@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Iterator, Optional
 
-from megatron.training.failures import RunFailure
+from megatron.failures import RunFailure
 
 EXIT_HANG = 3
 
@@ -48,7 +48,7 @@ class Watchdog:
         try:
             yield
         except Exception as e:  # say which phase failed: a backend error names only a peer
-            # (an expected failure is reported once, for the job: training/failures.py)
+            # (an expected failure is reported once, for the job: megatron/failures.py)
             if not getattr(e, "_phase_reported", False) and not isinstance(e, RunFailure):
                 sys.stderr.write(f"rank {self.rank}{self.place}: failed while waiting for "
                                  f"{what}: {type(e).__name__}: {e}\n")

@@ -52,7 +52,7 @@ def run_stage(layers, params, inputs, chunk, labels, vocab_size):
     """Bytes one micro-batch keeps on a stage as DeepSpeed's engine runs it: the received tuple
     (a buffer), a clone the layers run on, runs of `chunk` blocks recomputed, the output kept;
     each storage once, parameters and the last stage's logits apart. Returns (bytes, output)."""
-    from megatron.pipeline.step import PipelineLoss
+    from megatron.training.pipeline_step import PipelineLoss
 
     param_ptrs = {p.untyped_storage().data_ptr() for p in params}
     kept = {}
