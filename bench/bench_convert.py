@@ -530,7 +530,7 @@ def _g(n: float) -> str:
 
 def _params(model: dict) -> str:
     from megatron.model.config import T5Config
-    from megatron.training.memory import count_parameters
+    from megatron.cost.memory import count_parameters
 
     return f"{count_parameters(T5Config(**model), 1, 128) / 1e6:.1f} M parameters"
 

@@ -268,7 +268,7 @@ def estimates(flags: Sequence[str]):
     config and the accumulation steps): what `--dry-run` prints on a CPU machine, with the
     fields it does not print (`between_steps`)."""
     from megatron.arguments import parse_args
-    from megatron.training.memory import estimate_run
+    from megatron.cost.memory import estimate_run
 
     config = parse_args(list(flags), env={"WORLD_SIZE": "2"})
     cpu = estimate_run(config.layout(), "cpu")
@@ -506,13 +506,13 @@ def _deepspeed_version() -> str:
 
 def _count() -> str:
     from megatron.model.config import T5Config
-    from megatron.training.memory import count_parameters
+    from megatron.cost.memory import count_parameters
 
     return f"{count_parameters(T5Config(**MODEL), 1, 128) / 1e6:.1f} M"
 
 
 def _bucket_gib() -> str:
-    from megatron.training.memory import ZeroBuckets
+    from megatron.cost.memory import ZeroBuckets
 
     return f"{4 * ZeroBuckets().reduce_bucket_size / GIB:.2f}"
 

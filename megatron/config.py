@@ -90,7 +90,7 @@ class RuntimeConfig:
 
 @dataclass(frozen=True)
 class Layout:
-    """What one rank holds and computes: the inputs of megatron/training/memory.py."""
+    """What one rank holds and computes: the inputs of megatron/cost/memory.py."""
 
     parallel: ParallelConfig
     batch: BatchConfig

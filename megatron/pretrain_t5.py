@@ -96,7 +96,7 @@ class UnreadBatches:
 def dry_run(config: RunConfig) -> int:
     """Print what one rank would hold; nothing is allocated."""
     from megatron.model.meta import count_parameters, num_parameters
-    from megatron.training.memory import estimate_run
+    from megatron.cost.memory import estimate_run
 
     parallel, model, batch = config.parallel, config.model, config.batch
     tp = parallel.tensor_model_parallel_size
@@ -126,7 +126,7 @@ def dry_run(config: RunConfig) -> int:
 def _print_pipeline(config: RunConfig, device: str) -> None:
     """--dry-run with P > 1: the cut, the bubble, parameters and memory per stage."""
     from megatron.pipeline.partition import bubble_fraction
-    from megatron.training.memory import estimate_stages, stage_parameter_numels
+    from megatron.cost.memory import estimate_stages, stage_parameter_numels
 
     model, p = config.model, config.parallel.pipeline_model_parallel_size
     m = config.batch.gradient_accumulation_steps

@@ -2,7 +2,7 @@
 
 Every candidate is a command line of `megatron.pretrain_t5`; `layout_from_flags` resolves it as
 the trainer would (DeepSpeed's JSON, the model, the pipeline cut, every check) and
-`megatron.training.memory.estimate_stages` gives what each pipeline stage holds: the numbers
+`megatron.cost.memory.estimate_stages` gives what each pipeline stage holds: the numbers
 `--dry-run --dry-run-device cuda` prints for the same flags. A candidate the trainer would refuse
 is discarded with the trainer's own reason.
 """
@@ -22,7 +22,7 @@ from megatron.plan.cluster import Cluster
 from megatron.plan.timing import LayoutShape, Machine, StepTime, block_flops, \
     model_flops_per_sample, step_time
 from megatron.model.meta import parameter_numels
-from megatron.training.memory import MemoryEstimate, ZeroBuckets, estimate_stages, \
+from megatron.cost.memory import MemoryEstimate, ZeroBuckets, estimate_stages, \
     stage_parameter_numels
 
 GIB = 2 ** 30

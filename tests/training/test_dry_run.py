@@ -27,7 +27,7 @@ def test_dry_run_prints_counts_and_estimate(train_data, capsys):
 def test_dry_run_plans_for_gpus_from_a_cpu_host(train_data, capsys):
     """The same flags, estimated for CUDA: DeepSpeed's reduce buckets are allocated whole
     there, so the GPU estimate holds more buffers than the CPU one."""
-    from megatron.training.memory import ZeroBuckets
+    from megatron.cost.memory import ZeroBuckets
 
     argv = base_argv(train_data, "--dry-run", "--zero-stage", "2")
     assert main(argv) == 0

@@ -10,7 +10,7 @@ from megatron.model import T5Config, T5Model
 from megatron.model.config import ConfigError
 from megatron.model.meta import count_parameters, num_parameters, parameter_numels
 from megatron.tensor_parallel.random import model_parallel_seed
-from megatron.training.memory import ZeroBuckets, estimate_memory
+from megatron.cost.memory import ZeroBuckets, estimate_memory
 
 SMALL = dict(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)
 BATCH, ENC_LEN, DEC_LEN = 2, 64, 16

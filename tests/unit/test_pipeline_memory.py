@@ -1,4 +1,4 @@
-"""The memory model's pipeline terms (megatron/training/memory.py) against the real stages:
+"""The memory model's pipeline terms (megatron/cost/memory.py) against the real stages:
 each stage's layers built from pipeline_specs hold the parameters stage_parameter_numels
 counts, and one micro-batch through them, run the way DeepSpeed's pipeline engine runs it,
 keeps the bytes the estimate says; 1F1B multiplies them by min(P - s, m)."""
@@ -10,7 +10,7 @@ from megatron.model import T5Config
 from megatron.pipeline.partition import cut_model
 from megatron.tensor_parallel.group import SINGLE
 from megatron.tensor_parallel.random import checkpoint, model_parallel_seed
-from megatron.training.memory import estimate_memory, stage_parameter_numels
+from megatron.cost.memory import estimate_memory, stage_parameter_numels
 
 SMALL = dict(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=4, num_heads=4)
 BATCH, ENC_LEN, DEC_LEN = 2, 64, 16

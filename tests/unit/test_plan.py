@@ -15,7 +15,7 @@ from megatron.plan.planner import as_json, machine_for, plan
 from megatron.plan.search import GIB, Request
 from megatron.plan.timing import FLATTEN_PASSES, LayoutShape, Machine, step_time
 from megatron.pretrain_t5 import main as train_main
-from megatron.training.memory import estimate_run
+from megatron.cost.memory import estimate_run
 
 
 def h100_cluster(nodes=8):

@@ -1,8 +1,5 @@
 """Device memory of one training rank: ZeRO's model states plus one micro-batch's activations.
 
-(Over 600 lines on purpose: it is the one memory model that --dry-run, bench_training and the
-planner share, with and without a pipeline; splitting it would make two models to keep equal.)
-
 Model states follow ZeRO (Rajbhandari et al., 2020) as DeepSpeed implements them, per parameter
 of this tensor rank (Psi) and data-parallel size N:
 
@@ -27,10 +24,8 @@ fp32 ZeRO-3 keeps a 4-byte clone / N (stage3.py compares the partition's torch.d
 device-name string, never equal, so it clones; the same code runs on CUDA). ZeRO 1-2 offload's
 staging buffers and ZeRO-3's prefetch bucket are counted as measured there.
 
-Activations are the tensors autograd saves in forward, counted from what our layers save
-(megatron/model/transformer.py, dropout.py, cross_entropy.py) and checked against a measurement
-in tests/unit/test_memory_estimate.py. Backward's transient gradients are left out, except the
-logits' gradient, which is as large as the logits.
+Activations are the tensors autograd saves in forward: each layer's terms are in
+megatron/model/activations.py (beside the FLOPs); here they are added up for a rank.
 
 With a pipeline (a `Cut` of P > 1 stages; ZeRO 0 or 1) a rank holds its stage's parameters
 (`stage_parameter_numels`) and their states; bf16 with ZeRO-1 runs DeepSpeed's BF16 optimizer
@@ -49,6 +44,7 @@ from collections import namedtuple
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
+from megatron.model.activations import ActivationShape, micro_batch_activations
 from megatron.model.config import T5Config
 from megatron.model.meta import parameter_numels
 
@@ -148,76 +144,6 @@ def stage_parameter_numels(config: T5Config, cut: "Cut", stage: int,
         config, tensor_parallel_size, make_vocab_size_divisible_by).items() if keep(name)}
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """One tensor rank's activation sizes; a: bytes per activation element."""
-
-    b: int
-    D: int
-    inner: int
-    ff: int
-    heads: int
-    a: int
-    fp16: bool
-    dropout: bool
-    kernel: str
-    config: T5Config
-
-    def norm(self, tokens: int) -> int:
-        """Layer norm: fp32 rms_norm saves input and normalized, a 16-bit one also an fp32 copy
-        of its input; its output (saved by the next linear); rstd."""
-        return tokens * (self.D * (3 * self.a + (4 if self.a != 4 else 0)) + 4)
-
-    def sublayer(self, tokens: int) -> int:
-        """The norm, the residual dropout's mask and, in fp16, the residual before the clamp."""
-        return self.norm(tokens) + tokens * self.D * (self.dropout + (self.a if self.fp16 else 0))
-
-    def attention(self, q: int, k: int, is_self: bool) -> int:
-        """q, k, v and the context (eager: reshaped copies; fused: the kernel's inputs/output),
-        plus the score-sized tensors: eager keeps the fp32 softmax and what bmm reads (dropped
-        probabilities + bool mask, or a 16-bit copy); fused keeps the logsumexp. (In 16 bits the
-        self-attention bias is cast once per stack: `bias_cast`.)"""
-        out = self.a * self.b * self.inner * 2 * (q + k)
-        scores = self.b * self.heads * q * k
-        cast = self.a != 4
-        if self.kernel == "eager":
-            out += scores * (4 + (1 + self.a if self.dropout else (self.a if cast else 0)))
-        else:
-            out += 4 * self.b * self.heads * q
-        return out
-
-    def bias_cast(self, q: int) -> int:
-        """16 bits: block 0 casts the fp32 bias + mask once per stack; clamp saves its input and,
-        fused, sdpa saves the result that every layer shares."""
-        if self.a == 4:
-            return 0
-        return (1 if self.kernel == "eager" else 2) * self.a * self.b * self.heads * q * q
-
-    def feed_forward(self, tokens: int) -> int:
-        """The activation's output (and input unless relu), the gate, wo's input (the dropped
-        product when dropout is on) and the dropout mask."""
-        c = self.config
-        n = (c.activation != "relu") + 1 + (2 if c.is_gated_act else self.dropout)
-        return tokens * self.ff * (n * self.a + self.dropout)
-
-    def head(self, d: int, vocab: int) -> Tuple[int, int, int, int]:
-        """(the loss's saved tensors, what the head frees before any recompute, the logits, their
-        gradient). The loss keeps log-probabilities over this rank's real columns (fp32), lse,
-        target and masks, and a count; the logits' gradient is padded in fp32, then cast."""
-        b, a = self.b, self.a
-        cross_entropy = b * d * (4 * min(vocab, self.config.vocab_size) + 14) + 8
-        return (cross_entropy, cross_entropy + a * b * d * self.D, a * b * d * vocab,
-                b * d * vocab * (4 + (a if a != 4 else 0)))
-
-    def encoder_block(self, e: int) -> int:
-        return 2 * self.sublayer(self.b * e) + self.attention(e, e, True) + \
-            self.feed_forward(self.b * e)
-
-    def decoder_block(self, d: int, e: int) -> int:
-        return 3 * self.sublayer(self.b * d) + self.attention(d, d, True) + \
-            self.attention(d, e, False) + self.feed_forward(self.b * d)
-
-
 def _validate(tp, dp, zero_stage, precision, offload_optimizer, offload_param, sizes,
               checkpoint_num_layers, attention_kernel, device_type) -> List[str]:
     out = [f"{name} must be a positive integer, not {value!r}" for name, value in
@@ -292,9 +218,10 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
     if problems:
         raise ValueError("cannot estimate memory: " + "; ".join(problems))
     tp = tensor_parallel_size
-    shape = _Shape(micro_batch_size, config.d_model, config.inner_dim // tp, config.d_ff // tp,
-                   config.num_heads // tp, 4 if precision == "fp32" else 2, precision == "fp16",
-                   config.dropout_rate > 0, attention_kernel, config)
+    shape = ActivationShape(micro_batch_size, config.d_model, config.inner_dim // tp,
+                            config.d_ff // tp, config.num_heads // tp,
+                            4 if precision == "fp32" else 2, precision == "fp16",
+                            config.dropout_rate > 0, attention_kernel, config)
     vocab = config.padded_vocab_size(make_vocab_size_divisible_by, tp) // tp
     if pipelined:
         numels = stage_parameter_numels(config, pipeline_cut, pipeline_stage, tp,
@@ -309,8 +236,9 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
     params, grads, optimizer, buffers, step, offloaded = _model_states(
         list(numels.values()), data_parallel_size, zero_stage, precision, offload_optimizer,
         offload_param, buckets)
-    saved, activations = _activations(shape, tp, vocab, encoder_seq_length, decoder_seq_length,
-                                      checkpoint_activations, checkpoint_num_layers)
+    saved, activations = micro_batch_activations(shape, tp, vocab, encoder_seq_length,
+                                                 decoder_seq_length, checkpoint_activations,
+                                                 checkpoint_num_layers)
     if device_type == "cpu":
         return _host_estimate(list(numels.values()), data_parallel_size, zero_stage, precision,
                               offload_optimizer, offload_param, buckets, saved, activations,
@@ -452,40 +380,6 @@ def _host_estimate(numels, dp, stage, precision, offload_optimizer, offload_para
                           between_steps=resident)
 
 
-def _activations(s: _Shape, tp: int, vocab: int, e: int, d: int, checkpoint: bool,
-                 chunk: int):
-    """(saved after forward, peak) bytes of one micro-batch; vocab: padded columns per rank."""
-    c, a, b, D = s.config, s.a, s.b, s.D
-    ids = b * (e + d) * (8 if tp == 1 else 9)  # embedding indices (TP: local ids + a bool mask)
-    # the final norms, the embedding and final dropout masks
-    outer = ids + s.norm(b * e) + s.norm(b * d) + 2 * s.dropout * b * (e + d) * D
-    cross_entropy, head, logits, logits_grad = s.head(d, vocab)
-    outer += cross_entropy
-    if not checkpoint:
-        # + the relative-position buckets: one int64 [q, k] per stack
-        saved = outer + 8 * (e * e + d * d) + c.num_layers * s.encoder_block(e) + \
-            c.num_decoder_layers * s.decoder_block(d, e) + s.bias_cast(e) + s.bias_cast(d)
-        if s.kernel == "fused" and a == 4:  # sdpa saves the shared fp32 bias
-            saved += 4 * b * s.heads * (e * e + d * d)
-        recompute = 0
-    else:
-        enc_chunks, dec_chunks = -(-c.num_layers // chunk), -(-c.num_decoder_layers // chunk)
-        # each chunk saves its input carry: hidden; position bias and masks once per stack
-        saved = outer + a * b * D * (e * enc_chunks + d * dec_chunks) + 4 * (b * e + d * d)
-        bias_bytes = 4 if a == 4 else a  # the carried bias is already cast in 16 bits
-        saved += bias_bytes * b * s.heads * ((enc_chunks > 1) * e * e + (dec_chunks > 1) * d * d)
-        saved += 8 * b * d * (tp > 1)  # the decoder ids, saved apart from the local ids
-        # one chunk's blocks (the first with its buckets), less its input, saved already
-        recompute = max(
-            min(chunk, c.num_layers) * s.encoder_block(e) + 8 * e * e - a * b * e * D
-            + s.bias_cast(e),
-            min(chunk, c.num_decoder_layers) * s.decoder_block(d, e) + 8 * d * d - a * b * d * D
-            + s.bias_cast(d))
-    # T5Output holds the logits through backward, which starts with the logits' gradient; a
-    # recompute comes after the head is freed
-    return saved, saved + logits + max(logits_grad, recompute - head)
-
-
 # Pipeline stages ---------------------------------------------------------------------------
 PIPELINE_ALLREDUCE_ELEMENTS = 500_000_000  # DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE
 _StageActivations = namedtuple("_StageActivations", "saved peak pipeline_buffers in_flight m")
@@ -508,7 +402,7 @@ _FIELD_LENGTHS = {"encoder_output": "e", "enc_ids": "e", "enc_mask": "e", "dec_i
                   "dec_mask": "d"}
 
 
-def _wire(s: _Shape, cut: "Cut", stage: int, e: int, d: int) -> Tuple[int, int, int]:
+def _wire(s: ActivationShape, cut: "Cut", stage: int, e: int, d: int) -> Tuple[int, int, int]:
     """(floating, int64, hidden state) bytes of the tuple stage `stage` sends on
     (`Cut.sent_after`: hidden state, encoder output, ids and masks)."""
     fields = cut.sent_after(stage)
@@ -521,8 +415,8 @@ def _wire(s: _Shape, cut: "Cut", stage: int, e: int, d: int) -> Tuple[int, int, 
     return floating, ints, hidden
 
 
-def _stage_activations(s: _Shape, tp: int, vocab: int, e: int, d: int, cut: "Cut", stage: int,
-                       micro_batches: int, chunk: int) -> _StageActivations:
+def _stage_activations(s: ActivationShape, tp: int, vocab: int, e: int, d: int, cut: "Cut",
+                       stage: int, micro_batches: int, chunk: int) -> _StageActivations:
     """A rank of pipeline `stage` under 1F1B (module docstring); chunk 0: no recompute."""
     a, b, D, P = s.a, s.b, s.D, cut.stages
     layers = _stage_layers(cut, stage)
