@@ -224,7 +224,10 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                                 60 * runtime.distributed_timeout_minutes):
                 lock = _take_save_lock(config.checkpoint.save, runtime.torch_device())
         # + 5 minutes: DeepSpeed may compile its communication op first
-        with watchdog.watch("DeepSpeed's communication backend",
+        with watchdog.watch("DeepSpeed's communication backend (it builds or loads a compiled "
+                            "op under a lock file in ~/.cache/torch_extensions or "
+                            "$TORCH_EXTENSIONS_DIR; a process killed while holding it leaves "
+                            "the file behind and every later start waits here: remove it)",
                             60 * runtime.distributed_timeout_minutes + 300):
             join_deepspeed()
         return _pretrain(config, signals, watchdog, lock)
