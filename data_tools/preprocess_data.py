@@ -14,6 +14,8 @@ vocab.txt), or `--tokenizer-type CPM2Tokenizer --vocab-file bpe_cn/vocab.txt` (n
 - bad lines (invalid UTF-8 or JSON, not an object, a missing key, a non-string value, a lone
   surrogate escape, an empty document) are skipped and listed with file and line in
   `PREFIX_bad_lines.tsv`, or stop the run at the first one, in input order, with `--strict`;
+- a UTF-8 byte order mark (BOM) that starts an input file (Windows tools write one) is removed
+  and counted in the summary; one anywhere else makes its line bad;
 - outputs appear under their names only when complete: a failed or interrupted run leaves none.
 """
 
@@ -413,6 +415,7 @@ def run(args: argparse.Namespace) -> int:
                     exhausted = True
                     break
                 lines = (chunk.first_line, chunk.first_line + len(chunk.lines) - 1)
+                stats["bom"] += chunk.bom
                 pending.append((chunk.file_index, lines, chunk.nbytes, chunk.end_offset,
                                 pool.apply_async(_process_chunk, (chunk,))))
             if not pending:
@@ -477,6 +480,9 @@ def run(args: argparse.Namespace) -> int:
     steady = progress.steady_rate()
     if steady is not None:
         print(f"steady state: {steady:.2f} MB/s", file=sys.stderr)
+    if stats["bom"]:
+        print(f"removed the UTF-8 byte order mark (BOM) that began {stats['bom']} of "
+              f"{len(paths)} input files", file=sys.stderr)
     if stats["bad"]:
         print(f"skipped {stats['bad']} bad lines, listed in {report_path}", file=sys.stderr)
     for prefix in prefixes:

@@ -157,6 +157,54 @@ def test_strict_stops_at_first_bad_line_and_leaves_nothing(tmp_path, spm_model):
     assert os.listdir(tmp_path / "o") == []
 
 
+def write_with_bom(path, texts):
+    """Lines as a Windows tool writes them: a UTF-8 BOM first, CRLF line ends."""
+    path.write_bytes("\ufeff".encode() + b"".join(
+        json.dumps({"text": t}, ensure_ascii=False).encode() + b"\r\n" for t in texts))
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_bom_that_starts_a_file_is_removed_and_counted(tmp_path, spm_model, mixed_texts,
+                                                         strict):
+    tok = T5Tokenizer(str(spm_model))
+    parts = [mixed_texts[:50], mixed_texts[50:51], mixed_texts[51:]]
+    for k, texts in enumerate(parts):
+        write_with_bom(tmp_path / f"in{k}.jsonl", texts)
+    with gzip.open(tmp_path / "in3.jsonl.gz", "wb") as f:  # a BOM inside the compressed stream
+        f.write((tmp_path / "in1.jsonl").read_bytes())
+    out = tmp_path / "out" / "m"
+    # Several workers, about a line per chunk: the first line of each file goes to any of them.
+    proc = run_cli("--input", tmp_path / "in*.jsonl*", "--output-prefix", out,
+                   "--tokenizer-model", spm_model, "--append-eod", "--workers", 2,
+                   "--chunk-mb", "0.00005", *(["--strict"] if strict else []))
+    assert "removed the UTF-8 byte order mark (BOM) that began 4 of 4 input files" in proc.stderr
+    assert "bad lines" not in proc.stderr, proc.stderr
+    ds = IndexedDataset(f"{out}_text_document")
+    expected = mixed_texts[:50] + mixed_texts[50:51] + mixed_texts[51:] + mixed_texts[50:51]
+    assert [ds[i].tolist() for i in range(len(ds))] == [tok.encode(t) + [tok.eod]
+                                                        for t in expected]
+    assert sorted(os.listdir(out.parent)) == ["m_text_document.bin", "m_text_document.idx"]
+
+
+def test_a_bom_on_a_later_line_is_a_bad_line(tmp_path, spm_model):
+    bom = "\ufeff".encode()
+    (tmp_path / "a.jsonl").write_bytes(bom + b'{"text": "one"}\n' + bom + b'{"text": "two"}\n'
+                                       + b'{"text": "three"}\n')
+    out = tmp_path / "out" / "m"
+    proc = run_cli("--input", tmp_path / "a.jsonl", "--output-prefix", out,
+                   "--tokenizer-model", spm_model, "--strict", check=False)
+    assert proc.returncode == 1
+    assert f"{tmp_path / 'a.jsonl'}:2: invalid JSON: the line starts with a UTF-8 byte order mark" \
+        in proc.stderr, proc.stderr
+    assert os.listdir(out.parent) == []
+    proc = run_cli("--input", tmp_path / "a.jsonl", "--output-prefix", out,
+                   "--tokenizer-model", spm_model)
+    assert "removed the UTF-8 byte order mark (BOM) that began 1 of 1 input files" in proc.stderr
+    report = Path(f"{out}_bad_lines.tsv").read_text(encoding="utf-8").splitlines()
+    assert [r.split("\t")[1] for r in report[1:]] == ["2"]
+    assert IndexedDataset(f"{out}_text_document").num_documents == 2
+
+
 def test_flag_errors(tmp_path, spm_model):
     for args, message in [
         (["--input", tmp_path / "nothing*.jsonl"], "matches no file"),

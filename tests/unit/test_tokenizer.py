@@ -317,6 +317,25 @@ def test_long_lines_are_cut(tmp_path, corpora_dir, capsys):
     assert not model_spec(tmp_path / "m.model").byte_fallback
 
 
+def test_a_leading_bom_is_removed_and_counted(tmp_path, small_jsonl, capsys):
+    data = small_jsonl.read_bytes()
+    (tmp_path / "bom.jsonl").write_bytes("\ufeff".encode() + data)
+    (tmp_path / "bom.txt").write_bytes("\ufeff".encode() + b"First line\nSecond line\n")
+    (tmp_path / "plain.txt").write_bytes(b"First line\nSecond line\n")
+
+    def sentences(*paths):  # what SentencePiece is given (training is not bit-reproducible)
+        args = train_tokenizer.get_args(["--input", *map(str, paths), "--output-prefix", "x"])
+        return list(train_tokenizer.Corpus(list(map(str, paths)), args))
+
+    assert sentences(tmp_path / "bom.jsonl", tmp_path / "bom.txt") == \
+        sentences(small_jsonl, tmp_path / "plain.txt")
+    rc = train_tokenizer.main(["--input", str(tmp_path / "bom.*"), str(small_jsonl),
+                               "--output-prefix", str(tmp_path / "m"), "--vocab-size", "3000"])
+    assert rc == 0
+    assert "removed the UTF-8 byte order mark (BOM) that began 2 of 3 input files" in \
+        capsys.readouterr().out
+
+
 @pytest.mark.parametrize("case", ["no_match", "missing_file", "bad_json", "missing_key",
                                   "bad_utf8", "vocab_too_big"])
 def test_errors_are_clean(tmp_path, small_jsonl, capsys, case):
