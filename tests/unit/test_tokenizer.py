@@ -179,8 +179,15 @@ def test_decode_matches_hf(tok, hf, docs):
         for skip in (True, False):
             assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(
                 ids, skip_special_tokens=skip)
+        assert tok.decode(ids) == hf.decode(ids)  # the same default: special tokens kept
         checked += 1
     assert checked > 50
+    span = [tok.sentinel_id(0)] + tok.encode("Shall I compare thee") + [tok.sentinel_id(1),
+                                                                         tok.eos_id, tok.pad_id]
+    assert tok.decode(span) == hf.decode(span) == "<extra_id_0> Shall I compare thee" \
+        "<extra_id_1></s><pad>"
+    assert tok.decode(span, skip_special_tokens=True) == \
+        hf.decode(span, skip_special_tokens=True) == "Shall I compare thee"
     assert tok.decode(np.array(ids, dtype=np.uint16)) == tok.decode(ids)
     assert tok.detokenize(ids) == tok.decode(ids)
 
