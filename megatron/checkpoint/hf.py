@@ -295,8 +295,8 @@ gives, for every text, the ids the model was trained on.
 `skip_special_tokens=True` leaves them out.
 
 ## Special ids
-`{pad}` = {ids(pad)} pads (and starts the decoder: generation_config.json), `{eos}` = {ids(eos)} ends
-each text (the tokenizer appends it), `{unk}` = {ids(unk)}; sentinels: {
+`{pad}` = {ids(pad)} pads (and starts the decoder: generation_config.json), `{eos}` =
+{ids(eos)} ends each text (the tokenizer appends it), `{unk}` = {ids(unk)}; sentinels: {
     f"`<extra_id_0>` = {self.vocab_size - 1} down to `<extra_id_{n - 1}>` = {self.vocab_size - n}"
     if n else "none"}.
 """
