@@ -17,6 +17,7 @@ import pytest
 
 from data_tools import preprocess_data
 from megatron.data.indexed_dataset import IndexedDataset
+from megatron.data.jsonl import Chunk
 from megatron.data.tokenizer import T5Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -218,6 +219,37 @@ def test_flag_errors(tmp_path, spm_model):
         assert not list(tmp_path.glob("o_*"))
 
 
+class StderrWatch:
+    """Reads a process's stderr in a thread; `wait_for(prefix)` waits, up to a deadline, for a
+    line that starts with `prefix`."""
+
+    def __init__(self, stream):
+        self.lines = []
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream):
+        for line in stream:
+            with self._cond:
+                self.lines.append(line)
+                self._cond.notify_all()
+        with self._cond:
+            self.lines.append(None)  # end of stream
+            self._cond.notify_all()
+
+    def wait_for(self, prefix, timeout):
+        def seen():
+            return None in self.lines or any(line.startswith(prefix) for line in self.lines
+                                             if line is not None)
+        with self._cond:
+            return self._cond.wait_for(seen, timeout) and None not in self.lines
+
+    def text(self, timeout):
+        self._thread.join(timeout)
+        return "".join(line for line in self.lines if line is not None)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_interrupted_run_leaves_no_output(tmp_path, spm_model, mixed_texts, sig):
@@ -225,17 +257,24 @@ def test_interrupted_run_leaves_no_output(tmp_path, spm_model, mixed_texts, sig)
     out_dir = tmp_path / "out"
     cmd = [sys.executable, str(SCRIPT), "--input", str(tmp_path / "big.jsonl"), "--output-prefix",
            str(out_dir / "big"), "--tokenizer-model", str(spm_model), "--workers", "2",
-           "--split-sentences", "--chunk-mb", "0.1"]
+           "--split-sentences", "--chunk-mb", "0.1", "--log-interval", "1"]
     # A shell that started us in the background may have left SIGINT ignored; a user's terminal
     # does not, so the child gets the default disposition back.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.time() + 60
-    while not list(out_dir.glob("*.tmp-*")) and time.time() < deadline:
-        time.sleep(0.05)  # wait until it is writing
-    time.sleep(0.5)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    watch = StderrWatch(proc.stderr)
+    try:
+        # The first progress line: workers are running, chunks are in flight (their tasks
+        # bigger than a pipe holds), documents are being written.
+        writing = watch.wait_for("processed ", timeout=120)
+        assert writing, watch.text(1)
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = watch.text(60)
     assert proc.returncode != 0
     assert not list(out_dir.glob("*.bin")) and not list(out_dir.glob("*.idx"))
     if sig == signal.SIGKILL:
@@ -247,7 +286,8 @@ def test_interrupted_run_leaves_no_output(tmp_path, spm_model, mixed_texts, sig)
             "big_text_sentence.bin", "big_text_sentence.idx"]
     else:
         assert os.listdir(out_dir) == [], os.listdir(out_dir)
-        assert "interrupted" in err
+        assert proc.returncode == 130 and "interrupted; no output was written" in err, err
+        assert "error" not in err and "Traceback" not in err, err  # not a worker's failure
 
 
 # Every bad kind among real text, the first bad one at line 5: the kinds that JSON parses
@@ -370,7 +410,8 @@ def test_pool_threads_hold_sigterm_for_the_workers_they_fork(spm_model, tmp_path
                                      "--tokenizer-model", str(spm_model), "--workers", "2"])
     old = signal.signal(signal.SIGTERM, preprocess_data._on_sigterm)
     before = {p.name for p in Path("/proc/self/task").iterdir()}
-    pool = preprocess_data._start_pool(args)
+    with preprocess_data._sigterm_held():
+        pool, stop = preprocess_data._start_pool(args)
     try:
         pool.apply(os.getpid)  # the workers have run their initializer
         tasks = [p for p in Path("/proc/self/task").iterdir() if p.name not in before]
@@ -381,6 +422,37 @@ def test_pool_threads_hold_sigterm_for_the_workers_they_fork(spm_model, tmp_path
         for w in workers:  # neither blocked nor caught: the default action, death
             assert _sigterm_bits(f"/proc/{w.pid}/status") == (False, False)
     finally:
-        pool.terminate()
-        pool.join()
+        preprocess_data._stop_pool(pool, stop)
         signal.signal(signal.SIGTERM, old)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the workers are forked on Linux only")
+def test_stopping_the_pool_skips_chunks_not_started_and_ends_workers_cleanly(
+        spm_model, tmp_path, mixed_texts, monkeypatch):
+    encode_batch = T5Tokenizer.encode_batch
+    started = multiprocessing.get_context("fork").Semaphore(0)
+
+    def held(self, texts, num_threads=1):  # each worker keeps its first chunk until the stop
+        started.release()
+        deadline = time.monotonic() + 120
+        while not preprocess_data._worker["stop"].value and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return encode_batch(self, texts, num_threads=num_threads)
+
+    monkeypatch.setattr(T5Tokenizer, "encode_batch", held)  # workers are forked: they have it
+    args = preprocess_data.get_args(["--input", "x", "--output-prefix", str(tmp_path / "o"),
+                                     "--tokenizer-model", str(spm_model), "--workers", "2"])
+    lines = [json.dumps({"text": t}, ensure_ascii=False).encode() + b"\n" for t in mixed_texts]
+    chunk = Chunk(0, 1, lines, sum(map(len, lines)), 0)
+    assert chunk.nbytes > 4 * 65536  # bigger than a pipe holds, as in the runs that hung
+    with preprocess_data._sigterm_held():
+        pool, stop = preprocess_data._start_pool(args)
+    workers = multiprocessing.active_children()
+    in_flight = [pool.apply_async(preprocess_data._process_chunk, (chunk,)) for _ in range(8)]
+    assert all(started.acquire(timeout=120) for _ in workers)  # both have a chunk in hand
+    preprocess_data._stop_pool(pool, stop)
+    # Every worker left through the pool's own stop sentinel (exit 0), none was killed; each
+    # finished the chunk in its hands, the others were skipped.
+    assert sorted(w.exitcode for w in workers) == [0, 0]
+    documents = [r.get(timeout=0).documents for r in in_flight]
+    assert sorted(documents) == [0] * 6 + [len(mixed_texts)] * 2, documents
