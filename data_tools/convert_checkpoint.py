@@ -30,7 +30,6 @@ message naming the file and the tensor).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import sys
@@ -40,6 +39,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
+
+from megatron.stdout import logs_to_stderr  # noqa: E402 - after the path is set
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -296,8 +297,9 @@ def run(args) -> int:
     if args.inspect is not None:
         from megatron.checkpoint.deepspeed import describe, find_iteration
 
-        print(json.dumps(describe(find_iteration(Path(args.inspect), args.iteration)),
-                         indent=1, sort_keys=True, default=str))
+        with logs_to_stderr():  # stdout holds the JSON alone
+            info = describe(find_iteration(Path(args.inspect), args.iteration))
+        print(json.dumps(info, indent=1, sort_keys=True, default=str))
         return 0
     kind, out = args.to[0], Path(args.to[1])
     model_meta, tensors, source, total = read_source(args)
@@ -357,8 +359,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        # DeepSpeed logs its accelerator choice to stdout on import: keep stdout for our output
-        with contextlib.redirect_stdout(sys.stderr):
+        # DeepSpeed logs its accelerator choice on import, to stdout: keep stdout for our output
+        # (its logger then writes to stderr for the rest of the run)
+        with logs_to_stderr():
             importlib.import_module("deepspeed")
         return run(args)
     except (ValueError, OSError) as e:  # our readers' errors name the file and the tensor

@@ -165,7 +165,7 @@ class Corpus:
         self.max_docs = args.max_docs
         self.max_bytes = args.max_sentence_length
         self.skip_bad = args.skip_bad_lines
-        self.docs = self.sentences = self.cut = self.bad = 0
+        self.docs = self.sentences = self.cut = self.bad = self.boms = 0
         self.bad_examples: List[str] = []
         self.error: Optional[InputError] = None  # set when the iteration stopped on bad input
 
@@ -193,6 +193,7 @@ class Corpus:
         try:
             for chunk in read_chunks(self.paths):
                 path, fmt = self.paths[chunk.file_index], self.formats[chunk.file_index]
+                self.boms += chunk.bom
                 for k, line in enumerate(chunk.lines):
                     if self.max_docs and self.docs >= self.max_docs:
                         return
@@ -290,6 +291,9 @@ def train(args: argparse.Namespace) -> int:
     print(f"inputs: {len(paths)} file(s), {corpus.docs} documents, {corpus.sentences} lines given "
           f"to SentencePiece ({corpus.cut} over-long lines cut; it samples at most "
           f"{args.input_sentence_size or 'all'})")
+    if corpus.boms:
+        print(f"removed the UTF-8 byte order mark (BOM) that began {corpus.boms} of "
+              f"{len(paths)} input files")
     if corpus.bad:
         print(f"skipped {corpus.bad} malformed line(s), e.g.:")
         for example in corpus.bad_examples:

@@ -6,6 +6,7 @@
     spiece.model                the SentencePiece model (with a tokenizer model)
     tokenizer.json              the same ids as megatron.data.tokenizer.T5Tokenizer (below)
     tokenizer_config.json, special_tokens_map.json
+    README.md                   how to load it: AutoTokenizer, not T5Tokenizer (below)
 
 Memory is bounded by one tensor when writing (megatron.checkpoint.shards writes each tensor's
 bytes to its file as it comes, never a whole shard) and by two vocabulary-sized tensors when
@@ -22,10 +23,12 @@ What transformers 5.x does that shapes this module:
   them" (its own saves too; passing `tie_word_embeddings=False` to from_pretrained instead leaves
   the encoder and decoder embeddings untied and missing). We write `tie_word_embeddings: false`
   for an untied model, which transformers 4.x needs to untie and to leave the outputs unscaled.
-- Its T5Tokenizer rebuilds the Unigram model with `byte_fallback=False` from the vocabulary of
-  tokenizer.json or spiece.model, so characters outside the vocabulary become `<unk>`. We write
-  `tokenizer_class: PreTrainedTokenizerFast`, with which AutoTokenizer loads tokenizer.json as it
-  is (byte fallback kept); `T5Tokenizer.from_pretrained` still works, without byte fallback.
+- Its T5Tokenizer (= T5TokenizerFast) takes the pieces, scores and character map of tokenizer.json
+  (else spiece.model) and builds its own Unigram model with `byte_fallback=False`
+  (TokenizersBackend.convert_to_native_format, models/t5/tokenization_t5.py): characters outside
+  the vocabulary become `<unk>`, not byte pieces. `tokenizer_class: PreTrainedTokenizerFast` in
+  tokenizer_config.json and config.json (AutoTokenizer reads the first, else the second) makes
+  AutoTokenizer load tokenizer.json as it is; the folder's README.md tells its users.
 - It writes no pytorch_model.bin any more (`safe_serialization` is ignored) but still reads it.
 """
 
@@ -192,7 +195,10 @@ def write_hf_folder(out_dir: PathLike, config: T5Config,
             raise HFFolderError(f"{out}: {len(missing)} tensor(s) of the model not given: "
                                 f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
         writer.close()
-        _write_json(tmp / CONFIG, hf_config_dict(config, first_dtype))
+        values = hf_config_dict(config, first_dtype)
+        if isinstance(tokenizer, HFTokenizerFiles):  # AutoTokenizer reads it without
+            values["tokenizer_class"] = TOKENIZER_CLASS  # tokenizer_config.json's
+        _write_json(tmp / CONFIG, values)
         _write_json(tmp / GENERATION_CONFIG, {
             "decoder_start_token_id": config.decoder_start_token_id,
             "eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id})
@@ -230,13 +236,18 @@ def _write_json(path: Path, values) -> None:
 
 # The tokenizer ----------------------------------------------------------------------------------
 
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+"""The class AutoTokenizer builds from tokenizer.json as it is. Not T5Tokenizer: transformers 5.x
+rebuilds that one without byte fallback."""
+
+
 class HFTokenizerFiles:
     """The tokenizer files of a folder, built (and checked) before anything is written."""
 
     def __init__(self, spm_model: Path, tokenizer, vocab_size: int, special: Dict[str, str],
-                 sentinels: List[str]) -> None:
+                 sentinels: List[str], byte_fallback: bool = True) -> None:
         self.spm_model, self.tokenizer, self.vocab_size = spm_model, tokenizer, vocab_size
-        self.special, self.sentinels = special, sentinels
+        self.special, self.sentinels, self.byte_fallback = special, sentinels, byte_fallback
 
     def write(self, folder: Path) -> None:
         shutil.copyfile(self.spm_model, folder / SPIECE)
@@ -244,9 +255,51 @@ class HFTokenizerFiles:
         specials = {**self.special, "additional_special_tokens": self.sentinels}
         _write_json(folder / "special_tokens_map.json", specials)
         _write_json(folder / "tokenizer_config.json", {
-            # Not T5Tokenizer: transformers 5.x rebuilds that one without byte fallback.
-            "tokenizer_class": "PreTrainedTokenizerFast", **specials,
+            "tokenizer_class": TOKENIZER_CLASS, **specials,
             "extra_ids": len(self.sentinels), "clean_up_tokenization_spaces": False})
+        (folder / "README.md").write_text(self.readme(), encoding="utf-8")
+
+    def readme(self) -> str:
+        """README.md of the folder: how to load the model and, above all, the tokenizer."""
+        n, ids = len(self.sentinels), self.tokenizer.token_to_id
+        pad, eos, unk = (self.special[k] for k in ("pad_token", "eos_token", "unk_token"))
+        t5_tokenizer = (
+            "Not `T5Tokenizer.from_pretrained` (nor `T5TokenizerFast`, the same class): "
+            "transformers 5.x takes only the pieces and their scores from this folder and builds "
+            "its own tokenizer **without byte fallback**. A character outside the vocabulary (a "
+            "rare Chinese character, an emoji, another script) then becomes `<unk>` instead of "
+            "the byte pieces `<0xNN>` of its UTF-8 bytes that the model was trained on, so such "
+            "texts get other ids; texts whose characters are all in the vocabulary get the same "
+            "ids from both." if self.byte_fallback else
+            "This SentencePiece model has no byte fallback, so `T5Tokenizer.from_pretrained` "
+            "(which transformers 5.x rebuilds without it) gives the same ids here.")
+        return f"""# A T5 model in Hugging Face layout
+
+Written by t5-pretrain's `data_tools/convert_checkpoint.py --to hf`.
+
+```python
+from transformers import AutoTokenizer, T5ForConditionalGeneration
+tokenizer = AutoTokenizer.from_pretrained(FOLDER)
+model = T5ForConditionalGeneration.from_pretrained(FOLDER)
+```
+
+## Tokenizer: load it with AutoTokenizer
+`tokenizer.json` is the training run's SentencePiece model (`spiece.model`, also here) in the
+`tokenizers` library's terms, byte fallback included. `AutoTokenizer.from_pretrained` loads it as
+it is (`tokenizer_class: {TOKENIZER_CLASS}` in tokenizer_config.json and config.json) and
+gives, for every text, the ids the model was trained on.
+
+{t5_tokenizer}
+
+`tokenizer.decode(ids)` writes special tokens (`<extra_id_0>`, `</s>`, `<pad>`) as text;
+`skip_special_tokens=True` leaves them out.
+
+## Special ids
+`{pad}` = {ids(pad)} pads (and starts the decoder: generation_config.json), `{eos}` =
+{ids(eos)} ends each text (the tokenizer appends it), `{unk}` = {ids(unk)}; sentinels: {
+    f"`<extra_id_0>` = {self.vocab_size - 1} down to `<extra_id_{n - 1}>` = {self.vocab_size - n}"
+    if n else "none"}.
+"""
 
 
 def hf_tokenizer_files(spm_model: PathLike, extra_ids: int = 100) -> HFTokenizerFiles:
@@ -284,7 +337,8 @@ def hf_tokenizer_files(spm_model: PathLike, extra_ids: int = 100) -> HFTokenizer
                "pad_token": ours.id_to_piece(ours.pad_id)}
     tokenizer = _unigram_tokenizer(proto, sentinels, list(special.values()), ours.unk_id,
                                    ours.eos_id)
-    return HFTokenizerFiles(path, tokenizer, ours.vocab_size, special, sentinels)
+    return HFTokenizerFiles(path, tokenizer, ours.vocab_size, special, sentinels,
+                            trainer.byte_fallback)
 
 
 def _unigram_tokenizer(proto, sentinels: List[str], special: List[str], unk_id: int,

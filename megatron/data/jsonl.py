@@ -3,6 +3,10 @@
 Input is read as bytes in chunks of whole lines, never a whole file at once, so memory stays bounded
 whatever the corpus size. Parsing is separate (`parse_line`) so that it can run in worker processes;
 each malformed line gets a reason that a user can act on, with its file and line number.
+
+A UTF-8 byte order mark (BOM) at the very start of a file, as Windows tools write it, is removed
+(RFC 8259 lets a parser ignore it) and the chunk says so (`Chunk.bom`); a BOM anywhere else is
+part of its line, which is then bad.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from typing import Iterator, List, Sequence, Tuple, Union
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def expand_inputs(patterns: Sequence[str]) -> List[str]:
@@ -46,18 +51,22 @@ def open_binary(path: str):
 
 @dataclass
 class Chunk:
-    """Consecutive lines of one file. `first_line` is 1-based; `end_offset` is how far into the
-    file (on disk, so compressed bytes for .gz) reading has got, for progress bars."""
+    """Consecutive lines of one file. `first_line` is 1-based; `nbytes` counts the lines as read
+    (a removed BOM included); `end_offset` is how far into the file (on disk, so compressed bytes
+    for .gz) reading has got, for progress bars; `bom` is True for the first chunk of a file that
+    began with a UTF-8 BOM, removed from its first line."""
 
     file_index: int
     first_line: int
     lines: List[bytes]
     nbytes: int
     end_offset: int
+    bom: bool = False
 
 
 def read_chunks(paths: Sequence[str], chunk_bytes: int = 1 << 20) -> Iterator[Chunk]:
-    """Yield the lines of `paths` in chunks of about `chunk_bytes` (whole lines only)."""
+    """Yield the lines of `paths` in chunks of about `chunk_bytes` (whole lines only), a UTF-8
+    BOM at the start of each file removed (see `Chunk.bom`)."""
     for file_index, path in enumerate(paths):
         line_no = 1
         with open(path, "rb") as raw:
@@ -69,7 +78,11 @@ def read_chunks(paths: Sequence[str], chunk_bytes: int = 1 << 20) -> Iterator[Ch
                     raise OSError(f"{path}: cannot read past line {line_no}: {e}") from e
                 if not lines:
                     break
-                yield Chunk(file_index, line_no, lines, sum(map(len, lines)), raw.tell())
+                nbytes = sum(map(len, lines))
+                bom = line_no == 1 and lines[0].startswith(UTF8_BOM)
+                if bom:
+                    lines[0] = lines[0][len(UTF8_BOM):]
+                yield Chunk(file_index, line_no, lines, nbytes, raw.tell(), bom)
                 line_no += len(lines)
 
 
@@ -87,8 +100,8 @@ def parse_line(line: bytes, keys: Sequence[str], allow_empty: bool = False) -> L
         BadLine: invalid UTF-8, invalid JSON (nested too deeply and numbers too long included),
             not an object, a missing key, a non-string value, a string with a lone surrogate
             escape (`"\\ud800"`: JSON allows it, but no UTF-8 consumer such as SentencePiece
-            can take it) or (unless `allow_empty`) a blank line or an empty (whitespace-only)
-            document.
+            can take it), a leading BOM (read_chunks removes a file's first) or (unless
+            `allow_empty`) a blank line or an empty (whitespace-only) document.
     """
     try:
         text = line.decode("utf-8")
@@ -103,6 +116,9 @@ def parse_line(line: bytes, keys: Sequence[str], allow_empty: bool = False) -> L
         # not "Invalid control character".
         obj = json.loads(text.rstrip("\r\n"))
     except json.JSONDecodeError as e:
+        if text.startswith("\ufeff"):  # read_chunks removed the one a file may begin with
+            raise BadLine("invalid JSON: the line starts with a UTF-8 byte order mark (BOM); "
+                          "only a file's first line may") from None
         msg = e.msg[:-3] if e.msg.endswith(" at") else e.msg  # "Invalid control character at"
         raise BadLine(f"invalid JSON: {msg} at column {e.colno}") from None
     except RecursionError:

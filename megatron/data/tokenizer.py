@@ -251,13 +251,19 @@ class T5Tokenizer(TokenizerNames):
 
     # -- decoding -----------------------------------------------------------------------------
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``, following HF's T5 decoding.
 
-        Special tokens (sentinels, pad, eos, unk) are dropped with ``skip_special_tokens``, else
-        written as their strings (``<extra_id_0>``, ``</s>``, ...) with no space added around them;
-        the text after one keeps the space its first piece starts with. Byte pieces are decoded to
-        the characters they spell (HF would print ``<0xNN>``).
+        Special tokens (sentinels, pad, eos, unk) are written as their strings (``<extra_id_0>``,
+        ``</s>``, ...) with no space added around them, the text after one keeping the space its
+        first piece starts with; with ``skip_special_tokens`` they are left out. The default
+        keeps them, as transformers' ``decode``, Megatron's ``detokenize`` and our CPM-2
+        tokenizer do: a span-corruption target reads ``<extra_id_0> text <extra_id_1> ...``.
+        Byte pieces are decoded to the characters they spell (the tokenizer.json we export does
+        the same; transformers' own T5Tokenizer has no byte pieces).
+
+        Raises:
+            ValueError: an id outside [0, vocab_size).
         """
         ids = self.checked_ids(ids)
         specials = self._special_ids

@@ -7,7 +7,7 @@
         --cluster 8x8xH100-80GB --json
 
 Exit status: 0 a layout fits, 1 none fits (the report says what is missing), 2 a bad command
-line.
+line. Stdout holds the report or the JSON alone; log lines (DeepSpeed's among them) go to stderr.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from megatron.model.config import ConfigError
 from megatron.plan.cluster import DEVICES, PRESET, Cluster, custom_device, device_named
 from megatron.plan.planner import as_json, machine_for, plan, report
 from megatron.plan.search import Request
+from megatron.stdout import logs_to_stderr
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,14 +140,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       (False,) if args.no_recompute else (False, True))
     machine = machine_for(cluster, args.precision, args.efficiency)
     try:
-        result = plan(request, cluster, machine, args.headroom)
+        with logs_to_stderr():  # DeepSpeed, which checks each layout's config, logs to stdout
+            result = plan(request, cluster, machine, args.headroom)
+            document = json.dumps(as_json(result, args.top), indent=1) if args.json else \
+                report(result, args.top, args.explain)
     except ConfigError as e:
         print(f"error: --model-config {args.model_config}: {e}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(as_json(result, args.top), indent=1))
-    else:
-        print(report(result, args.top, args.explain))
+    print(document)
     return 0 if result.ranked else 1
 
 

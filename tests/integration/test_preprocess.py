@@ -17,6 +17,7 @@ import pytest
 
 from data_tools import preprocess_data
 from megatron.data.indexed_dataset import IndexedDataset
+from megatron.data.jsonl import Chunk
 from megatron.data.tokenizer import T5Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,6 +158,54 @@ def test_strict_stops_at_first_bad_line_and_leaves_nothing(tmp_path, spm_model):
     assert os.listdir(tmp_path / "o") == []
 
 
+def write_with_bom(path, texts):
+    """Lines as a Windows tool writes them: a UTF-8 BOM first, CRLF line ends."""
+    path.write_bytes("\ufeff".encode() + b"".join(
+        json.dumps({"text": t}, ensure_ascii=False).encode() + b"\r\n" for t in texts))
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_bom_that_starts_a_file_is_removed_and_counted(tmp_path, spm_model, mixed_texts,
+                                                         strict):
+    tok = T5Tokenizer(str(spm_model))
+    parts = [mixed_texts[:50], mixed_texts[50:51], mixed_texts[51:]]
+    for k, texts in enumerate(parts):
+        write_with_bom(tmp_path / f"in{k}.jsonl", texts)
+    with gzip.open(tmp_path / "in3.jsonl.gz", "wb") as f:  # a BOM inside the compressed stream
+        f.write((tmp_path / "in1.jsonl").read_bytes())
+    out = tmp_path / "out" / "m"
+    # Several workers, about a line per chunk: the first line of each file goes to any of them.
+    proc = run_cli("--input", tmp_path / "in*.jsonl*", "--output-prefix", out,
+                   "--tokenizer-model", spm_model, "--append-eod", "--workers", 2,
+                   "--chunk-mb", "0.00005", *(["--strict"] if strict else []))
+    assert "removed the UTF-8 byte order mark (BOM) that began 4 of 4 input files" in proc.stderr
+    assert "bad lines" not in proc.stderr, proc.stderr
+    ds = IndexedDataset(f"{out}_text_document")
+    expected = mixed_texts[:50] + mixed_texts[50:51] + mixed_texts[51:] + mixed_texts[50:51]
+    assert [ds[i].tolist() for i in range(len(ds))] == [tok.encode(t) + [tok.eod]
+                                                        for t in expected]
+    assert sorted(os.listdir(out.parent)) == ["m_text_document.bin", "m_text_document.idx"]
+
+
+def test_a_bom_on_a_later_line_is_a_bad_line(tmp_path, spm_model):
+    bom = "\ufeff".encode()
+    (tmp_path / "a.jsonl").write_bytes(bom + b'{"text": "one"}\n' + bom + b'{"text": "two"}\n'
+                                       + b'{"text": "three"}\n')
+    out = tmp_path / "out" / "m"
+    proc = run_cli("--input", tmp_path / "a.jsonl", "--output-prefix", out,
+                   "--tokenizer-model", spm_model, "--strict", check=False)
+    assert proc.returncode == 1
+    assert f"{tmp_path / 'a.jsonl'}:2: invalid JSON: the line starts with a UTF-8 byte order mark" \
+        in proc.stderr, proc.stderr
+    assert os.listdir(out.parent) == []
+    proc = run_cli("--input", tmp_path / "a.jsonl", "--output-prefix", out,
+                   "--tokenizer-model", spm_model)
+    assert "removed the UTF-8 byte order mark (BOM) that began 1 of 1 input files" in proc.stderr
+    report = Path(f"{out}_bad_lines.tsv").read_text(encoding="utf-8").splitlines()
+    assert [r.split("\t")[1] for r in report[1:]] == ["2"]
+    assert IndexedDataset(f"{out}_text_document").num_documents == 2
+
+
 def test_flag_errors(tmp_path, spm_model):
     for args, message in [
         (["--input", tmp_path / "nothing*.jsonl"], "matches no file"),
@@ -170,6 +219,37 @@ def test_flag_errors(tmp_path, spm_model):
         assert not list(tmp_path.glob("o_*"))
 
 
+class StderrWatch:
+    """Reads a process's stderr in a thread; `wait_for(prefix)` waits, up to a deadline, for a
+    line that starts with `prefix`."""
+
+    def __init__(self, stream):
+        self.lines = []
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream):
+        for line in stream:
+            with self._cond:
+                self.lines.append(line)
+                self._cond.notify_all()
+        with self._cond:
+            self.lines.append(None)  # end of stream
+            self._cond.notify_all()
+
+    def wait_for(self, prefix, timeout):
+        def seen():
+            return None in self.lines or any(line.startswith(prefix) for line in self.lines
+                                             if line is not None)
+        with self._cond:
+            return self._cond.wait_for(seen, timeout) and None not in self.lines
+
+    def text(self, timeout):
+        self._thread.join(timeout)
+        return "".join(line for line in self.lines if line is not None)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_interrupted_run_leaves_no_output(tmp_path, spm_model, mixed_texts, sig):
@@ -177,17 +257,24 @@ def test_interrupted_run_leaves_no_output(tmp_path, spm_model, mixed_texts, sig)
     out_dir = tmp_path / "out"
     cmd = [sys.executable, str(SCRIPT), "--input", str(tmp_path / "big.jsonl"), "--output-prefix",
            str(out_dir / "big"), "--tokenizer-model", str(spm_model), "--workers", "2",
-           "--split-sentences", "--chunk-mb", "0.1"]
+           "--split-sentences", "--chunk-mb", "0.1", "--log-interval", "1"]
     # A shell that started us in the background may have left SIGINT ignored; a user's terminal
     # does not, so the child gets the default disposition back.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.time() + 60
-    while not list(out_dir.glob("*.tmp-*")) and time.time() < deadline:
-        time.sleep(0.05)  # wait until it is writing
-    time.sleep(0.5)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    watch = StderrWatch(proc.stderr)
+    try:
+        # The first progress line: workers are running, chunks are in flight (their tasks
+        # bigger than a pipe holds), documents are being written.
+        writing = watch.wait_for("processed ", timeout=120)
+        assert writing, watch.text(1)
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = watch.text(60)
     assert proc.returncode != 0
     assert not list(out_dir.glob("*.bin")) and not list(out_dir.glob("*.idx"))
     if sig == signal.SIGKILL:
@@ -199,7 +286,8 @@ def test_interrupted_run_leaves_no_output(tmp_path, spm_model, mixed_texts, sig)
             "big_text_sentence.bin", "big_text_sentence.idx"]
     else:
         assert os.listdir(out_dir) == [], os.listdir(out_dir)
-        assert "interrupted" in err
+        assert proc.returncode == 130 and "interrupted; no output was written" in err, err
+        assert "error" not in err and "Traceback" not in err, err  # not a worker's failure
 
 
 # Every bad kind among real text, the first bad one at line 5: the kinds that JSON parses
@@ -322,7 +410,8 @@ def test_pool_threads_hold_sigterm_for_the_workers_they_fork(spm_model, tmp_path
                                      "--tokenizer-model", str(spm_model), "--workers", "2"])
     old = signal.signal(signal.SIGTERM, preprocess_data._on_sigterm)
     before = {p.name for p in Path("/proc/self/task").iterdir()}
-    pool = preprocess_data._start_pool(args)
+    with preprocess_data._sigterm_held():
+        pool, stop = preprocess_data._start_pool(args)
     try:
         pool.apply(os.getpid)  # the workers have run their initializer
         tasks = [p for p in Path("/proc/self/task").iterdir() if p.name not in before]
@@ -333,6 +422,37 @@ def test_pool_threads_hold_sigterm_for_the_workers_they_fork(spm_model, tmp_path
         for w in workers:  # neither blocked nor caught: the default action, death
             assert _sigterm_bits(f"/proc/{w.pid}/status") == (False, False)
     finally:
-        pool.terminate()
-        pool.join()
+        preprocess_data._stop_pool(pool, stop)
         signal.signal(signal.SIGTERM, old)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the workers are forked on Linux only")
+def test_stopping_the_pool_skips_chunks_not_started_and_ends_workers_cleanly(
+        spm_model, tmp_path, mixed_texts, monkeypatch):
+    encode_batch = T5Tokenizer.encode_batch
+    started = multiprocessing.get_context("fork").Semaphore(0)
+
+    def held(self, texts, num_threads=1):  # each worker keeps its first chunk until the stop
+        started.release()
+        deadline = time.monotonic() + 120
+        while not preprocess_data._worker["stop"].value and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return encode_batch(self, texts, num_threads=num_threads)
+
+    monkeypatch.setattr(T5Tokenizer, "encode_batch", held)  # workers are forked: they have it
+    args = preprocess_data.get_args(["--input", "x", "--output-prefix", str(tmp_path / "o"),
+                                     "--tokenizer-model", str(spm_model), "--workers", "2"])
+    lines = [json.dumps({"text": t}, ensure_ascii=False).encode() + b"\n" for t in mixed_texts]
+    chunk = Chunk(0, 1, lines, sum(map(len, lines)), 0)
+    assert chunk.nbytes > 4 * 65536  # bigger than a pipe holds, as in the runs that hung
+    with preprocess_data._sigterm_held():
+        pool, stop = preprocess_data._start_pool(args)
+    workers = multiprocessing.active_children()
+    in_flight = [pool.apply_async(preprocess_data._process_chunk, (chunk,)) for _ in range(8)]
+    assert all(started.acquire(timeout=120) for _ in workers)  # both have a chunk in hand
+    preprocess_data._stop_pool(pool, stop)
+    # Every worker left through the pool's own stop sentinel (exit 0), none was killed; each
+    # finished the chunk in its hands, the others were skipped.
+    assert sorted(w.exitcode for w in workers) == [0, 0]
+    documents = [r.get(timeout=0).documents for r in in_flight]
+    assert sorted(documents) == [0] * 6 + [len(mixed_texts)] * 2, documents

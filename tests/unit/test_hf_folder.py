@@ -343,21 +343,41 @@ def corpus_sample(corpora_dir, per_corpus=12, chars=1500):
     return out
 
 
+def byte_runs_as_unk(ours, ids):
+    """`ids` with each run of byte pieces replaced by one <unk>: what a tokenizer without byte
+    fallback gives for the characters outside the vocabulary."""
+    out = []
+    for i in ids:
+        byte = i < ours.sp_vocab_size and ours.id_to_piece(i).startswith("<0x")
+        if not (byte and out and out[-1] is None):
+            out.append(None if byte else i)
+    return [ours.unk_id if i is None else i for i in out]
+
+
 def test_tokenizer_gives_our_ids(spm_model, corpora_dir, tmp_path):
-    """AutoTokenizer on the folder encodes every text to our tokenizer's ids (byte pieces for
-    characters outside the vocabulary, sentinels, eos appended) and decodes them back to our
-    text; T5Tokenizer.from_pretrained loads it too, and agrees except where transformers 5.x's
-    T5Tokenizer has no byte fallback (it gives <unk> there)."""
+    """AutoTokenizer on the folder encodes every text, Chinese and English, to our tokenizer's
+    ids (byte pieces for characters outside the vocabulary, sentinels, eos appended) and decodes
+    them back to our text, special tokens kept or not; the folder names its class in
+    tokenizer_config.json and config.json (either is enough) and says why in its README.
+    T5Tokenizer.from_pretrained, as documented there, gives <unk> for each run of characters
+    outside the vocabulary (transformers 5.x rebuilds it without byte fallback) and our ids for
+    every other text."""
     ours = OurTokenizer(str(spm_model))
     assert ours.vocab_size == VOCAB
     model = our_model("v1_0")
     out = write_hf_folder(tmp_path / "hf", model.config, gather_full_state_dict(model).items(),
                           tokenizer_model=spm_model)
     assert {"spiece.model", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json"} <= {p.name for p in out.iterdir()}
+            "special_tokens_map.json", "README.md"} <= {p.name for p in out.iterdir()}
+    for name in ("tokenizer_config.json", "config.json"):
+        assert json.loads((out / name).read_text())["tokenizer_class"] == \
+            "PreTrainedTokenizerFast"
+    readme = (out / "README.md").read_text()
+    assert "AutoTokenizer.from_pretrained" in readme and "without byte fallback" in readme
     with transformers_warnings() as messages:
         tok = AutoTokenizer.from_pretrained(out)
     assert messages == []
+    assert type(tok).__name__ == "TokenizersBackend"  # tokenizer.json as it is
     assert len(tok) == ours.vocab_size
     assert (tok.eos_token_id, tok.pad_token_id, tok.unk_token_id) == (1, 0, 2)
     assert tok.convert_tokens_to_ids(["<extra_id_0>", "<extra_id_99>"]) == \
@@ -367,17 +387,32 @@ def test_tokenizer_gives_our_ids(spm_model, corpora_dir, tmp_path):
         ids = ours.encode(text)
         assert tok(text).input_ids == ids + [ours.eos_id], text
         assert tok(text, add_special_tokens=False).input_ids == ids, text
-        assert tok.decode(ids, skip_special_tokens=True) == ours.decode(ids), text
-        assert tok.decode(ids + [1], skip_special_tokens=False) == \
-            ours.decode(ids + [1], skip_special_tokens=False), text
+        spans = [ours.sentinel_id(0)] + ids + [ours.sentinel_id(1), ours.eos_id, ours.pad_id]
+        for skip in (False, True):
+            assert tok.decode(spans, skip_special_tokens=skip) == \
+                ours.decode(spans, skip_special_tokens=skip), text
+        assert tok.decode(spans) == ours.decode(spans)  # the same default: kept
     assert any(ours.id_to_piece(i).startswith("<0x") for i in ours.encode(TEXTS[3]))
     batch_ids = tok(texts[:4], padding=True).input_ids
     assert batch_ids[0][:len(ours.encode(texts[0])) + 1] == ours.encode(texts[0], add_eos=True)
 
+    # config.json alone steers AutoTokenizer too (a tokenizer_config.json written by another
+    # tool may lack the class)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    del config["tokenizer_class"]
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    again = AutoTokenizer.from_pretrained(out)
+    assert type(again).__name__ == "TokenizersBackend"
+    assert again(TEXTS[3]).input_ids == ours.encode(TEXTS[3], add_eos=True)
+
     slow = T5Tokenizer.from_pretrained(out)  # rebuilt by transformers without byte fallback
-    for text in (TEXTS[0], TEXTS[2], TEXTS[6]):
-        assert slow(text).input_ids == ours.encode(text, add_eos=True), text
-    assert ours.unk_id in slow(TEXTS[3]).input_ids
+    with_bytes = 0
+    for text in texts:
+        ids = ours.encode(text)
+        expected = byte_runs_as_unk(ours, ids)
+        with_bytes += expected != ids
+        assert slow(text, add_special_tokens=False).input_ids == expected, text
+    assert with_bytes >= 5  # Chinese, emoji and other scripts outside the 4000 pieces
 
 
 def test_tokenizer_that_does_not_fit_the_model_is_refused(spm_model, tmp_path):

@@ -1,8 +1,11 @@
-"""megatron/data/jsonl.py: every bad kind of line gets a reason; good lines give their texts."""
+"""megatron/data/jsonl.py: every bad kind of line gets a reason; good lines give their texts; a
+file's leading UTF-8 BOM is removed, and only that one."""
+
+import gzip
 
 import pytest
 
-from megatron.data.jsonl import BadLine, parse_line
+from megatron.data.jsonl import UTF8_BOM, BadLine, parse_line, read_chunks
 
 
 @pytest.mark.parametrize("line, texts", [
@@ -54,3 +57,27 @@ def test_allow_empty_keeps_blank_documents_but_not_surrogates():
     assert parse_line(b'{"text": " "}', ["text"], allow_empty=True) == [" "]
     with pytest.raises(BadLine, match="lone surrogate"):
         parse_line(b'{"text": "\\ud800"}', ["text"], allow_empty=True)
+
+
+def test_a_line_starting_with_a_bom_is_bad():
+    with pytest.raises(BadLine, match="starts with a UTF-8 byte order mark"):
+        parse_line(UTF8_BOM + b'{"text": "x"}', ["text"])
+    assert UTF8_BOM == "\ufeff".encode("utf-8")
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 20])  # a line per chunk; one chunk per file
+def test_read_chunks_removes_the_bom_that_starts_each_file_and_no_other(tmp_path, chunk_bytes):
+    lines = [b'{"text": "one"}\n', UTF8_BOM + b'{"text": "two"}\n', b'{"text": "\xef\xbb\xbf"}\n']
+    plain, gz, none = tmp_path / "a.jsonl", tmp_path / "b.jsonl.gz", tmp_path / "c.jsonl"
+    plain.write_bytes(UTF8_BOM + b"".join(lines))
+    with gzip.open(gz, "wb") as f:
+        f.write(UTF8_BOM + b"".join(lines))
+    none.write_bytes(b"".join(lines))
+    chunks = list(read_chunks([str(plain), str(gz), str(none)], chunk_bytes=chunk_bytes))
+    for index in range(3):
+        mine = [c for c in chunks if c.file_index == index]
+        assert [line for c in mine for line in c.lines] == lines  # only the first BOM is gone
+        assert [c.bom for c in mine] == [index < 2] + [False] * (len(mine) - 1)
+        # the BOM's bytes were read: progress and MB/s count them
+        assert sum(c.nbytes for c in mine) == len(b"".join(lines)) + 3 * (index < 2)
+    assert [parse_line(line, ["text"]) for line in lines[::2]] == [["one"], ["\ufeff"]]

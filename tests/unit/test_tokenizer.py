@@ -179,8 +179,15 @@ def test_decode_matches_hf(tok, hf, docs):
         for skip in (True, False):
             assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(
                 ids, skip_special_tokens=skip)
+        assert tok.decode(ids) == hf.decode(ids)  # the same default: special tokens kept
         checked += 1
     assert checked > 50
+    span = [tok.sentinel_id(0)] + tok.encode("Shall I compare thee") + [tok.sentinel_id(1),
+                                                                         tok.eos_id, tok.pad_id]
+    assert tok.decode(span) == hf.decode(span) == "<extra_id_0> Shall I compare thee" \
+        "<extra_id_1></s><pad>"
+    assert tok.decode(span, skip_special_tokens=True) == \
+        hf.decode(span, skip_special_tokens=True) == "Shall I compare thee"
     assert tok.decode(np.array(ids, dtype=np.uint16)) == tok.decode(ids)
     assert tok.detokenize(ids) == tok.decode(ids)
 
@@ -315,6 +322,25 @@ def test_long_lines_are_cut(tmp_path, corpora_dir, capsys):
                                "--character-coverage", "1.0"])
     assert rc == 0 and "1 over-long lines cut" in capsys.readouterr().out
     assert not model_spec(tmp_path / "m.model").byte_fallback
+
+
+def test_a_leading_bom_is_removed_and_counted(tmp_path, small_jsonl, capsys):
+    data = small_jsonl.read_bytes()
+    (tmp_path / "bom.jsonl").write_bytes("\ufeff".encode() + data)
+    (tmp_path / "bom.txt").write_bytes("\ufeff".encode() + b"First line\nSecond line\n")
+    (tmp_path / "plain.txt").write_bytes(b"First line\nSecond line\n")
+
+    def sentences(*paths):  # what SentencePiece is given (training is not bit-reproducible)
+        args = train_tokenizer.get_args(["--input", *map(str, paths), "--output-prefix", "x"])
+        return list(train_tokenizer.Corpus(list(map(str, paths)), args))
+
+    assert sentences(tmp_path / "bom.jsonl", tmp_path / "bom.txt") == \
+        sentences(small_jsonl, tmp_path / "plain.txt")
+    rc = train_tokenizer.main(["--input", str(tmp_path / "bom.*"), str(small_jsonl),
+                               "--output-prefix", str(tmp_path / "m"), "--vocab-size", "3000"])
+    assert rc == 0
+    assert "removed the UTF-8 byte order mark (BOM) that began 2 of 3 input files" in \
+        capsys.readouterr().out
 
 
 @pytest.mark.parametrize("case", ["no_match", "missing_file", "bad_json", "missing_key",
