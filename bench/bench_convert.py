@@ -19,7 +19,7 @@ Tools, each a separate process on the same iteration folder, its output removed 
                        --safe_serialization (model.safetensors, the format ours writes)
     both again with 256 MB output shards (ours --max-shard-size 256MB, DeepSpeed
     --max_shard_size 256MB): DeepSpeed holds one output shard in memory at a time, 5 GB by
-    default; ours writes each tensor to its shard file as it comes (megatron/checkpoint/shards.py)
+    default; ours writes each tensor to its shard file as it comes (megatron/checkpoint/formats/shards.py)
 
 and `python -c "import deepspeed"`, what every tool's process costs before it reads anything
 (both tools import deepspeed). Each runs --rounds times (every tool on every size, then again);
@@ -39,7 +39,7 @@ The checkpoints were just written or read, so every run reads them from the page
 the outputs go into the page cache and are flushed later (neither tool fsyncs).
 
 Check: the fp32 outputs are loaded and compared tensor by tensor (torch.equal) by name: ours
---to fp32, ours --to hf (read back with megatron.checkpoint.hf.read_hf_folder, which gives our
+--to fp32, ours --to hf (read back with megatron.checkpoint.formats.hf.read_hf_folder, which gives our
 names) and DeepSpeed's two outputs; DeepSpeed keeps the vocabulary's padded rows of
 shared.weight and lm_head.weight, ours trims them to vocab_size, so its first vocab_size rows
 are compared. Results go to bench/RESULTS.md (section "convert") and the figures to
@@ -238,7 +238,7 @@ def check_outputs(outs: Dict[str, Path], vocab_size: int) -> dict:
     """Compare every output with ours --to fp32, tensor by tensor, by name."""
     import torch
 
-    from megatron.checkpoint.hf import read_hf_folder
+    from megatron.checkpoint.formats.hf import read_hf_folder
 
     reference = _safetensors(outs["ours --to fp32"] / TAG)
     found = {}

@@ -160,7 +160,7 @@ def read_source(args) -> Tuple[dict, Iterator, dict, int]:
     """(model meta, iterator of full tensors under our names, source description, tensor
     count)."""
     if args.from_format == "cpm2":
-        from megatron.checkpoint.cpm2 import read_cpm2_checkpoint
+        from megatron.checkpoint.formats.cpm2 import read_cpm2_checkpoint
 
         config, tensors, source, notes = read_cpm2_checkpoint(
             args.source_dir, args.model_config, args.iteration, args.vocab)
@@ -170,14 +170,14 @@ def read_source(args) -> Tuple[dict, Iterator, dict, int]:
                 "precision": "fp32"}
         return meta, tensors, source, _count(meta)
     if args.from_format == "hf":
-        from megatron.checkpoint.hf import read_hf_folder
+        from megatron.checkpoint.formats.hf import read_hf_folder
 
         config, tensors = read_hf_folder(args.source_dir)
         meta = {"config": config.to_dict(), "make_vocab_size_divisible_by": 128,
                 "precision": "fp32"}
         return meta, tensors, {"format": "hf", "path": str(Path(args.source_dir).resolve())}, \
             _count(meta)
-    from megatron.checkpoint import deepspeed as ours
+    from megatron.checkpoint.formats import deepspeed as ours
 
     folder = ours.find_iteration(Path(args.load), args.iteration)
     meta = ours.read_meta(folder)
@@ -228,7 +228,7 @@ def tokenizer_of(args, source_meta_path: Optional[Path]):
 def cpm2_vocab_export(config, spec, source: dict):
     """A run of ours trained with CPM-2's tokenizer: (config with the vocabulary's special ids,
     the vocab.txt + README that stand in for a SentencePiece tokenizer in the folder)."""
-    from megatron.checkpoint.cpm2 import CPM2TokenizerFiles, read_vocab, with_special_ids
+    from megatron.checkpoint.formats.cpm2 import CPM2TokenizerFiles, read_vocab, with_special_ids
 
     vocab = Path(spec.path)
     config = with_special_ids(config, read_vocab(vocab), vocab, exact=False)
@@ -241,7 +241,7 @@ def optimizer_states(args, source: dict):
     a warning saying why) where they cannot be carried."""
     if args.load is None or args.weights_only:
         return None
-    from megatron.checkpoint import deepspeed as ours
+    from megatron.checkpoint.formats import deepspeed as ours
 
     folder = Path(source["path"])
     try:
@@ -258,7 +258,7 @@ def optimizer_states(args, source: dict):
 
 def to_megatron(args, out: Path, model_meta: dict, tensors, source: dict, progress,
                 optimizer) -> int:
-    from megatron.checkpoint.weights import write_weights_checkpoint
+    from megatron.checkpoint.formats.weights import write_weights_checkpoint
 
     layout = {"tensor_model_parallel_size": args.target_tensor_parallel_size,
               "pipeline_model_parallel_size": args.target_pipeline_parallel_size}
@@ -281,7 +281,7 @@ def to_megatron(args, out: Path, model_meta: dict, tensors, source: dict, progre
 
 def cpm2_tokenizer_files(args, config, source: dict):
     """vocab.txt (when given) and the README naming CPM-2's tokenizer, for --to hf."""
-    from megatron.checkpoint.cpm2 import CPM2TokenizerFiles, vocab_file
+    from megatron.checkpoint.formats.cpm2 import CPM2TokenizerFiles, vocab_file
 
     vocab = vocab_file(args.vocab) if args.vocab is not None else None
     if vocab is None:
@@ -295,7 +295,7 @@ def cpm2_tokenizer_files(args, config, source: dict):
 
 def run(args) -> int:
     if args.inspect is not None:
-        from megatron.checkpoint.deepspeed import describe, find_iteration
+        from megatron.checkpoint.formats.deepspeed import describe, find_iteration
 
         with logs_to_stderr():  # stdout holds the JSON alone
             info = describe(find_iteration(Path(args.inspect), args.iteration))
@@ -312,7 +312,7 @@ def run(args) -> int:
     if kind == "fp32":
         import torch
 
-        from megatron.checkpoint.weights import write_weights_checkpoint
+        from megatron.checkpoint.formats.weights import write_weights_checkpoint
 
         fp32 = ((name, t.to(torch.float32)) for name, t in tensors)
         write_weights_checkpoint(out, fp32, model_meta, iteration=source.get("iteration") or 0,
@@ -321,7 +321,7 @@ def run(args) -> int:
         print(f"wrote {out}: full fp32 tensors under our names (safetensors in "
               f"{out}/iter_*/); it also loads into the trainer with --finetune")
         return 0
-    from megatron.checkpoint.hf import write_hf_folder
+    from megatron.checkpoint.formats.hf import write_hf_folder
     from megatron.model.config import T5Config
 
     config = T5Config.from_dict(model_meta["config"], source="the checkpoint's meta.json")

@@ -1,13 +1,3 @@
-"""Checkpoint formats and conversion, without process groups (data_tools/convert_checkpoint.py).
-
-One intermediate: full, unpadded tensors under our names (Hugging Face T5's), one at a time.
-- deepspeed.py (with deepspeed_files.py) reads any checkpoint the trainer writes (any TP, PP,
-  DP, ZeRO 0-3): the weights, the fp32 masters, Adam's moments and step.
-- hf.py writes and reads Hugging Face folders (weights, config, tokenizer).
-- cpm2.py reads CPM-2-Pretrain / -Finetune checkpoints (any model-parallel size; the fused
-  projections un-strided), and gives a Hugging Face export CPM-2's vocab.txt and a README.
-- weights.py writes a checkpoint of full tensors that the trainer loads in any layout: weights
-  (--finetune), or with the optimizer states a resume (megatron/training/optimizer_state.py puts
-  them into DeepSpeed's optimizer).
-- shards.py writes safetensors shards as the tensors come, one tensor in memory at a time.
-"""
+"""Checkpoints: `formats/` reads and writes every checkpoint format without process groups (the
+conversion tool's side; see its __init__), `io/` is the trainer's side (saving, loading, the
+writer lock)."""

@@ -5,8 +5,8 @@ Our parameter names are Hugging Face's; the differences are only that Hugging Fa
 the tied copies (`encoder.embed_tokens.weight`, `decoder.embed_tokens.weight`, and `lm_head.weight`
 when tied) and that our vocabulary rows are padded for tensor parallelism. A copy is dropped only
 when it equals the embedding; whether a checkpoint's head is tied is decided from its tensors, as
-Hugging Face decides it (`from_hf_checkpoint`; for a folder `megatron.checkpoint.hf.read_hf_checkpoint`, or
-megatron.checkpoint.hf.read_hf_folder to stream it).
+Hugging Face decides it (`from_hf_checkpoint`; for a folder `megatron.checkpoint.formats.hf.read_hf_checkpoint`, or
+megatron.checkpoint.formats.hf.read_hf_folder to stream it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Adam's states from full tensors into whatever optimizer DeepSpeed built for this rank.
 
-A converted checkpoint (megatron/checkpoint/weights.py) holds the fp32 masters and Adam's two
+A converted checkpoint (megatron/checkpoint/formats/weights.py) holds the fp32 masters and Adam's two
 moments as full tensors under our names, and the step count. A run of any layout takes its part:
 each rank slices its tensor-parallel shard of every parameter its stage holds (the same slice as
 the weights), and the optimizer takes the elements it owns:
@@ -26,7 +26,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from megatron.checkpoint.weights import MOMENTS, WeightsError, WeightsReader, local_tensor
+from megatron.checkpoint.formats.weights import MOMENTS, WeightsError, WeightsReader, local_tensor
 
 Values = Callable[..., Dict[str, torch.Tensor]]
 """values(param, keys): a parameter's local values, by key ('fp32', the master, and each of

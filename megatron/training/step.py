@@ -21,7 +21,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional
 import torch
 
 from megatron import parallel_state
-from megatron.checkpoint.deepspeed_files import OPTIMIZER_PARAMETERS
+from megatron.checkpoint.formats.deepspeed_files import OPTIMIZER_PARAMETERS
 from megatron.training.profiling import BACKWARD, FORWARD, NO_RANGE, OPTIMIZER_STEP, no_range
 
 BATCH_KEYS = ("encoder_input_ids", "decoder_input_ids", "encoder_attention_mask",
@@ -91,7 +91,7 @@ class TrainStep(abc.ABC):
         nothing to load (collective)."""
 
     def load_weights(self, folder: Path, optimizer_step: Optional[int] = None) -> None:
-        """Read the full weights of a weights checkpoint folder (megatron/checkpoint/weights.py)
+        """Read the full weights of a weights checkpoint folder (megatron/checkpoint/formats/weights.py)
         into this rank's part of the model (collective under ZeRO-3); with `optimizer_step`,
         its optimizer states too, Adam's step set to it."""
         raise NotImplementedError(f"{type(self).__name__} cannot load a weights checkpoint")
@@ -175,7 +175,7 @@ class EngineStep(TrainStep):
         return path is not None
 
     def load_weights(self, folder: Path, optimizer_step: Optional[int] = None) -> None:
-        from megatron.checkpoint.weights import WeightsError, WeightsReader, load_into
+        from megatron.checkpoint.formats.weights import WeightsError, WeightsReader, load_into
 
         module = self.engine.module
         problems = load_into(module, self._weight_names(), WeightsReader(folder),

@@ -1,4 +1,4 @@
-"""megatron/checkpoint/deepspeed.py reads the checkpoints of real short runs in every layout:
+"""megatron/checkpoint/formats/deepspeed.py reads the checkpoints of real short runs in every layout:
 one process fp32 ZeRO-0 (its module file is the full state: bit-equal), DP=2 ZeRO-1/2/3 (and
 ZeRO-3 with optimizer and parameters offloaded), TP=2 ZeRO-1, PP=2 ZeRO-0/1, TP=2 x PP=2 tied,
 PP=2 x DP=2, bf16 ZeRO-1 with and without a pipeline (DeepSpeed's two bf16 optimizers).
@@ -16,7 +16,7 @@ import torch
 from harness import run_workers
 from train_workers import base_argv, run_pretrain
 
-from megatron.checkpoint.deepspeed import (
+from megatron.checkpoint.formats.deepspeed import (
     CheckpointReadError,
     describe,
     find_iteration,
@@ -159,7 +159,7 @@ def test_damaged_files_are_named(checkpoints, tmp_path):
 def test_the_layouts_exercise_deepspeeds_padding(checkpoints):
     """The claims of the module docstring hold: ZeRO-3 pads odd-sized parameters, ZeRO-1/2
     strip a group's trailing padding (odd group sizes), BF16_Optimizer saves it."""
-    from megatron.checkpoint.deepspeed import load_file
+    from megatron.checkpoint.formats.deepspeed import load_file
 
     def state(name, file):
         return load_file(find_iteration(checkpoints[name]) / file)

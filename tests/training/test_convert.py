@@ -24,7 +24,7 @@ def trained(train_data, tmp_path_factory):
 
 def module_weights(ckpt, vocab_size):
     """The one-process checkpoint's full weights (its module file), vocabulary unpadded."""
-    from megatron.checkpoint.deepspeed_files import load_file  # weights_only, allow-listed
+    from megatron.checkpoint.formats.deepspeed_files import load_file  # weights_only, allow-listed
 
     state = load_file(ckpt / "iter_0000002" / "mp_rank_00_model_states.pt")["module"]
     return {k: (v[:vocab_size] if k in ("shared.weight", "lm_head.weight") else v)
@@ -32,7 +32,7 @@ def module_weights(ckpt, vocab_size):
 
 
 def test_a_weights_checkpoint_loads_in_every_layout(train_data, trained, tmp_path):
-    from megatron.checkpoint.weights import write_weights_checkpoint
+    from megatron.checkpoint.formats.weights import write_weights_checkpoint
     from megatron.model.config import T5Config
 
     ckpt, reference = trained

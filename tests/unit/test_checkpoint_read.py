@@ -1,4 +1,4 @@
-"""megatron/checkpoint/deepspeed.py without processes: a one-process checkpoint in DeepSpeed's
+"""megatron/checkpoint/formats/deepspeed.py without processes: a one-process checkpoint in DeepSpeed's
 file layout made here, the tensor-parallel split rules, and every kind of bad input (each error
 names the file). Real runs in every layout: tests/training/test_checkpoint_read_layouts.py."""
 
@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from megatron.checkpoint import deepspeed as reader
-from megatron.checkpoint import deepspeed_files
-from megatron.checkpoint.deepspeed import (
+from megatron.checkpoint.formats import deepspeed as reader
+from megatron.checkpoint.formats import deepspeed_files
+from megatron.checkpoint.formats.deepspeed import (
     ALLOWED_GLOBALS,
     CheckpointReadError,
     describe,
@@ -207,8 +207,8 @@ def test_fp16_masters_of_zero_0_are_not_guessed(tmp_path):
 
 
 def test_a_weights_checkpoint_is_read_too(ckpt, tmp_path):
-    """What the conversion tool writes (megatron/checkpoint/weights.py) reads back as it is."""
-    from megatron.checkpoint.weights import write_weights_checkpoint
+    """What the conversion tool writes (megatron/checkpoint/formats/weights.py) reads back as it is."""
+    from megatron.checkpoint.formats.weights import write_weights_checkpoint
 
     root, want = ckpt
     model = read_meta(find_iteration(root))["model"]

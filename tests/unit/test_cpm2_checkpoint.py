@@ -1,4 +1,4 @@
-"""CPM-2 checkpoints through `convert_checkpoint.py --from cpm2` (megatron/checkpoint/cpm2.py).
+"""CPM-2 checkpoints through `convert_checkpoint.py --from cpm2` (megatron/checkpoint/formats/cpm2.py).
 
 Two sources of CPM-2 checkpoints:
 - written here from a reference model of ours, at model-parallel sizes 2 and 4, by CPM-2's split
@@ -22,7 +22,7 @@ import safetensors.torch
 import torch
 
 from data_tools import convert_checkpoint
-from megatron.checkpoint import cpm2
+from megatron.checkpoint.formats import cpm2
 from megatron.model import T5Config, T5Model
 from megatron.model.config import ConfigError
 from megatron.model.state_dict import gather_full_state_dict, load_full_state_dict
@@ -223,7 +223,7 @@ def tp_logits(rank, world_size, folder, fields, enc, dec):
     """The trainer's model at TP=world_size loading a weights checkpoint as the trainer does
     (weights.load_into: each rank its slice), its gathered logits."""
     from megatron import parallel_state
-    from megatron.checkpoint.weights import WeightsReader, load_into
+    from megatron.checkpoint.formats.weights import WeightsReader, load_into
     from megatron.tensor_parallel import gather_from_tensor_model_parallel_region
 
     parallel_state.initialize_model_parallel(world_size, 1)
@@ -405,7 +405,7 @@ def test_a_vocabulary_of_another_size(cpm2_ckpt, files, tmp_path, capsys):
 
 
 def test_other_formats_are_named(reference, files, tmp_path, capsys):
-    from megatron.checkpoint.hf import write_hf_folder
+    from megatron.checkpoint.formats.hf import write_hf_folder
 
     config = files / "enc_dec_config.json"
     hf = write_hf_folder(tmp_path / "hf", T5Config(**OURS), reference[1].items())

@@ -11,7 +11,7 @@ from test_hf_parity import CONFIGS, VOCAB, hf_model, padded_batch
 from transformers import T5ForConditionalGeneration
 
 from megatron.model import T5Config, T5Model
-from megatron.checkpoint.hf import read_hf_checkpoint
+from megatron.checkpoint.formats.hf import read_hf_checkpoint
 from megatron.model.state_dict import (
     StateDictError,
     from_hf_checkpoint,

@@ -1,4 +1,4 @@
-"""Hugging Face folders through transformers itself (megatron/checkpoint/hf.py): our weights
+"""Hugging Face folders through transformers itself (megatron/checkpoint/formats/hf.py): our weights
 written as a folder that T5ForConditionalGeneration.from_pretrained loads as the same model (tied
 and untied, sharded or not, no missing or unexpected keys, no warning but the one transformers
 gives every untied T5), its own save_pretrained folders (and pytorch_model.bin ones, and the
@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, MT5Config, MT5ForConditionalGeneration
 from transformers import T5Config as HFConfig
 from transformers import T5ForConditionalGeneration, T5Tokenizer
 
-from megatron.checkpoint.hf import (
+from megatron.checkpoint.formats.hf import (
     HFFolderError,
     read_hf_checkpoint,
     read_hf_folder,

@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import load_file
 
 from data_tools import convert_checkpoint
-from megatron.checkpoint.deepspeed import (
+from megatron.checkpoint.formats.deepspeed import (
     check_optimizer_states,
     describe,
     find_iteration,
     iter_full_tensors,
     optimizer_step,
 )
-from megatron.checkpoint.deepspeed_files import OPTIMIZER_PARAMETERS
+from megatron.checkpoint.formats.deepspeed_files import OPTIMIZER_PARAMETERS
 from megatron.model.config import T5Config
 from megatron.model.t5 import T5Model
 from megatron.training.engine import param_groups

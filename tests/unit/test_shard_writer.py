@@ -1,4 +1,4 @@
-"""megatron/checkpoint/shards.py: ShardWriter's files read back bit for bit by safetensors itself
+"""megatron/checkpoint/formats/shards.py: ShardWriter's files read back bit for bit by safetensors itself
 (every dtype it stores, odd shapes, a scalar, empty, non-contiguous and storage-sharing tensors),
 split and named as transformers splits and names them, with each tensor streamed to disk as it
 comes (a subprocess's peak RSS stays within a few tensors while it writes a 384 MiB shard), and
@@ -24,10 +24,10 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 
-from megatron.checkpoint import shards
-from megatron.checkpoint.hf import SAFE_INDEX, SAFE_SINGLE
-from megatron.checkpoint.hf import ShardWriter as HFShardWriter
-from megatron.checkpoint.shards import DTYPES, MIN_RESERVE, ShardWriter
+from megatron.checkpoint.formats import shards
+from megatron.checkpoint.formats.hf import SAFE_INDEX, SAFE_SINGLE
+from megatron.checkpoint.formats.hf import ShardWriter as HFShardWriter
+from megatron.checkpoint.formats.shards import DTYPES, MIN_RESERVE, ShardWriter
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -273,7 +273,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
     import json, sys
     from pathlib import Path
     import torch
-    from megatron.checkpoint.shards import ShardWriter
+    from megatron.checkpoint.formats.shards import ShardWriter
 
     def status(key):
         for line in open("/proc/self/status"):

@@ -1,5 +1,5 @@
 """DeepSpeed's checkpoint files, read safely: the memory-mapped loader with its allow-list, the
-files' names, and how the fp32 masters of ZeRO 1-3 are laid out (megatron/checkpoint/deepspeed.py
+files' names, and how the fp32 masters of ZeRO 1-3 are laid out (megatron/checkpoint/formats/deepspeed.py
 is the reader built on these).
 
 The masters (learnt from deepspeed/utils/zero_to_fp32.py and the optimizers' state_dict; our own

@@ -55,7 +55,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from megatron.checkpoint.deepspeed_files import CheckpointReadError, allowed_globals, only_globals
+from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError, allowed_globals, only_globals
 from megatron.model.config import ConfigError, T5Config
 from megatron.model.meta import full_parameter_shapes
 

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch
 
-from megatron.checkpoint.hf import ShardWriter, parse_size, staged_folder
+from megatron.checkpoint.formats.hf import ShardWriter, parse_size, staged_folder
 
 FORMAT = "weights"
 MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -8,7 +8,7 @@
     tokenizer_config.json, special_tokens_map.json
     README.md                   how to load it: AutoTokenizer, not T5Tokenizer (below)
 
-Memory is bounded by one tensor when writing (megatron.checkpoint.shards writes each tensor's
+Memory is bounded by one tensor when writing (megatron.checkpoint.formats.shards writes each tensor's
 bytes to its file as it comes, never a whole shard) and by two vocabulary-sized tensors when
 reading.
 A folder is written to OUT.tmp and renamed into place, so a failure leaves nothing behind.
@@ -43,7 +43,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Un
 
 import torch
 
-from megatron.checkpoint.hf_tokenizer import (
+from megatron.checkpoint.formats.hf_tokenizer import (
     TOKENIZER_CLASS,
     HFFolderError,
     HFTokenizerFiles,
@@ -51,7 +51,7 @@ from megatron.checkpoint.hf_tokenizer import (
     hf_tokenizer_files,
     write_json,
 )
-from megatron.checkpoint.shards import ShardWriter
+from megatron.checkpoint.formats.shards import ShardWriter
 from megatron.model.config import T5Config
 from megatron.model.meta import full_parameter_shapes
 from megatron.model.state_dict import (
@@ -147,7 +147,7 @@ def write_hf_folder(out_dir: PathLike, config: T5Config,
         force: replace an existing `out_dir`.
         progress: called with each tensor's name once it is taken.
         tokenizer_files: instead of tokenizer_model, a tokenizer of another kind: an object
-            with `vocab_size` and `write(folder)` (megatron.checkpoint.cpm2.CPM2TokenizerFiles).
+            with `vocab_size` and `write(folder)` (megatron.checkpoint.formats.cpm2.CPM2TokenizerFiles).
 
     Raises:
         HFFolderError: `out_dir` exists without `force`, a name that is not the model's, given

@@ -44,7 +44,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from megatron.checkpoint.deepspeed_files import (
+from megatron.checkpoint.formats.deepspeed_files import (
     ALLOWED_GLOBALS,
     OPTIMIZER_PARAMETERS,
     CheckpointReadError,
@@ -204,7 +204,7 @@ def iter_full_tensors(iter_dir: PathLike, source: str = "master"
         'weights' reads the module weights in the training precision (under ZeRO-3, which
         saves no weights, the masters cast to it: what DeepSpeed copies into the parameters).
         'exp_avg' and 'exp_avg_sq' read Adam's moments (fp32; see `optimizer_step`).
-        A weights-only checkpoint (megatron/checkpoint/weights.py) has one copy of the weights
+        A weights-only checkpoint (megatron/checkpoint/formats/weights.py) has one copy of the weights
         (either source gives it) and the moments where it was converted with them.
 
     Raises:
@@ -259,7 +259,7 @@ def _check_names(found: Dict[str, Shard], params, folder: Path, tensor_rank: int
 
 
 def _weights_format_tensors(folder: Path, prefix: str) -> Iterator[Tuple[str, torch.Tensor]]:
-    from megatron.checkpoint.weights import WeightsError, WeightsReader, full_tensors
+    from megatron.checkpoint.formats.weights import WeightsError, WeightsReader, full_tensors
 
     try:
         yield from full_tensors(WeightsReader(folder, prefix))

@@ -1,6 +1,6 @@
 """The tokenizer files of a Hugging Face T5 folder (tokenizer.json with byte fallback, the
 SentencePiece model, special tokens), built from our SentencePiece model for
-megatron/checkpoint/hf.py's `write_hf_folder`."""
+megatron/checkpoint/formats/hf.py's `write_hf_folder`."""
 
 from __future__ import annotations
 
