@@ -217,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's peak TFLOP/s for MFU (default: from a table of GPUs)")
+    g.add_argument("--no-plots", dest="plots", action="store_false",
+                   help="do not draw the run's figures into SAVE/plots/ when a run with --save "
+                        "ends (python -m megatron.plot draws them at any time)")
     g.add_argument("--log-grad-norms-per-layer", action="store_true",
                    help="every --log-interval steps, log the gradient norm (before clipping) of "
                         "each layer group: embedding, encoder/decoder blocks, final layer "
@@ -303,6 +306,8 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
             problems.append(str(e))
     problems += loop_problems(values)
     problems += checkpoint_flag_problems(values)
+    if not values["plots"] and values["save"] is None:
+        problems.append("--no-plots needs --save (the figures go to SAVE/plots/)")
     problems += profile_problems(values, parallel.world_size)
     if values["dry_run_device"] != "auto" and not values["dry_run"]:
         problems.append("--dry-run-device has effect only with --dry-run")
@@ -329,7 +334,7 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
                                   detect_nan_layers=values["detect_nan_layers"])
     logging = LoggingConfig(values["log_interval"], values["log_file"],
                             values["tensorboard_dir"], values["peak_tflops"],
-                            values["log_grad_norms_per_layer"])
+                            values["log_grad_norms_per_layer"], plots=values["plots"])
     runtime = RuntimeConfig(device_type, backend, values["local_rank"], values["seed"],
                             values["distributed_timeout_minutes"],
                             values["data_timeout_minutes"], values["data_cache_timeout"],

@@ -287,7 +287,8 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                 if loss is not None:
                     state.evaluations.append((state.iteration, split, loss))
                     writer.write_eval(state.iteration, split, loss)
-        if rank == 0 and ckpt.save is not None and not state.exit_reason.startswith("signal"):
+        if rank == 0 and ckpt.save is not None and config.logging.plots \
+                and not state.exit_reason.startswith("signal"):
             # a signal's grace period is the scheduler's, not the figures'
             from megatron.plot.at_end import plot_at_end
 

@@ -98,3 +98,5 @@ class LoggingConfig:
     grad_norms_per_layer: bool = False
     """Log the gradient norm of each layer group every log_interval steps
     (megatron/training/layer_norms.py)."""
+    plots: bool = True
+    """Write the run's figures into SAVE/plots/ when a run with --save ends (--no-plots)."""

@@ -233,6 +233,8 @@ CASES = {
     "detect_nan_layers_without_the_guard": Case(
         extra=["--detect-nan-layers", "--no-check-for-nan-in-loss-and-grad"],
         expect=[("--detect-nan-layers", "--no-check-for-nan-in-loss-and-grad")]),
+    "no_plots_without_save": Case(
+        extra=["--no-plots"], expect=[("--no-plots needs --save",)]),
     "keep_last_without_save": Case(
         extra=["--keep-last", "2"],
         expect=[("--keep-last needs --save",)]),
