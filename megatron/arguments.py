@@ -30,6 +30,8 @@ from megatron.model.settings import ModelConfig, resolve_model
 from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
 from megatron.training.checkpointing import checkpoint_flag_problems, checkpoint_problems, layout
+from megatron.training.divergence import add_divergence_args, divergence_config, \
+    divergence_problems
 from megatron.training.ownership import lock_problems
 from megatron.training.profiling import add_profile_args, profile_config, profile_problems
 from megatron.training.ds_config import OPTIMIZER_DEFAULTS
@@ -210,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "isfinite reduction per module and parameter per micro-batch) and, "
                         "when the NaN guard stops the run, name the first non-finite one from "
                         "the failing step itself (not with a pipeline)")
+    add_divergence_args(g)
 
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100, help="steps per log line")
@@ -306,6 +309,7 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
             problems.append(str(e))
     problems += loop_problems(values)
     problems += checkpoint_flag_problems(values)
+    problems += divergence_problems(values)
     if not values["plots"] and values["save"] is None:
         problems.append("--no-plots needs --save (the figures go to SAVE/plots/)")
     problems += profile_problems(values, parallel.world_size)
@@ -324,6 +328,12 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
                         resolved.batch.gradient_accumulation_steps, values["train_iters"],
                         values["eval_interval"], values["eval_iters"])
     optimizer = OptimizerConfig(schedule=lr_schedule, **vars(resolved.optimizer))
+    divergence = divergence_config(values)
+    if divergence.enabled:  # the thresholds in force, for the flags line and meta.json
+        values.update(divergence_loss_spike_factor=divergence.loss_spike_factor,
+                      divergence_loss_window=divergence.loss_window,
+                      divergence_zero_grad_steps=divergence.zero_grad_steps,
+                      divergence_weight_growth=divergence.weight_growth)
     checkpoint = CheckpointConfig(values["save"], values["save_interval"], values["load"],
                                   values["no_load_optim"], values["no_load_rng"],
                                   values["finetune"], values["lr_policy"],
@@ -331,7 +341,8 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
                                   keep_last=values["keep_last"],
                                   async_save=values["async_save"],
                                   check_for_nan=values["check_for_nan"],
-                                  detect_nan_layers=values["detect_nan_layers"])
+                                  detect_nan_layers=values["detect_nan_layers"],
+                                  divergence=divergence)
     logging = LoggingConfig(values["log_interval"], values["log_file"],
                             values["tensorboard_dir"], values["peak_tflops"],
                             values["log_grad_norms_per_layer"], plots=values["plots"])

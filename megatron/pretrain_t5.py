@@ -267,11 +267,14 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                                              f"save" if t['waited_s'] >= 0.01 else "")
                 + f"; state taken in {t['capture_s']:.2f} s"
                 + f"; written in {t['written_s']:.2f} s per rank"
-                + (" in the background" if t["async"] else "") + ")")
+                + (" in the background" if t["async"] else "")
+                + ("; committed once the next step passed the divergence checks"
+                   if t["held"] else "") + ")")
             saver.on_warning = writer.write_text
 
-        def save(s: TrainState) -> None:
-            if saver.save(s.iteration, s.consumed_samples, schedule.state_dict()) is None:
+        def save(s: TrainState, hold: bool = False) -> None:
+            if saver.save(s.iteration, s.consumed_samples, schedule.state_dict(),
+                          hold) is None and saver.pending is not None:
                 writer.write_text(f"saving checkpoint {s.iteration} in the background")
 
         if state.iteration < batch.train_iters:
@@ -374,6 +377,7 @@ def run(config: RunConfig, signals) -> int:
 
 
 def _train(config: RunConfig, signals, watchdog, created: bool, CheckpointError) -> int:
+    from megatron.training.divergence import DivergenceError
     from megatron.training.loop import NonFiniteError
 
     finished = False
@@ -383,7 +387,7 @@ def _train(config: RunConfig, signals, watchdog, created: bool, CheckpointError)
     except CheckpointError as e:
         print(f"error (rank {dist.get_rank()}): {e}", file=sys.stderr)
         return 1
-    except NonFiniteError as e:  # every rank raises it, with the same message
+    except (NonFiniteError, DivergenceError) as e:  # every rank, with the same message
         if dist.get_rank() == 0:
             print(f"error: {e}", file=sys.stderr)
         return 1
