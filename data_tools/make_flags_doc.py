@@ -61,6 +61,8 @@ def _value_kind(action: argparse.Action) -> str:
 def _default(action: argparse.Action) -> str:
     if isinstance(action, argparse._HelpAction):
         return ""
+    if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: its default
+        return "on" if action.default else "off"
     if action.nargs == 0:  # store_true / store_const: a switch
         return "off"
     if action.default is None or action.default is argparse.SUPPRESS:

@@ -31,6 +31,8 @@ from megatron.model.transformer import ATTENTION_BACKENDS
 from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
 from megatron.training.checkpointing import checkpoint_flag_problems, checkpoint_problems, layout
+from megatron.training.divergence import add_divergence_args, divergence_config, \
+    divergence_problems
 from megatron.training.ownership import lock_problems
 from megatron.training.profiling import add_profile_args, profile_config, profile_problems
 from megatron.training.ds_config import OPTIMIZER_DEFAULTS
@@ -211,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "isfinite reduction per module and parameter per micro-batch) and, "
                         "when the NaN guard stops the run, name the first non-finite one from "
                         "the failing step itself (not with a pipeline)")
+    add_divergence_args(g)
 
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100, help="steps per log line")
@@ -218,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's peak TFLOP/s for MFU (default: from a table of GPUs)")
+    g.add_argument("--no-plots", dest="plots", action="store_false",
+                   help="do not draw the run's figures into SAVE/plots/ when a run with --save "
+                        "ends (python -m megatron.plot draws them at any time)")
     g.add_argument("--log-grad-norms-per-layer", action="store_true",
                    help="every --log-interval steps, log the gradient norm (before clipping) of "
                         "each layer group: embedding, encoder/decoder blocks, final layer "
@@ -304,6 +310,9 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
             problems.append(str(e))
     problems += loop_problems(values)
     problems += checkpoint_flag_problems(values)
+    problems += divergence_problems(values)
+    if not values["plots"] and values["save"] is None:
+        problems.append("--no-plots needs --save (the figures go to SAVE/plots/)")
     problems += profile_problems(values, parallel.world_size)
     if values["dry_run_device"] != "auto" and not values["dry_run"]:
         problems.append("--dry-run-device has effect only with --dry-run")
@@ -321,6 +330,12 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
                         resolved.batch.gradient_accumulation_steps, values["train_iters"],
                         values["eval_interval"], values["eval_iters"])
     optimizer = OptimizerConfig(schedule=lr_schedule, **vars(resolved.optimizer))
+    divergence = divergence_config(values)
+    if divergence.enabled:  # the thresholds in force, for the flags line and meta.json
+        values.update(divergence_loss_spike_factor=divergence.loss_spike_factor,
+                      divergence_loss_window=divergence.loss_window,
+                      divergence_zero_grad_steps=divergence.zero_grad_steps,
+                      divergence_weight_growth=divergence.weight_growth)
     checkpoint = CheckpointConfig(values["save"], values["save_interval"], values["load"],
                                   values["no_load_optim"], values["no_load_rng"],
                                   values["finetune"], values["lr_policy"],
@@ -328,10 +343,11 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
                                   keep_last=values["keep_last"],
                                   async_save=values["async_save"],
                                   check_for_nan=values["check_for_nan"],
-                                  detect_nan_layers=values["detect_nan_layers"])
+                                  detect_nan_layers=values["detect_nan_layers"],
+                                  divergence=divergence)
     logging = LoggingConfig(values["log_interval"], values["log_file"],
                             values["tensorboard_dir"], values["peak_tflops"],
-                            values["log_grad_norms_per_layer"])
+                            values["log_grad_norms_per_layer"], plots=values["plots"])
     runtime = RuntimeConfig(device_type, backend, values["local_rank"], values["seed"],
                             values["distributed_timeout_minutes"],
                             values["data_timeout_minutes"], values["data_cache_timeout"],

@@ -338,11 +338,14 @@ def _pretrain(config: RunConfig, signals, watchdog, lock):
                                              f"save" if t['waited_s'] >= 0.01 else "")
                 + f"; state taken in {t['capture_s']:.2f} s"
                 + f"; written in {t['written_s']:.2f} s per rank"
-                + (" in the background" if t["async"] else "") + ")")
+                + (" in the background" if t["async"] else "")
+                + ("; committed once the next step passed the divergence checks"
+                   if t["held"] else "") + ")")
             saver.on_warning = writer.write_text
 
-        def save(s: TrainState) -> None:
-            if saver.save(s.iteration, s.consumed_samples, schedule.state_dict()) is None:
+        def save(s: TrainState, hold: bool = False) -> None:
+            if saver.save(s.iteration, s.consumed_samples, schedule.state_dict(),
+                          hold) is None and saver.pending is not None:
                 writer.write_text(f"saving checkpoint {s.iteration} in the background")
 
         if state.iteration < batch.train_iters:
@@ -358,7 +361,8 @@ def _pretrain(config: RunConfig, signals, watchdog, lock):
                 if loss is not None:
                     state.evaluations.append((state.iteration, split, loss))
                     writer.write_eval(state.iteration, split, loss)
-        if rank == 0 and ckpt.save is not None and not state.exit_reason.startswith("signal"):
+        if rank == 0 and ckpt.save is not None and config.logging.plots \
+                and not state.exit_reason.startswith("signal"):
             # a signal's grace period is the scheduler's, not the figures'
             from megatron.plot.at_end import plot_at_end
 

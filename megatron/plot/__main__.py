@@ -38,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--x", choices=("step", "samples", "tokens", "time"), default="step",
                    help="the x axis: steps, consumed samples (lines up runs with different "
                         "batch sizes), consumed tokens (samples x encoder sequence length), or "
-                        "hours of training steps (default: step)")
+                        "time: hours spent in training steps, the sum of the step times the "
+                        "metrics lines report (rank 0's wall clock from the end of one step to "
+                        "the end of the next, data waits included); evaluation, checkpoint "
+                        "saves, start-up and the gaps between restarts are left out, so it is "
+                        "not the job's elapsed time (default: step)")
     p.add_argument("--smoothing", type=float, default=0.6,
                    help="weight of the moving average drawn over the raw curves of loss, "
                         "gradient norm and tokens/s, as TensorBoard's slider (0: raw only; "

@@ -57,7 +57,9 @@ QUANTITIES = (
     Quantity("memory", "memory_gib", "peak memory per device (GiB)", False),
 )
 X_LABELS = {"step": "step", "samples": "consumed samples", "tokens": "consumed tokens",
-            "time": "training time (h; steps only)"}
+            "time": "hours in training steps (logged step times summed; evaluation, checkpoint "
+                    "saves, start-up and restarts left out)"}
+"""The time axis is not the job's elapsed time: see Run.x_values."""
 LAYERS_FIGURE = "grad_norm_per_layer"
 MAX_HEATMAP_COLUMNS = 2000
 

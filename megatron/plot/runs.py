@@ -75,8 +75,11 @@ class Run:
     def x_values(self, iterations: Sequence[int], axis: str) -> List[float]:
         """The x coordinates of `iterations` on an axis: 'step' (the iteration), 'samples'
         (consumed samples), 'tokens' (consumed samples x encoder sequence length) or 'time'
-        (hours of training steps: each metrics line's mean step time times the steps it covers,
-        summed; evaluation, checkpoints and the gaps between starts are left out).
+        (hours in training steps: each metrics line's mean step time times the steps it covers,
+        summed. A step time is rank 0's wall clock from the end of one step to the end of the
+        next, data waits included; the trainer restarts that clock after an evaluation and a
+        checkpoint save, so those, the start-up and the gaps between starts are left out: this
+        is not the job's elapsed time).
 
         Iterations without a metrics line (an evaluation between log steps) are placed by
         linear interpolation between the neighbouring lines (extrapolation past the last).

@@ -10,6 +10,11 @@ mean of).
 Evaluation runs over the same first `eval_iters` global batches of the split each time, so the
 numbers are comparable across evaluations and across a resume; its loss is the token-weighted
 mean over all ranks.
+
+After each step one all-reduce agrees on stopping: the exit conditions, the NaN guard (a loss or
+gradient norm that is not finite) and the divergence guard's numbers (divergence.py). Either
+guard stops the run with exit 1 before the step is saved; interval saves that the divergence
+guard has not yet passed are held uncommitted and removed then (saver.py).
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ class TrainState:
     exit_reason: str = ""
     diverged: str = ""
     """Why the run stopped at a non-finite loss or gradient norm ('' while it has not)."""
+    divergence: Optional[object] = None
+    """The divergence guard's finding that stopped the run (divergence.Divergence)."""
 
 
 @dataclass(frozen=True)
@@ -105,18 +112,26 @@ def _timed_batches(batches: Iterator, timer: Timer, watchdog, data_s: float,
 def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
           checkpoint: CheckpointConfig, runtime: RuntimeConfig, cost: StepCost, schedule,
           train_loader: Iterable, valid_loader, writer: MetricsWriter, state: TrainState,
-          save: Callable[[TrainState], None], signals=None, watchdog=None,
+          save: Callable[[TrainState, bool], None], signals=None, watchdog=None,
           saves=None, profiler: Optional[StepProfiler] = None) -> TrainState:
     """Run steps from state.iteration to batch_config.train_iters (or an exit condition).
 
-    save: writes a checkpoint of the state (called when checkpoint.save is set).
+    save: save(state, hold) writes a checkpoint of the state (called when checkpoint.save is
+        set); hold: commit it only when `saves.confirm()` says so (the divergence guard judges
+        a save's weights at the next step).
     saves: what else the checkpoint side needs from the loop (megatron/training/saver.py's
         Saver, or None): `poll()` at every step boundary without a save (an asynchronous save
-        commits there, or warns that it failed), `finish()` before the loop returns (a final
-        save that failed raises SaveFailed).
+        commits there, or warns that it failed), `confirm()` once the divergence guard passed
+        the steps after the held saves, `discard()` when a guard stops the run, `finish()`
+        before the loop returns (a final save that failed raises SaveFailed).
+
+    Raises:
+        NonFiniteError: the NaN guard stopped the run.
+        DivergenceError: the divergence guard stopped the run (divergence.py).
     profiler: --profile's recorder (megatron/training/profiling.py): told each step boundary;
         its ranges mark data waits, the loop's collectives, evaluations and saves. Finished
         (its trace written) when the loop returns; when it raises, the caller finishes it."""
+    from megatron.training.divergence import DivergenceGuard, WeightGrowth
     from megatron.training.saver import SaveFailed
 
     watchdog = watchdog or NoWatchdog()
@@ -132,6 +147,13 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
     batches = _timed_batches(iter(train_loader), timer, watchdog,
                              60 * runtime.data_timeout_minutes, ranges)
     loss_scale = 1.0
+    divergence = checkpoint.divergence
+    guard = DivergenceGuard(divergence)
+    weights = WeightGrowth(step)
+    if divergence.enabled and divergence.weight_growth > 0:
+        weights.start()
+    # a save's weights are judged by the next step's loss and gradient norm
+    hold = saves is not None and divergence.judges_next_step
 
     def flush_logs():
         if not pending:
@@ -187,11 +209,12 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
                 state.evaluations.append((state.iteration, "valid", loss))
                 writer.write_eval(state.iteration, "valid", loss)
             timer.reset()
+        signs = _divergence_signs(result, weights, divergence, device)
         with watchdog.watch("collective: the all-reduce that agrees on stopping",
                             collective_s), ranges(STOP_ALL_REDUCE):
             bad = _nonfinite(result, device) if checkpoint.check_for_nan else None
             exit_now = _exit_requested(runtime, train_iters, state, start_time, device, signals,
-                                       bad)
+                                       bad, signs, guard)
         if state.diverged:
             flush_logs()
             from megatron.training.nan_locator import locate
@@ -199,22 +222,39 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
             with watchdog.watch("the locator of non-finite values (the failing step again, "
                                 "with collectives)", collective_s):
                 where = locate(step, state.iteration, writer)
-            message = (f"iteration {state.iteration}: {state.diverged}; {where}; stopping "
-                       f"without saving, so the last checkpoint"
-                       f"{' in ' + checkpoint.save if checkpoint.save else ''} stays the one "
-                       f"its tracker names (lower the learning rate, or check the data; "
-                       f"--no-check-for-nan-in-loss-and-grad turns this check off)")
+            message = (f"iteration {state.iteration}: {state.diverged}; {where}; "
+                       + _stopping(checkpoint, saves, watchdog, state.iteration)
+                       + " (lower the learning rate, or check the data; "
+                       "--no-check-for-nan-in-loss-and-grad turns this check off)")
             raise NonFiniteError(message)  # reported once, for the job: megatron/failures.py
+        if state.divergence is not None:
+            flush_logs()
+            from megatron.training.divergence import DivergenceError
+
+            found = state.divergence
+            if found.saves_before_passed and saves is not None:
+                saves.confirm()  # this step's update blew up; the weights before it passed
+            message = (f"iteration {state.iteration}: the run diverged ({found.check}): "
+                       f"{found.seen} ({found.flag}); "
+                       + _stopping(checkpoint, saves, watchdog, state.iteration)
+                       + " (lower the learning rate or lengthen its warmup, and start "
+                       "again: --load resumes from that checkpoint; if the run was healthy, "
+                       "raise the threshold, or --no-check-for-divergence turns this guard "
+                       "off)")
+            raise DivergenceError(message)  # reported once, as above
+        if saves is not None and not guard.unsure:
+            saves.confirm()  # this step passed the checks that judge the saves before it
         saved = False
         if checkpoint.save and (last or exit_now or (checkpoint.save_interval and
                                                      state.iteration % checkpoint.save_interval
                                                      == 0)):
             flush_logs()
+            final = last or exit_now  # no later step would judge (or commit) it
             with watchdog.watch(f"checkpoint I/O: saving iteration {state.iteration} to "
                                 f"{checkpoint.save}", 60 * checkpoint.timeout_minutes), \
                     ranges(CHECKPOINT_SAVE):
                 try:
-                    save(state)
+                    save(state, hold and not final)
                     saved = True
                 except SaveFailed as e:
                     if last or exit_now:  # nothing would try again
@@ -233,6 +273,7 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
             break
     flush_logs()
     if saves is not None:
+        saves.confirm()
         saves.finish()
     profiler.finish()
     return state
@@ -257,30 +298,74 @@ def _nonfinite(result, device) -> torch.Tensor:
     return torch.stack([loss_bad, torch.tensor(norm_bad, dtype=torch.float64, device=device)])
 
 
+def _divergence_signs(result, weights, divergence, device) -> Optional[torch.Tensor]:
+    """This rank's entries of the stop all-reduce for the divergence guard (None: it is off)."""
+    if not divergence.enabled:
+        return None
+    from megatron.training.divergence import local_signs
+
+    growth = weights.update() if divergence.weight_growth > 0 else None
+    return local_signs(result, growth, device)
+
+
+def _stopping(checkpoint: CheckpointConfig, saves, watchdog, iteration: int) -> str:
+    """What a guard's message says about checkpoints, after removing the held saves (every rank
+    calls it: the removal is collective)."""
+    if not checkpoint.save:
+        return "stopping (no --save, so no checkpoint)"
+    from pathlib import Path
+
+    from megatron.training.checkpointing import read_tracker
+
+    removed = []
+    if saves is not None:
+        with watchdog.watch("checkpoint I/O: removing the saves the guard had not passed", None):
+            removed = saves.discard()
+    tracked = read_tracker(Path(checkpoint.save))
+    named = f"iteration {tracked}" if tracked is not None else "none yet"
+    held = (f" (the held, uncommitted save{'s' if len(removed) > 1 else ''} of iteration"
+            f"{'s' if len(removed) > 1 else ''} {', '.join(map(str, removed))} removed)"
+            if removed else "")
+    return (f"stopping without saving iteration {iteration}{held}, so the last checkpoint in "
+            f"{checkpoint.save} stays the one its tracker names: {named}")
+
+
 def _exit_requested(runtime: RuntimeConfig, train_iters: int, state: TrainState,
                     start_time: float, device, signals,
-                    nonfinite: Optional[torch.Tensor] = None) -> bool:
+                    nonfinite: Optional[torch.Tensor] = None,
+                    signs: Optional[torch.Tensor] = None, guard=None) -> bool:
     """Whether to stop after this step: --exit-interval, or (agreed by all ranks through one
     all-reduce, so that they save and leave together) --exit-duration-in-mins or a stop
     signal received by any rank. With `nonfinite` (see `_nonfinite`), the same all-reduce finds
-    the lowest rank whose loss or gradient norm was not finite and sets state.diverged. The
-    all-reduce runs at every step (also the last and --exit-interval's), so that every rank
-    takes the same decision from the same flags."""
+    the lowest rank whose loss or gradient norm was not finite and sets state.diverged. With
+    `signs` (divergence.local_signs), it agrees on the divergence guard's numbers, which
+    `guard` then checks (every rank the same numbers: the same decision), setting
+    state.divergence. The all-reduce runs at every step (also the last and --exit-interval's),
+    so that every rank takes the same decision from the same flags."""
+    from megatron.training.divergence import SIGNS, agreed_signs
+
     timed_out = runtime.exit_duration_in_mins is not None and \
         time.monotonic() - start_time > runtime.exit_duration_in_mins * 60
     signum = signals.received if signals is not None and signals.received is not None else 0
-    flags = torch.tensor([float(timed_out), float(signum), 0.0, 0.0], dtype=torch.float64,
-                         device=device)
+    flags = torch.zeros(4 + SIGNS, dtype=torch.float64, device=device)
+    flags[0], flags[1] = float(timed_out), float(signum)
     if nonfinite is not None:
-        flags[2:] = nonfinite
+        flags[2:4] = nonfinite
+    if signs is not None:
+        flags[4:] = signs
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    timed_out, signum, loss_rank, norm_rank = (int(v) for v in flags.tolist())
+    values = flags.tolist()
+    timed_out, signum, loss_rank, norm_rank = (int(v) for v in values[:4])
     if loss_rank or norm_rank:
         what = "the loss" if loss_rank else "the gradient norm"
         seen = dist.get_world_size() - (loss_rank or norm_rank)
         state.diverged = f"{what} is not finite (seen by rank {seen}" \
             + (", and the gradient norm too" if loss_rank and norm_rank else "") + ")"
         return True
+    if signs is not None and guard is not None:
+        state.divergence = guard.observe(state.iteration, agreed_signs(values[4:]))
+        if state.divergence is not None:
+            return True
     if state.iteration >= train_iters:
         return False
     if runtime.exit_interval and state.iteration % runtime.exit_interval == 0:

@@ -245,11 +245,13 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
             self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
 
-    def write_text(self, msg: str) -> None:
-        """Print a free line and append it to the log file."""
+    def write_text(self, msg: str, echo: bool = True) -> None:
+        """Print a free line and append it to the log file (echo=False: the file only, for a
+        line the caller prints itself, such as the error that ends the run)."""
         if not self.enabled:
             return
-        print(msg, flush=True)
+        if echo:
+            print(msg, flush=True)
         if self._file is not None:
             self._file.write(msg + "\n")
             self._file.flush()

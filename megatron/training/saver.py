@@ -18,6 +18,11 @@ itself (async_save.Writer), so that:
   every rank's writer is done, and commits when they are. The next save, the final save, an exit
   condition and a stop signal first `finish` the outstanding one. A writer stuck in I/O for
   longer than `--checkpoint-timeout-minutes` fails the run with a message naming the file.
+- **Held saves.** With the divergence guard (divergence.py), a save made with `hold=True` is
+  written and agreed on as usual but stays `iter_N.tmp/`, the tracker unmoved, until the loop
+  calls `confirm` (the next step passed the guard's checks: the folder is renamed and the tracker
+  moves, in order of iteration) or `discard` (the guard stopped the run: the held folders are
+  removed). A process killed meanwhile leaves the tracker on the last confirmed checkpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,6 +70,12 @@ class _Pending:
     written_s: float = 0.0
     began: float = 0.0
     """When `save` was called (a synchronous save holds the step until its commit)."""
+    confirmed: bool = True
+    """False while the divergence guard has not yet passed the step after it (`hold`)."""
+    totals: Optional[List[float]] = None
+    """[bytes, writing seconds] summed over the ranks, once agreed."""
+    held: bool = False
+    """It waited, written, for `confirm`."""
 
 
 class Saver:
@@ -80,6 +91,8 @@ class Saver:
         self.writer = Writer() if async_save else None
         self.buffers = HostBuffers() if async_save else None
         self.pending: Optional[_Pending] = None
+        self.held: List[_Pending] = []
+        """Saves written and agreed on, waiting for `confirm` (oldest first)."""
         self.on_commit = None
         """Called with the folder and `last` of each committed save (the log line)."""
         self.last: Optional[Dict[str, Any]] = None
@@ -93,15 +106,19 @@ class Saver:
                 if dist.get_backend() != "gloo" else dist.group.WORLD
 
     # the save ------------------------------------------------------------------------------
-    def save(self, iteration: int, consumed_samples: int, lr_state: Dict[str, Any]
-             ) -> Optional[Path]:
+    def save(self, iteration: int, consumed_samples: int, lr_state: Dict[str, Any],
+             hold: bool = False) -> Optional[Path]:
         """Save `iteration`: its folder once committed (synchronous), or None while its files are
-        being written in the background (asynchronous; `poll` commits it).
+        being written in the background (asynchronous; `poll` commits it) or while it is held
+        (`hold`: committed by `confirm`, removed by `discard`). A save without `hold` (the
+        final one) confirms the held ones first, so that the tracker never moves back.
 
         Raises:
             SaveFailed: this save failed on some rank (an earlier asynchronous one that failed
                 is reported through `on_warning`, and this one goes ahead)."""
         began = time.monotonic()
+        if not hold:
+            self.confirm()
         try:
             self.finish()
         except SaveFailed as e:
@@ -111,8 +128,10 @@ class Saver:
         tmp = self.root / (tag_for(iteration) + ".tmp")
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
+            keep = {tag_for(p.iteration) + ".tmp" for p in self.held}
             for stale in self.root.glob("iter_*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
+                if stale.name not in keep:
+                    shutil.rmtree(stale, ignore_errors=True)
         dist.barrier()
         snapshot_with = None
         if self.writer is not None:
@@ -130,7 +149,8 @@ class Saver:
         if self.model is not None:
             meta["model"] = self.model
         self.pending = pending = _Pending(iteration, meta, time.monotonic(), waited_s=waited,
-                                          capture_s=time.monotonic() - captured, began=began)
+                                          capture_s=time.monotonic() - captured, began=began,
+                                          confirmed=not hold)
         pause = pause_for_tests(iteration)
         if self.writer is not None:
             if pause:
@@ -185,6 +205,36 @@ class Saver:
         done = self.writer.wait(max(left, 0.0))
         return self._agree(self.writer.error, False, self.group, stuck=not done)
 
+    # held saves ----------------------------------------------------------------------------
+    def confirm(self) -> List[Path]:
+        """The divergence guard passed the step after every save so far: commit the held ones
+        (oldest first; the tracker ends on the newest) and let the outstanding asynchronous one
+        commit when it is written. Returns the committed folders. Every rank calls it at the
+        same step; the file operations are rank 0's."""
+        if self.pending is not None:
+            self.pending.confirmed = True
+        done = []
+        held, self.held = self.held, []
+        for pending in held:
+            done.append(self._commit_agreed(pending))
+        return done
+
+    def discard(self) -> List[int]:
+        """The run stops at a divergence: the outstanding asynchronous save is finished (committed
+        if confirmed), then every save that is not confirmed is removed; the tracker and the
+        confirmed checkpoints are untouched. Returns the iterations removed. Collective (a
+        barrier, so that no rank still writes into a folder rank 0 removes)."""
+        try:
+            self.finish()
+        except SaveFailed as e:
+            self._warn(e)
+        doomed, self.held = self.held, []
+        dist.barrier()
+        if dist.get_rank() == 0:
+            for p in doomed:
+                shutil.rmtree(self.root / (tag_for(p.iteration) + ".tmp"), ignore_errors=True)
+        return [p.iteration for p in doomed]
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
@@ -221,17 +271,31 @@ class Saver:
         totals = torch.tensor([float(pending.bytes), pending.written_s], dtype=torch.float64,
                               device=flags.device)
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
+        pending.totals = totals.tolist()
+        if not pending.confirmed:  # written everywhere; committed by confirm()
+            if group is None:
+                pending.blocked_s = time.monotonic() - pending.began
+            pending.held = True
+            self.held.append(pending)
+            return None
+        final = self._commit_agreed(pending, barrier=group is None)
+        return final
+
+    def _commit_agreed(self, pending: _Pending, barrier: bool = False) -> Path:
+        """Rank 0 commits a save every rank has written (barrier: the others wait for it, and
+        the step's hold time includes the commit)."""
+        tmp = self.root / (tag_for(pending.iteration) + ".tmp")
         final = self.root / tag_for(pending.iteration)
         if dist.get_rank() == 0:
             self._commit(tmp, final, pending)
-        if group is None:
+        if barrier:
             dist.barrier()
             pending.blocked_s = time.monotonic() - pending.began  # the commit held it too
-        self.last = {"iteration": pending.iteration, "bytes": int(totals[0].item()),
-                     "written_s": totals[1].item() / dist.get_world_size(),
+        self.last = {"iteration": pending.iteration, "bytes": int(pending.totals[0]),
+                     "written_s": pending.totals[1] / dist.get_world_size(),
                      "blocked_s": pending.blocked_s, "waited_s": pending.waited_s,
                      "capture_s": pending.capture_s,
-                     "async": self.writer is not None}
+                     "async": self.writer is not None, "held": pending.held}
         if self.on_commit is not None:
             self.on_commit(final, self.last)
         return final

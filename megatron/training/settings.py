@@ -62,6 +62,52 @@ class ZeroConfig:
 
 
 @dataclass(frozen=True)
+class DivergenceConfig:
+    """The divergence guard (megatron/training/divergence.py): stop, without saving, a run whose
+    loss and gradient norm are finite but that has diverged. A threshold of 0 turns its check
+    off. Why the defaults never fire on healthy runs (measured with the guard's own numbers over
+    the 300 steps of launch/quickstart.sh and every run of tests/training/test_training_equality,
+    test_resume and test_pipeline: ZeRO 0-3, offload, bf16, TP 2, PP 2):
+
+    - weight_growth 2: Adam moves each weight by about the learning rate per step (exactly lr
+      at the first step), so a tensor of root-mean-square w grows by about sqrt(1 + (lr / w)^2)
+      per step, 1 + lr / w at worst. Measured: at most 1.013 (quickstart) and 1.005 (tests). A
+      healthy 2 would need lr above w, e.g. 1e-2 on weights of rms 1e-2, far above what Adam
+      trains T5 with. A learning rate that blows the model up multiplies norms by thousands in
+      one step (--lr 1e6: 1e6 and more).
+    - zero_grad_steps 2: a step with labelled tokens always gives some parameter a gradient;
+      measured: no exact 0 in any of those steps. A diverged model's norm can be exactly 0 (its
+      activations saturate; the logits all equal, the loss stuck at ln(vocabulary)). Two in a
+      row, so that an engine reporting 0 for a norm it did not compute cannot stop a run; fp16
+      steps that overflowed (DeepSpeed skips them) are not counted.
+    - loss_spike_factor 3 over loss_window 100: measured, no step's loss was above 1.09 times
+      the mean of the previous 100 (1.14 times the previous step's). A diverged run's loss jumps
+      to ln(vocabulary) or beyond, 3 to 5 times a trained model's. While the loss falls fast,
+      the running mean lags above it, which only loosens the check.
+    """
+
+    enabled: bool = True
+    """--check-for-divergence (default on); False turns every check off."""
+    loss_spike_factor: float = 3.0
+    """Stop when a step's loss is more than this many times the mean of the previous
+    `loss_window` steps' losses (0: off)."""
+    loss_window: int = 100
+    """Steps in the running mean; the spike check starts once that many steps of this start
+    have been seen (a resumed run starts a fresh window)."""
+    zero_grad_steps: int = 2
+    """Stop after this many consecutive steps whose gradient norm is exactly 0 (0: off)."""
+    weight_growth: float = 2.0
+    """Stop when the norm of a weight tensor (a rank's part of it) grows by more than this factor
+    in one step (0: off)."""
+
+    @property
+    def judges_next_step(self) -> bool:
+        """Whether a check reads a step's loss or gradient norm, which judge the weights of the
+        step before (so a save waits for the next step: megatron/training/saver.py)."""
+        return self.enabled and (self.loss_spike_factor > 0 or self.zero_grad_steps > 0)
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     save: Optional[str] = None
     save_interval: Optional[int] = None
@@ -82,6 +128,8 @@ class CheckpointConfig:
     detect_nan_layers: bool = False
     """Watch every module on every step (megatron/training/nan_locator.py), not only in a
     re-run of the failing step."""
+    divergence: DivergenceConfig = DivergenceConfig()
+    """Stop, without saving, at a step whose loss, gradient norm or weights show divergence."""
 
     @property
     def weights_only(self) -> bool:
@@ -98,3 +146,5 @@ class LoggingConfig:
     grad_norms_per_layer: bool = False
     """Log the gradient norm of each layer group every log_interval steps
     (megatron/training/layer_norms.py)."""
+    plots: bool = True
+    """Write the run's figures into SAVE/plots/ when a run with --save ends (--no-plots)."""

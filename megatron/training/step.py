@@ -108,6 +108,40 @@ class TrainStep(abc.ABC):
         step cannot tell."""
         return None
 
+    def weight_norms(self) -> Optional[torch.Tensor]:
+        """The norms of the weights this rank holds (its tensor shards, its pipeline stage, its
+        ZeRO-3 partitions), a float64 vector on the device in the same order at every step
+        (`weight_norms` below), without a host synchronisation: the divergence guard's weight
+        growth. None where they cannot be read cheaply."""
+        return None
+
+
+SMALL_TENSOR = 1024
+"""Tensors (or ZeRO-3 partitions) of fewer elements are pooled into one norm by `weight_norms`:
+a handful of weights near 0 can double in a healthy step, a blown-up model moves every matrix."""
+
+
+def weight_norms(tensors: List[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    """The norms of `tensors` as a float64 vector on `device`, in the order given: one per
+    tensor of at least SMALL_TENSOR elements, then one for all smaller ones together (None when
+    there is nothing). Each norm is taken in float32 (a 16-bit tensor's own dtype would overflow
+    at 65504) by torch's multi-tensor kernel (one launch per device and dtype, as
+    torch.nn.utils.clip_grad_norm_ does), without a host synchronisation."""
+    big = [t.detach() for t in tensors if t.numel() >= SMALL_TENSOR]
+    small = [t.detach() for t in tensors if 0 < t.numel() < SMALL_TENSOR]
+    parts = []
+    for group in (big, small):
+        groups: Dict[tuple, List[torch.Tensor]] = {}
+        for t in group:
+            groups.setdefault((t.device, t.dtype), []).append(t)
+        norms = [n.to(device=device, dtype=torch.float64)
+                 for same in groups.values()
+                 for n in torch._foreach_norm(same, 2, dtype=torch.float32)]
+        if group is small and norms:
+            norms = [torch.stack(norms).square().sum().sqrt()]
+        parts += norms
+    return torch.stack(parts) if parts else None
+
 
 def module_vocab_size(module) -> int:
     """The unpadded vocabulary of a T5Model or of a pipeline stage (its loss function knows)."""
@@ -198,6 +232,16 @@ class EngineStep(TrainStep):
     def _weight_names(self) -> Dict[str, str]:
         """{this rank's parameter name: our full name}."""
         return {name: name for name, _ in self.engine.module.named_parameters()}
+
+    def weight_norms(self) -> Optional[torch.Tensor]:
+        offload = self.engine.zero_offload_param()
+        if offload is not None and str(getattr(offload, "device", "none")).endswith("nvme"):
+            return None  # partitions swapped out to the disk: not read on every step
+        # ZeRO-3 keeps a parameter's data only while a forward gathers it; between steps a
+        # rank holds its partition, ds_tensor (on the CPU with --offload-param cpu)
+        tensors = [getattr(p, "ds_tensor", None) if hasattr(p, "ds_tensor") else p
+                   for p in self.engine.module.parameters()]
+        return weight_norms([t for t in tensors if t is not None], self.device)
 
     def watch_layer_grad_norms(self, groups: List[str]) -> None:
         """Take per-layer gradient norms at the steps the loop arms (megatron/training/

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron.arguments import ArgumentsError, parse_args
 from megatron.pretrain_t5 import main
+from megatron.training.settings import DivergenceConfig
 from train_workers import base_argv
 
 ON_CPU = not torch.cuda.is_available()
@@ -233,6 +234,15 @@ CASES = {
     "detect_nan_layers_without_the_guard": Case(
         extra=["--detect-nan-layers", "--no-check-for-nan-in-loss-and-grad"],
         expect=[("--detect-nan-layers", "--no-check-for-nan-in-loss-and-grad")]),
+    "divergence_thresholds_out_of_range": Case(
+        extra=["--divergence-weight-growth", "0.5", "--divergence-loss-window", "0"],
+        expect=[("--divergence-weight-growth 0.5", "above 1", "0 to turn this check off"),
+                ("--divergence-loss-window 0", "at least 1")]),
+    "divergence_thresholds_with_the_guard_off": Case(
+        extra=["--no-check-for-divergence", "--divergence-loss-spike-factor", "5"],
+        expect=[("--divergence-loss-spike-factor", "no effect", "--no-check-for-divergence")]),
+    "no_plots_without_save": Case(
+        extra=["--no-plots"], expect=[("--no-plots needs --save",)]),
     "keep_last_without_save": Case(
         extra=["--keep-last", "2"],
         expect=[("--keep-last needs --save",)]),
@@ -326,6 +336,10 @@ def test_base_command_line_is_valid(train_data):
     batch = config.batch
     assert (batch.micro_batch_size, batch.global_batch_size, batch.gradient_accumulation_steps) \
         == (2, 4, 2)
+    # the divergence guard and the figures at the end are on by default; the flags line and
+    # meta.json record the thresholds in force
+    assert config.checkpoint.divergence == DivergenceConfig() and config.logging.plots
+    assert config.flags["divergence_weight_growth"] == DivergenceConfig().weight_growth
     assert not dist.is_initialized()
 
 

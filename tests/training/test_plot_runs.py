@@ -1,7 +1,8 @@
 """python -m megatron.plot on real runs: a straight one (global batch 4) and a resumed one (global
 batch 8, three starts in one log: the third goes back to the first's checkpoint with another
 learning rate and fewer steps, so its steps replace those the second had logged, and the second's
-last step, which it does not redo, is gone too). The figures are read back:
+last step, which it does not redo, is gone too; the first start, with --no-plots, draws no
+figures at its end). The figures are read back:
 their points are the values the log says and the training state returned. Run a also logs
 per-layer gradient norms (--log-grad-norms-per-layer): its heat map holds the logged values."""
 
@@ -47,7 +48,7 @@ def test_plot_a_straight_and_a_resumed_run(train_data, tmp_path):
 
     straight, first, second, third = run_workers(1, run_pretrain, [
         run_a,
-        run_b("--save", str(b / "first"), "--exit-interval", "2"),
+        run_b("--save", str(b / "first"), "--exit-interval", "2", "--no-plots"),
         run_b("--load", str(b / "first"), "--save", str(b / "ckpt"), "--exit-interval", "5"),
         run_b("--load", str(b / "first"), "--save", str(b / "ckpt"), "--lr", "1e-3",
               "--override-lr-scheduler", iters=4),
@@ -56,13 +57,15 @@ def test_plot_a_straight_and_a_resumed_run(train_data, tmp_path):
     # the third start took other steps than the second from iteration 3 on
     assert third["losses"][4] != second["losses"][4]
 
-    # the trainer drew each run into its --save folder at the end
+    # the trainer drew each run into its --save folder at the end, but for the start with
+    # --no-plots
     assert sorted(p.name for p in (a / "ckpt" / "plots").iterdir()) == \
         sorted(PNGS + ["grad_norm_per_layer.png"])
-    for folder in (b / "first", b / "ckpt"):
-        assert sorted(p.name for p in (folder / "plots").iterdir()) == PNGS, folder
+    assert sorted(p.name for p in (b / "ckpt" / "plots").iterdir()) == PNGS
+    assert not (b / "first" / "plots").exists()
     text_b = (b / "log.txt").read_text()
     assert f"plots: 5 figures in {b / 'ckpt' / 'plots'}" in text_b
+    assert text_b.count("plots: ") == 2  # the second and third starts
 
     # the command line: a --save folder (its log found through meta.json) and a log file
     out = tmp_path / "cmp"

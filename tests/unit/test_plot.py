@@ -115,6 +115,20 @@ def test_x_axes():
         run.x_values([1], "tokens")
 
 
+def test_the_time_axis_names_its_clock():
+    """--x time sums the logged step times, which leave out evaluation and checkpoint saves (the
+    trainer restarts its step clock after them): every figure's axis and the help say so."""
+    from megatron.plot.__main__ import build_parser
+
+    figures = build_figures([hand_log_run()], x="time")
+    labels = {ax.get_xlabel() for figure in figures.values() for ax in figure.axes} - {""}
+    assert labels == {"hours in training steps (logged step times summed; evaluation, "
+                      "checkpoint saves, start-up and restarts left out)"}
+    text = " ".join(build_parser().format_help().split())
+    assert "evaluation, checkpoint saves, start-up and the gaps between restarts are left " \
+           "out, so it is not the job's elapsed time" in text
+
+
 def test_smoothing_is_tensorboards_debiased_moving_average():
     # by hand: last = 0.5 last + 0.5 v; shown last / (1 - 0.5^n)
     assert smooth([1.0, 2.0, 3.0], 0.5) == pytest.approx([1.0, 1.25 / 0.75, 2.125 / 0.875])
