@@ -245,13 +245,11 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
             self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
 
-    def write_text(self, msg: str, echo: bool = True) -> None:
-        """Print a free line and append it to the log file (echo=False: the file only, for a
-        line the caller prints itself, such as the error that ends the run)."""
+    def write_text(self, msg: str) -> None:
+        """Print a free line and append it to the log file."""
         if not self.enabled:
             return
-        if echo:
-            print(msg, flush=True)
+        print(msg, flush=True)
         if self._file is not None:
             self._file.write(msg + "\n")
             self._file.flush()
