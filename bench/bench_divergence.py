@@ -1,5 +1,5 @@
 """How far a healthy run stays from the divergence guard's thresholds (DivergenceConfig's
-defaults, megatron/training/settings.py).
+defaults, megatron/config/training.py).
 
 Runs the trainer with the given flags under torchrun and records, on rank 0, the numbers every
 rank agreed on at each step (divergence.StepSigns, as the guard sees them); then prints the
@@ -27,7 +27,7 @@ from typing import List, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.training import divergence  # noqa: E402
-from megatron.training.settings import DivergenceConfig  # noqa: E402
+from megatron.config.training import DivergenceConfig  # noqa: E402
 
 
 def margins(seen: List[Tuple[int, divergence.StepSigns]]) -> List[str]:

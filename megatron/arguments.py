@@ -4,7 +4,7 @@
 data-parallel size, batch sizes, precision, the model config, the DeepSpeed config) into the
 typed, frozen `megatron.config.RunConfig`, and lists every problem at once, before any process
 group is created or any data is read. Each part is checked by the module it configures
-(`model/settings.py`, `data/data_args.py`, `training/ds_config.py`, `training/lr_schedule.py`,
+(`model/settings.py`, `data/data_args.py`, `training/ds_config.py`, `config/lr_schedule.py`,
 `training/checkpointing.py`, `initialize.py`); this module only collects. Flags that have no
 effect in some combination are refused, never silently ignored.
 
@@ -36,9 +36,9 @@ from megatron.training.divergence import add_divergence_args, divergence_config,
 from megatron.training.ownership import lock_problems
 from megatron.training.profiling import add_profile_args, profile_config, profile_problems
 from megatron.training.ds_config import OPTIMIZER_DEFAULTS
-from megatron.training.lr_schedule import DECAY_STYLES
-from megatron.training.lr_schedule import from_args as lr_from_args
-from megatron.training.settings import BatchConfig, CheckpointConfig, LoggingConfig, \
+from megatron.config.lr_schedule import DECAY_STYLES
+from megatron.config.lr_schedule import from_args as lr_from_args
+from megatron.config.training import BatchConfig, CheckpointConfig, LoggingConfig, \
     OptimizerConfig
 
 

@@ -26,7 +26,7 @@ from megatron import parallel_state
 from megatron.arguments import ArgumentsError, parse_args
 from megatron.config import RunConfig
 from megatron.data.data_args import DataSettings
-from megatron.training.settings import BatchConfig
+from megatron.config.training import BatchConfig
 
 
 def collate_tensors(samples: List[Dict[str, np.ndarray]]) -> Dict[str, torch.Tensor]:
@@ -249,7 +249,7 @@ def _pretrain(config: RunConfig, signals, watchdog, lock):
     from megatron.failures import DataError
     from megatron.training.saver import Saver
     from megatron.training.loop import TrainState, evaluate, train
-    from megatron.training.lr_schedule import resolve_with_checkpoint
+    from megatron.config.lr_schedule import resolve_with_checkpoint
     from megatron.training.metrics import MetricsWriter
     from megatron.training.ownership import describe
     from megatron.training.profiling import StepProfiler

@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from megatron.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.failures import RunFailure
-from megatron.training.lr_schedule import LRSchedule, resolve_with_checkpoint
-from megatron.training.settings import CheckpointConfig
+from megatron.config.lr_schedule import LRSchedule, resolve_with_checkpoint
+from megatron.config.training import CheckpointConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TEST_PAUSE_ENV = "MEGATRON_CHECKPOINT_TEST_PAUSE_S"

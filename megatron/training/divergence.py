@@ -4,7 +4,7 @@ The NaN guard (loop.py) stops at the first non-finite loss or gradient norm. A l
 too high can first leave a model that is finite and dead: its weights multiplied by thousands,
 its logits all equal (the loss stuck at ln(vocabulary)), its gradient norm exactly 0; such a
 model would be saved, step after step, until something overflows. Three checks, each with its
-own threshold (megatron/training/settings.py, DivergenceConfig, says why the defaults never
+own threshold (megatron/config/training.py, DivergenceConfig, says why the defaults never
 fire on healthy runs; `--check-for-divergence` turns them all off):
 
 - **weight growth**: the norm of a weight tensor (a rank's part of it: its tensor shard, its
@@ -54,7 +54,7 @@ from typing import List, Mapping, NamedTuple, Optional
 import torch
 
 from megatron.failures import RunFailure
-from megatron.training.settings import DivergenceConfig
+from megatron.config.training import DivergenceConfig
 
 SIGNS = 6
 """Entries each rank adds to the stop all-reduce: [loss, gradient norm, skipped, weight growth,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from megatron.training.settings import OptimizerConfig, PrecisionConfig, ZeroConfig
+from megatron.config.training import OptimizerConfig, PrecisionConfig, ZeroConfig
 
 EXTRA_KNOWN_KEYS = {"optimizer", "scheduler", "activation_checkpointing", "aio",
                     "flops_profiler", "autotuning", "zero_allow_untested_optimizer",

@@ -18,7 +18,7 @@ import torch
 from megatron import parallel_state
 from megatron.model.settings import ModelConfig
 from megatron.model.t5 import T5Model
-from megatron.training.settings import OptimizerConfig, ZeroConfig
+from megatron.config.training import OptimizerConfig, ZeroConfig
 
 NO_DECAY_MARKERS = ("layer_norm", "bias", "relative_attention_bias")
 

@@ -34,7 +34,7 @@ from megatron.training.layer_norms import write_layer_norms
 from megatron.training.metrics import IntervalStats, MetricsWriter, Timer
 from megatron.training.profiling import (CHECKPOINT_SAVE, DATA_WAIT, EVALUATION, LOSS_ALL_REDUCE,
                                          STOP_ALL_REDUCE, StepProfiler, no_range)
-from megatron.training.settings import BatchConfig, CheckpointConfig, LoggingConfig
+from megatron.config.training import BatchConfig, CheckpointConfig, LoggingConfig
 from megatron.training.step import TrainStep
 from megatron.training.watchdog import NoWatchdog
 

@@ -41,9 +41,10 @@ import argparse
 import contextlib
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ContextManager, List, Mapping, Optional, Tuple
+from typing import Callable, ContextManager, List, Mapping, Optional
+
+from megatron.config.training import ProfileConfig
 
 DATA_WAIT = "data-wait"
 FORWARD = "forward"
@@ -80,20 +81,6 @@ Ranges = Callable[[str], ContextManager]
 def no_range(name: str) -> ContextManager:
     """The ranges of an unprofiled step: nothing."""
     return NO_RANGE
-
-
-@dataclass(frozen=True)
-class ProfileConfig:
-    enabled: bool = False
-    """--profile."""
-    step_start: int = 10
-    """Start recording at the boundary where the run has done this many steps."""
-    step_end: int = 12
-    """Stop (and write the trace) at the boundary where it has done this many."""
-    ranks: Tuple[int, ...] = (0,)
-    """Global ranks that record."""
-    folder: Optional[str] = None
-    """Where the traces go: SAVE/profile."""
 
 
 def add_profile_args(parser: argparse.ArgumentParser) -> None:

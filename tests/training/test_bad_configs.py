@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron.arguments import ArgumentsError, parse_args
 from megatron.pretrain_t5 import main
-from megatron.training.settings import DivergenceConfig
+from megatron.config.training import DivergenceConfig
 from train_workers import base_argv
 
 ON_CPU = not torch.cuda.is_available()

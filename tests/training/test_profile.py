@@ -15,7 +15,8 @@ import torch
 from harness import run_workers
 from megatron.arguments import ArgumentsError, parse_args
 from megatron.pretrain_t5 import main
-from megatron.training.profiling import ProfileConfig, StepProfiler
+from megatron.config.training import ProfileConfig
+from megatron.training.profiling import StepProfiler
 from train_workers import base_argv, run_pretrain
 
 # What torch.profiler.tensorboard_trace_handler names a file, and what TensorBoard's profiler

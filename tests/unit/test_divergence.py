@@ -11,7 +11,7 @@ from megatron.arguments import build_parser
 from megatron.training.divergence import (SIGNS, DivergenceGuard, StepSigns, WeightGrowth,
                                           agreed_signs, divergence_config, divergence_problems,
                                           local_signs)
-from megatron.training.settings import DivergenceConfig
+from megatron.config.training import DivergenceConfig
 from megatron.training.step import SMALL_TENSOR, StepResult, weight_norms
 
 

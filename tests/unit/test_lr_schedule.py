@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 import torch
 
-from megatron.training.lr_schedule import (
+from megatron.config.lr_schedule import (
     DECAY_STYLES,
     LRSchedule,
     from_args,

@@ -1,5 +1,8 @@
 """The run configuration: what `megatron.arguments.validate` returns, typed and frozen.
 
+It sits below training/ (which reads its parts) and imports nothing of it: the training
+settings are in config/training.py, the learning-rate schedule in config/lr_schedule.py.
+
 One small dataclass per concern; a module takes the part it needs (the loop the batch and
 logging parts, the engine the optimizer, precision and ZeRO parts, the data builder the data
 part), never the whole. Defaults live on the fields. The flags as given and resolved are kept as
@@ -8,8 +11,8 @@ settings from there.
 
     RunConfig
       parallel    ParallelConfig     world, tensor, pipeline and data-parallel sizes   (here)
-      batch       BatchConfig        micro / global batch, accumulation, steps,        (training/
-                                     evaluation                                          settings.py)
+      batch       BatchConfig        micro / global batch, accumulation, steps,        (config/
+                                     evaluation                                          training.py)
       optimizer   OptimizerConfig    AdamW's hyperparameters, clipping, the LR schedule  (same)
       precision   PrecisionConfig    fp32 / bf16 / fp16 and loss scaling                 (same)
       zero        ZeroConfig         ZeRO stage and offload                              (same)
@@ -20,7 +23,7 @@ settings from there.
       runtime     RuntimeConfig      device, backend, seeds, deadlines, exit   (here)
                                      conditions
       deepspeed   dict               the JSON handed to deepspeed.initialize (copy before use)
-      profile     ProfileConfig      --profile: steps and ranks traced     (training/profiling.py)
+      profile     ProfileConfig      --profile: steps and ranks traced                   (same)
 
 `Layout` is the part that fixes what a rank holds (model, parallel sizes, batch, precision, ZeRO,
 DeepSpeed's JSON, sequence lengths): what the memory estimate reads, for `--dry-run` from a
@@ -36,13 +39,14 @@ from typing import Any, Dict, Optional, Tuple
 
 from megatron.data.data_args import DataSettings
 from megatron.model.settings import ModelConfig
-from megatron.training.profiling import ProfileConfig
-from megatron.training.settings import (
+from megatron.pipeline.partition import Cut, cut_model
+from megatron.config.training import (
     BatchConfig,
     CheckpointConfig,
     LoggingConfig,
     OptimizerConfig,
     PrecisionConfig,
+    ProfileConfig,
     ZeroConfig,
 )
 
@@ -101,10 +105,8 @@ class Layout:
     decoder_seq_length: int
     deepspeed: Dict[str, Any] = field(default_factory=dict)
 
-    def pipeline_cut(self):
+    def pipeline_cut(self) -> Cut:
         """Which layers each pipeline stage runs (megatron/pipeline/partition.py)."""
-        from megatron.pipeline.partition import cut_model
-
         model, parallel = self.model, self.parallel
         return cut_model(model.t5, parallel.pipeline_model_parallel_size,
                          parallel.pipeline_split_rank, self.encoder_seq_length,

@@ -1,12 +1,12 @@
-"""The training settings of a run, one frozen dataclass per concern (see megatron/config.py for
-the whole). Defaults live on the fields."""
+"""The training settings of a run, one frozen dataclass per concern (the whole run is
+megatron/config/__init__.py's RunConfig). Defaults live on the fields."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
-from megatron.training.lr_schedule import LRSchedule
+from megatron.config.lr_schedule import LRSchedule
 
 
 @dataclass(frozen=True)
@@ -148,3 +148,17 @@ class LoggingConfig:
     (megatron/training/layer_norms.py)."""
     plots: bool = True
     """Write the run's figures into SAVE/plots/ when a run with --save ends (--no-plots)."""
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    enabled: bool = False
+    """--profile."""
+    step_start: int = 10
+    """Start recording at the boundary where the run has done this many steps."""
+    step_end: int = 12
+    """Stop (and write the trace) at the boundary where it has done this many."""
+    ranks: Tuple[int, ...] = (0,)
+    """Global ranks that record."""
+    folder: Optional[str] = None
+    """Where the traces go: SAVE/profile."""
