@@ -97,7 +97,7 @@ def crc_cost(work: Path) -> Dict[str, float]:
     without the zip records' CRC-32s (our writer leaves them out), the best of 3 each."""
     import torch
 
-    from megatron.training.async_save import write_file
+    from megatron.checkpoint.io.async_save import write_file
 
     state = {f"t{i}": torch.randn(10_000_000) for i in range(15)}
     out = {}

@@ -5,7 +5,7 @@ data-parallel size, batch sizes, precision, the model config, the DeepSpeed conf
 typed, frozen `megatron.config.RunConfig`, and lists every problem at once, before any process
 group is created or any data is read. Each part is checked by the module it configures
 (`model/settings.py`, `data/data_args.py`, `training/ds_config.py`, `config/lr_schedule.py`,
-`training/checkpointing.py`, `initialize.py`); this module only collects. Flags that have no
+`checkpoint/io/checkpointing.py`, `initialize.py`); this module only collects. Flags that have no
 effect in some combination are refused, never silently ignored.
 
 Flags that DeepSpeed's JSON may also set (batch sizes, clipping, precision, loss scaling, the
@@ -30,10 +30,10 @@ from megatron.model.settings import ModelConfig, resolve_model
 from megatron.model.transformer import ATTENTION_BACKENDS
 from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
-from megatron.training.checkpointing import checkpoint_flag_problems, checkpoint_problems, layout
+from megatron.checkpoint.io.checkpointing import checkpoint_flag_problems, checkpoint_problems, layout
 from megatron.training.divergence import add_divergence_args, divergence_config, \
     divergence_problems
-from megatron.training.ownership import lock_problems
+from megatron.checkpoint.io.ownership import lock_problems
 from megatron.training.profiling import add_profile_args, profile_config, profile_problems
 from megatron.training.ds_config import OPTIMIZER_DEFAULTS
 from megatron.config.lr_schedule import DECAY_STYLES

@@ -82,7 +82,7 @@ def join_process_group(runtime: RuntimeConfig, parallel: ParallelConfig) -> bool
 
     DeepSpeed is not involved yet (`join_deepspeed`): its communication backend builds (or
     loads) a compiled op first, which a job that is about to be refused (its --save is another
-    job's, megatron/training/ownership.py) should not wait for.
+    job's, megatron/checkpoint/io/ownership.py) should not wait for.
 
     Returns:
         True when this call created the process group (the caller destroys it at exit).

@@ -244,14 +244,14 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
 def _pretrain(config: RunConfig, signals, watchdog, lock):
     """pretrain's body, holding --save's lock (None without --save, or on ranks other than 0)."""
     from megatron.initialize import set_seeds
-    from megatron.training.checkpointing import CheckpointError, layout, load_checkpoint, \
+    from megatron.checkpoint.io.checkpointing import CheckpointError, layout, load_checkpoint, \
         resumes_schedule
     from megatron.failures import DataError
-    from megatron.training.saver import Saver
+    from megatron.checkpoint.io.saver import Saver
     from megatron.training.loop import TrainState, evaluate, train
     from megatron.config.lr_schedule import resolve_with_checkpoint
     from megatron.training.metrics import MetricsWriter
-    from megatron.training.ownership import describe
+    from megatron.checkpoint.io.ownership import describe
     from megatron.training.profiling import StepProfiler
     from megatron.training.signals import StopSignals
 
@@ -377,13 +377,13 @@ def _pretrain(config: RunConfig, signals, watchdog, lock):
 
 
 def _take_save_lock(save: str, device):
-    """Rank 0 takes --save's writer lock (megatron/training/ownership.py); every rank learns
+    """Rank 0 takes --save's writer lock (megatron/checkpoint/io/ownership.py); every rank learns
     whether it did. Returns the lock on rank 0, None elsewhere.
 
     Raises:
         CheckpointError: another live job holds the folder (on every rank)."""
-    from megatron.training.checkpointing import CheckpointError
-    from megatron.training.ownership import SaveLock, SaveLockError
+    from megatron.checkpoint.io.checkpointing import CheckpointError
+    from megatron.checkpoint.io.ownership import SaveLock, SaveLockError
 
     lock, problem = None, ""
     if dist.get_rank() == 0:
@@ -436,7 +436,7 @@ def run(config: RunConfig, signals) -> int:
     """Join the job, train, leave the process group (without it, gloo jobs abort at interpreter
     exit now and then)."""
     from megatron.initialize import distributed_env, join_process_group
-    from megatron.training.ownership import watch_launcher
+    from megatron.checkpoint.io.ownership import watch_launcher
     from megatron.training.watchdog import Watchdog
 
     runtime = config.runtime

@@ -103,7 +103,7 @@ class DivergenceConfig:
     @property
     def judges_next_step(self) -> bool:
         """Whether a check reads a step's loss or gradient norm, which judge the weights of the
-        step before (so a save waits for the next step: megatron/training/saver.py)."""
+        step before (so a save waits for the next step: megatron/checkpoint/io/saver.py)."""
         return self.enabled and (self.loss_spike_factor > 0 or self.zero_grad_steps > 0)
 
 
@@ -122,7 +122,7 @@ class CheckpointConfig:
     keep_last: Optional[int] = None
     """Keep the newest N checkpoints in `save` (None: all)."""
     async_save: bool = False
-    """Write checkpoint files in the background (megatron/training/saver.py)."""
+    """Write checkpoint files in the background (megatron/checkpoint/io/saver.py)."""
     check_for_nan: bool = True
     """Stop, without saving, at a step whose loss or gradient norm is not finite."""
     detect_nan_layers: bool = False

@@ -119,7 +119,7 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
     save: save(state, hold) writes a checkpoint of the state (called when checkpoint.save is
         set); hold: commit it only when `saves.confirm()` says so (the divergence guard judges
         a save's weights at the next step).
-    saves: what else the checkpoint side needs from the loop (megatron/training/saver.py's
+    saves: what else the checkpoint side needs from the loop (megatron/checkpoint/io/saver.py's
         Saver, or None): `poll()` at every step boundary without a save (an asynchronous save
         commits there, or warns that it failed), `confirm()` once the divergence guard passed
         the steps after the held saves, `discard()` when a guard stops the run, `finish()`
@@ -132,7 +132,7 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
         its ranges mark data waits, the loop's collectives, evaluations and saves. Finished
         (its trace written) when the loop returns; when it raises, the caller finishes it."""
     from megatron.training.divergence import DivergenceGuard, WeightGrowth
-    from megatron.training.saver import SaveFailed
+    from megatron.checkpoint.io.saver import SaveFailed
 
     watchdog = watchdog or NoWatchdog()
     profiler = profiler or StepProfiler()
@@ -315,7 +315,7 @@ def _stopping(checkpoint: CheckpointConfig, saves, watchdog, iteration: int) -> 
         return "stopping (no --save, so no checkpoint)"
     from pathlib import Path
 
-    from megatron.training.checkpointing import read_tracker
+    from megatron.checkpoint.io.checkpointing import read_tracker
 
     removed = []
     if saves is not None:

@@ -179,7 +179,7 @@ class EngineStep(TrainStep):
         """What `save` would write, as (path, object) pairs, without writing it (collective):
         DeepSpeed's checkpoint engine is replaced by megatron/training/async_save.Capture for
         the duration. snapshot_with: copies each object (async saves)."""
-        from megatron.training.async_save import Capture
+        from megatron.checkpoint.io.async_save import Capture
 
         real = self.engine.checkpoint_engine
         capture = Capture(real, snapshot_with)
@@ -222,7 +222,7 @@ class EngineStep(TrainStep):
         if refresh is not None and optimizer_step is None:  # the masters of ZeRO and the
             refresh()  # 16-bit optimizers (with optimizer states they come from the file)
         if optimizer_step is not None:
-            from megatron.training.optimizer_state import load_optimizer_state
+            from megatron.checkpoint.io.optimizer_state import load_optimizer_state
 
             load_optimizer_state(self.engine, self._weight_names(), folder, optimizer_step,
                                  module_vocab_size(module),
@@ -308,7 +308,7 @@ class DataParallelStep(EngineStep):
         ranges = self.ranges
         self.last_batches, self._held = [], False
         if self._keep_rng:  # the re-run draws the same dropout masks
-            from megatron.training.checkpointing import rng_state
+            from megatron.checkpoint.io.checkpointing import rng_state
 
             self._rng = rng_state(self.device.type)
         for watch in (self._gradients, self._layers):
@@ -370,7 +370,7 @@ class DataParallelStep(EngineStep):
         never accumulated, and DeepSpeed's gradient hooks and reductions do not run."""
         if self._layers is not None:
             return self._layers.first(), "watched"
-        from megatron.training.checkpointing import set_rng_state
+        from megatron.checkpoint.io.checkpointing import set_rng_state
         from megatron.training.nan_locator import NonFiniteWatch
 
         if self._rng is not None:

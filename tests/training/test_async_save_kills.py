@@ -18,7 +18,7 @@ import pytest
 from harness import free_port
 from train_workers import base_argv
 
-from megatron.training.checkpointing import damaged_file, read_tracker, tag_for
+from megatron.checkpoint.io.checkpointing import damaged_file, read_tracker, tag_for
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

@@ -2,7 +2,7 @@
 the tracker's, never a folder being written; a removal cut short leaves no folder that looks
 like a checkpoint."""
 
-from megatron.training.checkpointing import TRACKER, prune
+from megatron.checkpoint.io.checkpointing import TRACKER, prune
 
 
 def make(root, *names):

@@ -242,7 +242,7 @@ def test_flat_reads_ranges_across_parts():
 
 
 def test_tracker_and_folder_names_are_the_trainers():
-    from megatron.training import checkpointing
+    from megatron.checkpoint.io import checkpointing
 
     assert reader.TRACKER == checkpointing.TRACKER
     assert checkpointing.tag_for(3) == "iter_0000003"

@@ -1,4 +1,4 @@
-"""megatron/training/ownership.py: the writer lock of a --save folder (a live holder refuses, a
+"""megatron/checkpoint/io/ownership.py: the writer lock of a --save folder (a live holder refuses, a
 dead one is taken over) and the launcher watch. The real torchrun case (SIGKILL to the launcher,
 a second launch on the same folder): tests/launch/test_ownership.py."""
 
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from megatron.training import ownership
-from megatron.training.ownership import LOCK, SaveLock, SaveLockError, lock_problems, read_holder
+from megatron.checkpoint.io import ownership
+from megatron.checkpoint.io.ownership import LOCK, SaveLock, SaveLockError, lock_problems, read_holder
 
 
 def dead_pid():
@@ -106,7 +106,7 @@ def test_watch_launcher_only_under_torchrun(tmp_path):
     assert ownership.watch_launcher(env={}) is None
     ready = tmp_path / "watching"
     code = ("import os, pathlib, sys, time; sys.path.insert(0, %r); "
-            "from megatron.training.ownership import watch_launcher; "
+            "from megatron.checkpoint.io.ownership import watch_launcher; "
             "watch_launcher(env={'TORCHELASTIC_RUN_ID': 'x', 'RANK': '0'}, poll_s=0.05); "
             "print(os.getpid(), flush=True); pathlib.Path(%r).write_text('1'); "
             "time.sleep(30)") % (os.getcwd(), str(ready))

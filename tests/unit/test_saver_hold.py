@@ -1,4 +1,4 @@
-"""Held saves (megatron/training/saver.py, for the divergence guard): a save made with hold=True
+"""Held saves (megatron/checkpoint/io/saver.py, for the divergence guard): a save made with hold=True
 is written but moves the tracker only when confirmed, a second save keeps the held one's folder,
 discard leaves nothing of the unconfirmed ones behind, and a save without hold confirms those
 before it; synchronous and asynchronous (--async-save), in a one-process gloo group."""
@@ -42,7 +42,7 @@ def tracker(root):
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_held_saves_commit_on_confirm_and_vanish_on_discard(one_process_group, tmp_path,
                                                             async_save):
-    from megatron.training.saver import Saver
+    from megatron.checkpoint.io.saver import Saver
 
     root = tmp_path / "ckpt"
     saver = Saver(FilesStep(), str(root), {}, "cpu", {}, async_save=async_save, timeout_s=60)

@@ -7,7 +7,7 @@ One intermediate: full, unpadded tensors under our names (Hugging Face T5's), on
 - cpm2.py reads CPM-2-Pretrain / -Finetune checkpoints (any model-parallel size; the fused
   projections un-strided), and gives a Hugging Face export CPM-2's vocab.txt and a README.
 - weights.py writes a checkpoint of full tensors that the trainer loads in any layout: weights
-  (--finetune), or with the optimizer states a resume (megatron/training/optimizer_state.py puts
+  (--finetune), or with the optimizer states a resume (megatron/checkpoint/io/optimizer_state.py puts
   them into DeepSpeed's optimizer).
 - shards.py writes safetensors shards as the tensors come, one tensor in memory at a time.
 """

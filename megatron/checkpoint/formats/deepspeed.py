@@ -1,6 +1,6 @@
 """Read any checkpoint the trainer writes as full tensors under our names, without process groups.
 
-What `--save DIR` holds (megatron/training/checkpointing.py; DeepSpeed 0.19's files inside):
+What `--save DIR` holds (megatron/checkpoint/io/checkpointing.py; DeepSpeed 0.19's files inside):
 
     DIR/latest_checkpointed_iteration.txt      the newest complete iteration (the tracker)
     DIR/iter_NNNNNNN/meta.json                 iteration, layout, flags, and the model: its

@@ -18,7 +18,7 @@ Without optimizer states the trainer takes it with `--load OUT --finetune` (weig
 fresh optimizer, LR schedule and data position). With them (converted from one of our
 checkpoints), model.safetensors holds the fp32 masters, meta.json carries Adam's step count and
 what a resume needs (iteration, consumed samples, the LR schedule), and `--load OUT` resumes the
-run in the new layout (megatron/training/optimizer_state.py puts the states into DeepSpeed's
+run in the new layout (megatron/checkpoint/io/optimizer_state.py puts the states into DeepSpeed's
 optimizer).
 
 Written to OUT.tmp and renamed; the tracker is written last.

@@ -9,7 +9,7 @@ Layout of `--save DIR` (Megatron's tracker and names, DeepSpeed's files inside):
                                             resolved flags (plain JSON)
         rng/rank_00003.pt                   python, numpy, torch (+cuda) and TP-tracker states
 
-A save (megatron/training/saver.py) writes `iter_N.tmp/`, flushes it to disk, renames it to
+A save (megatron/checkpoint/io/saver.py) writes `iter_N.tmp/`, flushes it to disk, renames it to
 `iter_N`, and only then replaces the tracker file (itself written to a temporary name and
 renamed). A process killed at any moment leaves the previous checkpoint and the tracker that
 points to it intact; the stale `.tmp` folder is removed by the next save.

@@ -38,8 +38,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.training.async_save import HostBuffers, Writer, snapshot, write_file
-from megatron.training.checkpointing import (
+from megatron.checkpoint.io.async_save import HostBuffers, Writer, snapshot, write_file
+from megatron.checkpoint.io.checkpointing import (
     TRACKER,
     CheckpointError,
     fsync_dir,
