@@ -51,13 +51,26 @@ class ArgumentsError(ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every flag of the entry point, group by group (docs/flags.md is made from it)."""
     parser = argparse.ArgumentParser(
         prog="python -m megatron.pretrain_t5", allow_abbrev=False,
         description="Pretrain a T5 / CPM-2 encoder-decoder with DeepSpeed and tensor parallelism.")
     add_data_args(parser, schedule=False)
     for action in parser._actions:  # checked in validate(), with every other problem
         action.required = False
+    _add_model_args(parser)
+    _add_parallel_args(parser)
+    _add_batch_args(parser)
+    _add_optimizer_args(parser)
+    _add_precision_args(parser)
+    _add_deepspeed_args(parser)
+    _add_checkpoint_args(parser)
+    _add_logging_args(parser)
+    add_profile_args(parser)
+    return parser
 
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--model-config", help="model JSON (Hugging Face T5 config.json or CPM-2's "
                    "enc_dec config) or a preset name from configs/model (e.g. t5-base)")
@@ -77,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and checks the DeepSpeed JSON's 'activation_checkpointing' section "
                         "(options our recomputation does not implement are refused)")
 
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("parallelism and launch")
     g.add_argument("--tensor-model-parallel-size", "--model-parallel-size",
                    dest="tensor_model_parallel_size", type=int, default=1,
@@ -102,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "in the environment is used otherwise")
     g.add_argument("--num-workers", type=int, default=1, help="data-loader worker processes")
 
+
+def _add_batch_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("batch and schedule")
     g.add_argument("--micro-batch-size", "--batch-size", dest="micro_batch_size", type=int,
                    default=None, help="samples per data-parallel rank per forward (CPM-2 and "
@@ -122,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="save (with --save) and exit once this much time has passed")
 
+
+def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("optimizer and learning rate")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate")
     g.add_argument("--min-lr", type=float, default=0.0, help="the LR decays to this")
@@ -149,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=None, help="default 0.999")
     g.add_argument("--adam-eps", type=float, default=None, help="default 1e-8")
 
+
+def _add_precision_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("precision")
     g.add_argument("--fp16", action="store_true", default=None,
                    help="fp16 with dynamic loss scaling (GPU only)")
@@ -165,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hysteresis", type=int, default=None,
                    help="--fp16: overflows tolerated before the scale shrinks (DeepSpeed: 2)")
 
+
+def _add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("DeepSpeed")
     g.add_argument("--deepspeed", action="store_true",
                    help="accepted for Megatron-DeepSpeed / CPM-2 command lines: DeepSpeed is "
@@ -182,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO-3 only")
     g.add_argument("--nvme-path", default=None, help="folder for nvme offload")
 
+
+def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--save", default=None, help="checkpoint folder to write")
     g.add_argument("--save-interval", type=int, default=None,
@@ -215,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the failing step itself (not with a pipeline)")
     add_divergence_args(g)
 
+
+def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100, help="steps per log line")
     g.add_argument("--log-file", default=None, help="also append every log line here")
@@ -233,8 +260,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run-device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="the device the --dry-run estimate is for (auto: this machine's; plan "
                         "a GPU cluster from a login node with cuda)")
-    add_profile_args(parser)
-    return parser
 
 
 def world_size_from_env(env: Mapping[str, str]) -> int:
