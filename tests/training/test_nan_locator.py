@@ -109,7 +109,8 @@ def step_then_rerun(rank, world_size, argv):
     from megatron import parallel_state
     from megatron.arguments import parse_args
     from megatron.initialize import initialize_distributed, set_seeds
-    from megatron.pretrain_t5 import build_data, build_step
+    from megatron.pretrain_t5 import build_step
+    from megatron.training.loaders import build_data
     from megatron.training.metrics import MetricsWriter
     from megatron.training.watchdog import NoWatchdog
 

@@ -11,7 +11,8 @@ import numpy as np
 
 from megatron.data.builder import data_file_problems
 from megatron.data.indexed_dataset import IndexedDatasetBuilder
-from megatron.pretrain_t5 import UnreadBatches, startup_voice
+from megatron.pretrain_t5 import startup_voice
+from megatron.training.loaders import UnreadBatches
 
 
 def test_rank_0_speaks_for_the_job_and_one_rank_of_every_other_node():
