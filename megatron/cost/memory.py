@@ -428,7 +428,7 @@ def _stage_activations(s: ActivationShape, tp: int, vocab: int, e: int, d: int, 
             runs[run[0]].append(len(run))
         else:
             whole = {k: n + run.count(k) for k, n in whole.items()}
-    cross_entropy, head, logits, logits_grad = s.head(d, vocab)
+    cross_entropy, head, logits, logits_grad = s.head(d, vocab, tp)
     saved = b * (8 if tp == 1 else 9) * (e * has["embed_encoder"] + d * has["embed_decoder"])
     saved += s.dropout * b * D * (e * (has["embed_encoder"] + has["finish_encoder"])
                                   + d * (has["embed_decoder"] + has["head"]))

@@ -3,8 +3,9 @@
 An analytic model, counted from what our layers save (model/transformer.py, dropout.py,
 tensor_parallel/cross_entropy.py) and checked against a measurement in
 tests/unit/test_memory_estimate.py; it lives beside the FLOPs (model/flops.py). Backward's
-transient gradients are left out, except the logits' gradient, which is as large as the logits.
-megatron/cost/memory.py adds these terms up for a rank, with or without a pipeline.
+transient gradients are left out, except the logits' gradient: a copy as large as the logits in
+fp32 where the vocabulary is padded (else the loss's buffer, rewritten in place) plus its 16-bit
+cast. megatron/cost/memory.py adds these terms up for a rank, with or without a pipeline.
 """
 
 from __future__ import annotations
@@ -67,14 +68,18 @@ class ActivationShape:
         n = (c.activation != "relu") + 1 + (2 if c.is_gated_act else self.dropout)
         return tokens * self.ff * (n * self.a + self.dropout)
 
-    def head(self, d: int, vocab: int) -> Tuple[int, int, int, int]:
+    def head(self, d: int, vocab: int, tp: int) -> Tuple[int, int, int, int]:
         """(the loss's saved tensors, what the head frees before any recompute, the logits, their
         gradient). The loss keeps log-probabilities over this rank's real columns (fp32), lse,
-        target and masks, and a count; the logits' gradient is padded in fp32, then cast."""
+        target and masks, and a count. Backward rewrites the log-probabilities into the
+        gradient in place; only a rank holding padding columns copies it into a new fp32 tensor
+        of all its columns; 16 bits then cast it. (With TP the padding is the last rank's, whose
+        log-probabilities are fewer than rank 0's counted here: a bound, by the padding.)"""
         b, a = self.b, self.a
         cross_entropy = b * d * (4 * min(vocab, self.config.vocab_size) + 14) + 8
+        padded = vocab * tp > self.config.vocab_size
         return (cross_entropy, cross_entropy + a * b * d * self.D, a * b * d * vocab,
-                b * d * vocab * (4 + (a if a != 4 else 0)))
+                b * d * vocab * (4 * padded + (a if a != 4 else 0)))
 
     def encoder_block(self, e: int) -> int:
         return 2 * self.sublayer(self.b * e) + self.attention(e, e, True) + \
@@ -93,7 +98,7 @@ def micro_batch_activations(s: ActivationShape, tp: int, vocab: int, e: int, d: 
     ids = b * (e + d) * (8 if tp == 1 else 9)  # embedding indices (TP: local ids + a bool mask)
     # the final norms, the embedding and final dropout masks
     outer = ids + s.norm(b * e) + s.norm(b * d) + 2 * s.dropout * b * (e + d) * D
-    cross_entropy, head, logits, logits_grad = s.head(d, vocab)
+    cross_entropy, head, logits, logits_grad = s.head(d, vocab, tp)
     outer += cross_entropy
     if not checkpoint:
         # + the relative-position buckets: one int64 [q, k] per stack

@@ -5,10 +5,11 @@ reads them with CPM2Dataset, and k steps + save + resume give the straight run's
 Two tokenizers give the special ids. CPM-2's own, `--tokenizer-path tests/data/cpm2/bpe_cn` (its
 vocab.txt: `<pad>` 5, `<eod>` 7, `<s>` 1, `<s_0>`.. 26050..), as a CPM-2 command line names it:
 the samples are then those checked against CPM-2's own reader in
-tests/unit/test_cpm2_reference.py; this case is skipped while the trainer has no CPM-2 vocab.txt
-tokenizer type. And a SentencePiece model, which trains the same data with that model's pad /
-eos / decoder start / sentinels (pad 0, eos 1, sentinels 4099 down to 4000 for the session's
-4000-piece model, ordinary bpe_cn pieces): not CPM-2's semantics, but the only way before then.
+tests/unit/test_cpm2_reference.py. The trainer reads it with CPM2Tokenizer, which cuts words with
+jieba, a test dependency (setup.py's "test" extra): without it this case fails, it is not
+skipped. And a SentencePiece model, which trains the same data with that model's pad / eos /
+decoder start / sentinels (pad 0, eos 1, sentinels 4099 down to 4000 for the session's
+4000-piece model, ordinary bpe_cn pieces): not CPM-2's semantics, but the same three files.
 """
 
 import json
@@ -29,18 +30,7 @@ TINY_BPE_CN = dict(vocab_size=26240, d_model=32, d_kv=8, d_ff=64, num_layers=2,
                    tie_word_embeddings=False, dropout_rate=0.1)
 
 
-def trainer_reads_cpm2_vocabularies() -> bool:
-    from megatron.data import tokenizer
-
-    return "CPM2Tokenizer" in getattr(tokenizer, "TOKENIZER_TYPES", ())
-
-
-@pytest.mark.parametrize("tokenizer", [
-    pytest.param("bpe_cn", marks=pytest.mark.skipif(
-        not trainer_reads_cpm2_vocabularies(),
-        reason="the trainer has no CPM-2 vocab.txt tokenizer type yet")),
-    "sentencepiece",
-])
+@pytest.mark.parametrize("tokenizer", ["bpe_cn", "sentencepiece"])
 def test_cpm2_preprocessed_data_trains_and_resumes(tokenizer, request, tmp_path):
     vocabulary = str(REPO / "tests" / "data" / "cpm2" / "bpe_cn") if tokenizer == "bpe_cn" \
         else str(request.getfixturevalue("spm_model"))

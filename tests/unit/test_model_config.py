@@ -11,6 +11,7 @@ from transformers import T5ForConditionalGeneration
 from megatron.model import ConfigError, T5Config, T5Model, load_preset
 from megatron.model.config import PRESET_DIR
 from megatron.model.meta import num_parameters
+from megatron.model.state_dict import from_hf_state_dict
 
 PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.json"))
 
@@ -104,61 +105,128 @@ def test_hf_initialization_scales():
     assert torch.equal(model.encoder.final_layer_norm.weight, torch.ones(256))
 
 
+# Every weight of a fresh model against the distribution its scheme draws from. A one-sample
+# Kolmogorov-Smirnov distance to the scheme's distribution (t5x: documented below) or a
+# two-sample one to Hugging Face's freshly initialized weights ('hf': its _init_weights is the
+# reference) checks the shape and the scale; the standard deviation, within 5 standard errors,
+# checks the scale more finely. KS bound: the distance a correct draw exceeds with probability
+# 1e-6 (sqrt(ln(2 / 1e-6) / 2) = 2.694 times sqrt(1 / n + 1 / m)).
+INIT_SIZES = dict(d_model=256, d_kv=32, d_ff=512, num_heads=16, relative_attention_num_buckets=256,
+                  vocab_size=1024)
+KS_C = (math.log(2 / 1e-6) / 2) ** 0.5
 # A unit normal truncated to [-2, 2] has standard deviation 0.8796; t5x divides by it.
-TRUNCATED_MAX = 2 / 0.87962566103423978
+TRUNCATED_STD = 0.87962566103423978
 
 
-def test_t5x_initialization_is_the_default_and_scales_by_fan_in():
-    """t5x (examples/t5/layers.py): every dense kernel variance_scaling(1, fan_in), the MLP and
-    the logits layer truncated at 2 (std after truncation fan_in ** -0.5), attention plain normal
-    (q also / sqrt(d_kv)), relative bias variance_scaling(1, fan_avg, uniform), embedding
-    normal(1)."""
-    d_model, d_kv, d_ff, heads, buckets, vocab = 256, 32, 1024, 16, 256, 4096
-    config = T5Config(vocab_size=vocab, d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=1,
-                      num_heads=heads, relative_attention_num_buckets=buckets,
-                      feed_forward_proj="gated-gelu", tie_word_embeddings=False)
-    assert config.init_method == "t5x"
+def init_model(init_method):
+    """A fresh gated-gelu, untied model of one encoder and one decoder block (seeded), in eval
+    mode, without vocabulary padding."""
+    config = T5Config(**INIT_SIZES, num_layers=1, feed_forward_proj="gated-gelu",
+                      tie_word_embeddings=False, dropout_rate=0.0, init_method=init_method)
     torch.manual_seed(0)
-    model = T5Model(config, make_vocab_size_divisible_by=1)
-    block = model.encoder.block[0]
-    attention, mlp = block.layer[0].SelfAttention, block.layer[1].DenseReluDense
-    normal = {model.shared.weight: 1.0, attention.q.weight: (d_model * d_kv) ** -0.5,
-              attention.k.weight: d_model ** -0.5, attention.v.weight: d_model ** -0.5,
-              attention.o.weight: (heads * d_kv) ** -0.5}
-    truncated = {model.lm_head.weight: d_model ** -0.5, mlp.wi_0.weight: d_model ** -0.5,
-                 mlp.wi_1.weight: d_model ** -0.5, mlp.wo.weight: d_ff ** -0.5}
-    for weight, std in {**normal, **truncated}.items():
-        assert weight.std().item() == pytest.approx(std, rel=0.02)
-    for weight, std in truncated.items():
-        assert weight.abs().max().item() <= TRUNCATED_MAX * std * (1 + 1e-6)
-    for weight, std in normal.items():  # a normal of this many draws passes 2.27 std
-        assert weight.abs().max().item() > TRUNCATED_MAX * std
-    bias = attention.relative_attention_bias.weight  # [buckets, heads], 4096 draws
-    std = (2 / (heads + buckets)) ** 0.5
-    assert bias.std().item() == pytest.approx(std, rel=0.05)
-    assert bias.abs().max().item() <= 3 ** 0.5 * std * (1 + 1e-6)
-    assert torch.equal(model.encoder.final_layer_norm.weight, torch.ones(d_model))
+    return T5Model(config, make_vocab_size_divisible_by=1).eval()
+
+
+def empirical_cdf(sorted_sample, x):
+    return torch.searchsorted(sorted_sample, x, right=True).double() / sorted_sample.numel()
+
+
+def ks_distance(sample, cdf=None, other=None):
+    """The largest gap between the sample's empirical distribution function and `cdf` (a
+    function) or `other`'s (a second sample)."""
+    x = sample.detach().flatten().double().sort().values
+    if other is not None:
+        y = other.detach().flatten().double().sort().values
+        points = torch.cat([x, y])
+        return (empirical_cdf(x, points) - empirical_cdf(y, points)).abs().max().item()
+    f, n = cdf(x), x.numel()
+    i = torch.arange(1, n + 1, dtype=torch.float64)
+    return max((i / n - f).max().item(), (f - (i - 1) / n).max().item())
+
+
+def normal_cdf(std):
+    return lambda x: 0.5 * (1 + torch.erf(x / (std * 2 ** 0.5)))
+
+
+def truncated_normal_cdf(std):
+    """A normal truncated at 2 of its standard deviations, scaled so that its std is `std`."""
+    scale, unit = std / TRUNCATED_STD, normal_cdf(1.0)
+    low, high = unit(torch.tensor(-2.0, dtype=torch.float64)), \
+        unit(torch.tensor(2.0, dtype=torch.float64))
+    return lambda x: ((unit(x / scale) - low) / (high - low)).clamp(0, 1)
+
+
+def uniform_cdf(std):
+    limit = 3 ** 0.5 * std
+    return lambda x: ((x + limit) / (2 * limit)).clamp(0, 1)
+
+
+def t5x_scheme(name, sizes):
+    """t5x (examples/t5/layers.py), by weight name: every dense kernel variance_scaling(1,
+    fan_in), the MLP and the logits layer truncated at 2 (std after truncation fan_in ** -0.5),
+    attention plain normal (q also / sqrt(d_kv)), relative bias variance_scaling(1, fan_avg,
+    uniform), embedding normal(1). Returns (distribution function, standard deviation)."""
+    d, inner = sizes["d_model"], sizes["num_heads"] * sizes["d_kv"]
+    kind = name.split(".")[-2]
+    stds = {"shared": (normal_cdf, 1.0), "lm_head": (truncated_normal_cdf, d ** -0.5),
+            "q": (normal_cdf, (d * sizes["d_kv"]) ** -0.5), "k": (normal_cdf, d ** -0.5),
+            "v": (normal_cdf, d ** -0.5), "o": (normal_cdf, inner ** -0.5),
+            "wi_0": (truncated_normal_cdf, d ** -0.5), "wi_1": (truncated_normal_cdf, d ** -0.5),
+            "wo": (truncated_normal_cdf, sizes["d_ff"] ** -0.5),
+            "relative_attention_bias": (uniform_cdf, (2 / (sizes["num_heads"] + sizes[
+                "relative_attention_num_buckets"])) ** 0.5)}
+    cdf, std = stds[kind]
+    return cdf(std), std
 
 
 @pytest.mark.parametrize("init_method", ["t5x", "hf"])
-def test_initial_loss_against_log_vocabulary(init_method):
-    """Uniform guessing costs ln(V). With t5x's head (std d_model ** -0.5) the first logits have
-    std about 1, so the first loss is ln(V) + ~0.5; Hugging Face's head (std 1) makes them
-    sqrt(d_model) large and the first loss a multiple of ln(V)."""
-    vocab = 2000
-    config = T5Config(vocab_size=vocab, d_model=64, d_kv=16, d_ff=128, num_layers=2,
-                      num_heads=4, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-                      dropout_rate=0.0, init_method=init_method)
-    torch.manual_seed(0)
-    model = T5Model(config).eval()
+def test_every_initial_weight_follows_its_scheme(init_method):
+    """Every parameter of both stacks (self- and cross-attention, MLP, relative bias, norms,
+    embedding, head) against its scheme's distribution (the comment above); norms start at 1.
+    The first logits' scale follows from the head's: the final norm leaves each token's hidden
+    state with rms 1, so their std is the head's std x sqrt(d_model) (t5x: 1, 'hf': 16); a
+    uniform output (std 0) or a wrong head fails it."""
+    assert T5Config(**INIT_SIZES).init_method == "t5x"  # the default
+    model = init_model(init_method)
+    if init_method == "hf":
+        hf_fields = {k: v for k, v in model.config.to_hf_dict().items() if k != "init_method_std"}
+        torch.manual_seed(1)
+        hf = T5ForConditionalGeneration(HFConfig(**hf_fields))
+        # transformers 5.x ties lm_head to the embedding on construction even for an untied
+        # config: its lm_head is then the embedding, normal(1), as _init_weights draws an
+        # untied head too
+        reference = from_hf_state_dict(hf.state_dict(), model.config)
+    checked = 0
+    for name, weight in model.named_parameters():
+        if name.endswith("layer_norm.weight"):
+            assert torch.equal(weight, torch.ones_like(weight)), name
+            continue
+        n = weight.numel()
+        if init_method == "t5x":
+            cdf, std = t5x_scheme(name, INIT_SIZES)
+            distance, bound = ks_distance(weight, cdf=cdf), KS_C / n ** 0.5
+        else:
+            want = reference[name]
+            assert want.shape == weight.shape, name
+            std = want.std().item()
+            distance, bound = ks_distance(weight, other=want), KS_C * (2 / n) ** 0.5
+        assert distance < bound, (name, distance, bound)
+        # a normal sample's std has relative standard error (2n) ** -0.5 (less for the
+        # truncated and uniform draws); against Hugging Face's sample, sqrt(2) times that
+        error = (2 * n) ** -0.5 * (1 if init_method == "t5x" else 2 ** 0.5)
+        assert weight.std().item() == pytest.approx(std, rel=5 * error), name
+        assert abs(weight.mean().item()) < 5 * std / n ** 0.5, name
+        checked += 1
+    assert checked == sum(not n.endswith("layer_norm.weight") for n, _ in
+                          model.named_parameters()) == 22
     g = torch.Generator().manual_seed(1)
-    enc, dec, labels = (torch.randint(2, vocab, (8, 32), generator=g) for _ in range(3))
+    enc, dec = (torch.randint(2, INIT_SIZES["vocab_size"], (8, 32), generator=g)
+                for _ in range(2))
     with torch.no_grad():
-        loss = model(enc, dec, labels=labels).loss.item()
-    if init_method == "t5x":
-        assert loss == pytest.approx(math.log(vocab), rel=0.3)
-    else:
-        assert loss > 2 * math.log(vocab)
+        logits = model(enc, dec).logits
+    head_std = model.lm_head.weight.std().item()
+    assert logits.std().item() == pytest.approx(head_std * INIT_SIZES["d_model"] ** 0.5,
+                                                rel=0.05)
 
 
 def test_unknown_keys_are_refused_with_a_suggestion(tmp_path):
