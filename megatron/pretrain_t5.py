@@ -38,7 +38,7 @@ from megatron.model.flops import training_step_flops
 from megatron.training.engine import build_model, count_parameters, initialize_engine
 from megatron.training.layer_norms import layer_groups
 from megatron.training.loaders import build_data
-from megatron.training.loop import StepCost, TrainState, evaluate, train
+from megatron.training.loop import LoopParts, StepCost, TrainState, evaluate, train
 from megatron.training.metrics import MetricsWriter, peak_tflops
 from megatron.training.pipeline_step import build_pipeline_step
 from megatron.training.profiling import StepProfiler
@@ -154,9 +154,10 @@ def _pretrain(config: RunConfig, signals, watchdog, lock):
             with contextlib.ExitStack() as stack:
                 if signals is None:
                     signals = stack.enter_context(StopSignals())
-                state = train(step, config.batch, config.logging, ckpt, runtime,
-                              step_cost(config), schedule, train_loader, valid_loader, writer,
-                              state, save, signals, watchdog, saver, profiler)
+                state = train(LoopParts(step, config.batch, config.logging, ckpt, runtime,
+                                        step_cost(config), schedule, train_loader,
+                                        valid_loader, writer, save, signals, watchdog, saver,
+                                        profiler), state)
         if not state.exit_reason:
             _final_evaluation(step, config, state, writer, watchdog, valid_loader, test_loader)
         if rank == 0 and ckpt.save is not None and config.logging.plots \

@@ -20,21 +20,29 @@ guard has not yet passed are held uncommitted and removed then (saver.py).
 from __future__ import annotations
 
 import math
+import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron import parallel_state
+from megatron.checkpoint.io.checkpointing import read_tracker
+from megatron.checkpoint.io.saver import SaveFailed
 from megatron.config import RuntimeConfig
+from megatron.config.lr_schedule import LRSchedule
+from megatron.config.training import BatchConfig, CheckpointConfig, LoggingConfig
 from megatron.failures import RunFailure
+from megatron.training.divergence import SIGNS, DivergenceError, DivergenceGuard, WeightGrowth, \
+    agreed_signs, local_signs
 from megatron.training.layer_norms import write_layer_norms
 from megatron.training.metrics import IntervalStats, MetricsWriter, Timer
+from megatron.training.nan_locator import locate
 from megatron.training.profiling import (CHECKPOINT_SAVE, DATA_WAIT, EVALUATION, LOSS_ALL_REDUCE,
                                          STOP_ALL_REDUCE, StepProfiler, no_range)
-from megatron.config.training import BatchConfig, CheckpointConfig, LoggingConfig
 from megatron.training.step import TrainStep
 from megatron.training.watchdog import NoWatchdog
 
@@ -109,12 +117,9 @@ def _timed_batches(batches: Iterator, timer: Timer, watchdog, data_s: float,
         yield batch
 
 
-def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
-          checkpoint: CheckpointConfig, runtime: RuntimeConfig, cost: StepCost, schedule,
-          train_loader: Iterable, valid_loader, writer: MetricsWriter, state: TrainState,
-          save: Callable[[TrainState, bool], None], signals=None, watchdog=None,
-          saves=None, profiler: Optional[StepProfiler] = None) -> TrainState:
-    """Run steps from state.iteration to batch_config.train_iters (or an exit condition).
+@dataclass
+class LoopParts:
+    """What the loop runs with, besides the state it advances.
 
     save: save(state, hold) writes a checkpoint of the state (called when checkpoint.save is
         set); hold: commit it only when `saves.confirm()` says so (the divergence guard judges
@@ -124,159 +129,219 @@ def train(step: TrainStep, batch_config: BatchConfig, logging: LoggingConfig,
         commits there, or warns that it failed), `confirm()` once the divergence guard passed
         the steps after the held saves, `discard()` when a guard stops the run, `finish()`
         before the loop returns (a final save that failed raises SaveFailed).
+    profiler: --profile's recorder (megatron/training/profiling.py): told each step boundary;
+        its ranges mark data waits, the loop's collectives, evaluations and saves. Finished
+        (its trace written) when the loop returns; when it raises, the caller finishes it.
+    """
+
+    step: TrainStep
+    batch: BatchConfig
+    logging: LoggingConfig
+    checkpoint: CheckpointConfig
+    runtime: RuntimeConfig
+    cost: StepCost
+    schedule: LRSchedule
+    train_loader: Iterable
+    valid_loader: Optional[Iterable]
+    writer: MetricsWriter
+    save: Callable[[TrainState, bool], None]
+    signals: Optional[object] = None
+    watchdog: Optional[object] = None
+    saves: Optional[object] = None
+    profiler: Optional[StepProfiler] = None
+
+
+def train(parts: LoopParts, state: TrainState) -> TrainState:
+    """Run steps from state.iteration to the batch config's train_iters (or an exit condition).
 
     Raises:
         NonFiniteError: the NaN guard stopped the run.
         DivergenceError: the divergence guard stopped the run (divergence.py).
-    profiler: --profile's recorder (megatron/training/profiling.py): told each step boundary;
-        its ranges mark data waits, the loop's collectives, evaluations and saves. Finished
-        (its trace written) when the loop returns; when it raises, the caller finishes it."""
-    from megatron.training.divergence import DivergenceGuard, WeightGrowth
-    from megatron.checkpoint.io.saver import SaveFailed
+    """
+    return _Loop(parts, state).run()
 
-    watchdog = watchdog or NoWatchdog()
-    profiler = profiler or StepProfiler()
-    ranges = profiler.ranges
-    collective_s = 60 * runtime.distributed_timeout_minutes
-    device = runtime.torch_device()
-    train_iters = batch_config.train_iters
-    dp_group = parallel_state.get_data_parallel_group()
-    stats, timer = IntervalStats(), Timer()
-    pending: List[tuple] = []  # (iteration, StepResult, step seconds, data-wait seconds)
-    start_time = time.monotonic()
-    batches = _timed_batches(iter(train_loader), timer, watchdog,
-                             60 * runtime.data_timeout_minutes, ranges)
-    loss_scale = 1.0
-    divergence = checkpoint.divergence
-    guard = DivergenceGuard(divergence)
-    weights = WeightGrowth(step)
-    if divergence.enabled and divergence.weight_growth > 0:
-        weights.start()
-    # a save's weights are judged by the next step's loss and gradient norm
-    hold = saves is not None and divergence.judges_next_step
 
-    def flush_logs():
-        if not pending:
+class _Loop:
+    """One call of `train`: each step is the sequence of `run`'s named parts."""
+
+    def __init__(self, parts: LoopParts, state: TrainState) -> None:
+        self.p, self.state = parts, state
+        self.watchdog = parts.watchdog or NoWatchdog()
+        self.profiler = parts.profiler or StepProfiler()
+        self.ranges = self.profiler.ranges
+        self.collective_s = 60 * parts.runtime.distributed_timeout_minutes
+        self.device = parts.runtime.torch_device()
+        self.stats, self.timer = IntervalStats(), Timer()
+        self.pending: List[tuple] = []  # (iteration, StepResult, step seconds, data wait)
+        self.start_time = time.monotonic()
+        self.batches = _timed_batches(iter(parts.train_loader), self.timer, self.watchdog,
+                                      60 * parts.runtime.data_timeout_minutes, self.ranges)
+        self.loss_scale = 1.0
+        divergence = parts.checkpoint.divergence
+        self.guard = DivergenceGuard(divergence)
+        self.weights = WeightGrowth(parts.step)
+        if divergence.enabled and divergence.weight_growth > 0:
+            self.weights.start()
+        # a save's weights are judged by the next step's loss and gradient norm
+        self.hold = parts.saves is not None and divergence.judges_next_step
+
+    def run(self) -> TrainState:
+        p, state = self.p, self.state
+        self.timer.reset()
+        while state.iteration < p.batch.train_iters:
+            result = self._step()
+            last = state.iteration == p.batch.train_iters
+            if state.iteration % p.logging.log_interval == 0 or last:
+                self._log()
+            if p.batch.eval_interval and state.iteration % p.batch.eval_interval == 0 \
+                    and not last:
+                self._evaluate()
+            exit_now = self._agree_on_stopping(result)
+            self._stop_if_a_guard_fired()
+            if p.saves is not None and not self.guard.unsure:
+                p.saves.confirm()  # this step passed the checks that judge the saves before it
+            saved = self._save_if_due(last, exit_now)
+            if exit_now:
+                self._flush_logs()
+                if p.saves is not None:
+                    with self.watchdog.watch("checkpoint I/O: the last save's files", None):
+                        p.saves.finish()
+                p.writer.write_text(f" exiting at iteration {state.iteration}: "
+                                    f"{state.exit_reason}" + (" (checkpoint saved)" if saved
+                                                              else ""))
+                break
+        self._flush_logs()
+        if p.saves is not None:
+            p.saves.confirm()
+            p.saves.finish()
+        self.profiler.finish()
+        return state
+
+    def _step(self):
+        """One optimizer step, timed and watched; its result waits for the next log."""
+        p, state = self.p, self.state
+        self.profiler.boundary(state.iteration)
+        logged = (state.iteration + 1) % p.logging.log_interval == 0 \
+            or state.iteration + 1 == p.batch.train_iters
+        if p.step.layer_grad_norms is not None and logged:
+            p.step.layer_grad_norms.arm()
+        with self.watchdog.watch("the training step (forward, backward, optimizer; "
+                                 "collectives with the other ranks)", self.collective_s):
+            result = p.step.step(self.batches, p.schedule.lr(state.iteration))
+        state.iteration += 1
+        state.consumed_samples += p.batch.global_batch_size
+        self.loss_scale = result.loss_scale
+        step_s, wait_s = self.timer.step_end()
+        self.pending.append((state.iteration, result, step_s, wait_s))
+        return result
+
+    def _flush_logs(self) -> None:
+        """The pending steps' global losses (one all-reduce) into the state and the stats."""
+        if not self.pending:
             return
         values = torch.stack([torch.stack([r.loss, r.input_tokens.double(),
-                                           r.target_tokens.double()]) for _, r, _, _ in pending])
-        with watchdog.watch("collective: the all-reduce of the step losses", collective_s), \
-                ranges(LOSS_ALL_REDUCE):
-            dist.all_reduce(values, group=dp_group)
+                                           r.target_tokens.double()])
+                              for _, r, _, _ in self.pending])
+        with self.watchdog.watch("collective: the all-reduce of the step losses",
+                                 self.collective_s), self.ranges(LOSS_ALL_REDUCE):
+            dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
         dp = parallel_state.get_data_parallel_world_size()
-        for (iteration, result, step_s, wait_s), row in zip(pending, values.tolist()):
+        for (iteration, result, step_s, wait_s), row in zip(self.pending, values.tolist()):
             loss = row[0] / dp
-            state.losses[iteration] = loss
-            state.grad_norms[iteration] = result.grad_norm
-            stats.add_step(loss_sum=loss, loss_count=1, grad_norm=result.grad_norm,
-                           skipped=result.skipped, input_tokens=int(row[1]),
-                           target_tokens=int(row[2]), model_flops=cost.model_flops,
-                           step_time_s=step_s, data_wait_s=wait_s)
-        pending.clear()
+            self.state.losses[iteration] = loss
+            self.state.grad_norms[iteration] = result.grad_norm
+            self.stats.add_step(loss_sum=loss, loss_count=1, grad_norm=result.grad_norm,
+                                skipped=result.skipped, input_tokens=int(row[1]),
+                                target_tokens=int(row[2]), model_flops=self.p.cost.model_flops,
+                                step_time_s=step_s, data_wait_s=wait_s)
+        self.pending.clear()
 
-    timer.reset()
-    while state.iteration < train_iters:
-        profiler.boundary(state.iteration)
-        logged = (state.iteration + 1) % logging.log_interval == 0 \
-            or state.iteration + 1 == train_iters
-        if step.layer_grad_norms is not None and logged:
-            step.layer_grad_norms.arm()
-        with watchdog.watch("the training step (forward, backward, optimizer; collectives "
-                            "with the other ranks)", collective_s):
-            result = step.step(batches, schedule.lr(state.iteration))
-        state.iteration += 1
-        state.consumed_samples += batch_config.global_batch_size
-        loss_scale = result.loss_scale
-        step_s, wait_s = timer.step_end()
-        pending.append((state.iteration, result, step_s, wait_s))
+    def _log(self) -> None:
+        """The metrics line (and the per-layer gradient norms) of the interval."""
+        p, state = self.p, self.state
+        self._flush_logs()
+        p.writer.write(self.stats.summary(state.iteration, state.consumed_samples,
+                                          p.schedule.lr(state.iteration - 1), self.loss_scale,
+                                          dist.get_world_size(), p.cost.peak_tflops))
+        layer_norms = p.step.layer_grad_norms.take() \
+            if p.step.layer_grad_norms is not None else None
+        if layer_norms is not None:
+            state.layer_grad_norms[state.iteration] = layer_norms
+            write_layer_norms(p.writer, state.iteration, layer_norms)
 
-        last = state.iteration == train_iters
-        if state.iteration % logging.log_interval == 0 or last:
-            flush_logs()
-            writer.write(stats.summary(state.iteration, state.consumed_samples,
-                                       schedule.lr(state.iteration - 1), loss_scale,
-                                       dist.get_world_size(), cost.peak_tflops))
-            layer_norms = step.layer_grad_norms.take() \
-                if step.layer_grad_norms is not None else None
-            if layer_norms is not None:
-                state.layer_grad_norms[state.iteration] = layer_norms
-                write_layer_norms(writer, state.iteration, layer_norms)
-        if batch_config.eval_interval and state.iteration % batch_config.eval_interval == 0 \
-                and not last:
-            with ranges(EVALUATION):
-                loss = evaluate(step, batch_config, runtime, valid_loader, watchdog)
-            if loss is not None:
-                state.evaluations.append((state.iteration, "valid", loss))
-                writer.write_eval(state.iteration, "valid", loss)
-            timer.reset()
-        signs = _divergence_signs(result, weights, divergence, device)
-        with watchdog.watch("collective: the all-reduce that agrees on stopping",
-                            collective_s), ranges(STOP_ALL_REDUCE):
-            bad = _nonfinite(result, device) if checkpoint.check_for_nan else None
-            exit_now = _exit_requested(runtime, train_iters, state, start_time, device, signals,
-                                       bad, signs, guard)
+    def _evaluate(self) -> None:
+        p, state = self.p, self.state
+        with self.ranges(EVALUATION):
+            loss = evaluate(p.step, p.batch, p.runtime, p.valid_loader, self.watchdog)
+        if loss is not None:
+            state.evaluations.append((state.iteration, "valid", loss))
+            p.writer.write_eval(state.iteration, "valid", loss)
+        self.timer.reset()
+
+    def _agree_on_stopping(self, result) -> bool:
+        """The one all-reduce after a step: exit conditions, the NaN guard, the divergence
+        guard's numbers."""
+        p = self.p
+        signs = _divergence_signs(result, self.weights, p.checkpoint.divergence, self.device)
+        with self.watchdog.watch("collective: the all-reduce that agrees on stopping",
+                                 self.collective_s), self.ranges(STOP_ALL_REDUCE):
+            bad = _nonfinite(result, self.device) if p.checkpoint.check_for_nan else None
+            return _exit_requested(p.runtime, p.batch.train_iters, self.state, self.start_time,
+                                   self.device, p.signals, bad, signs, self.guard)
+
+    def _stop_if_a_guard_fired(self) -> None:
+        """Raise what the NaN guard or the divergence guard found, having removed the saves it
+        had not passed (and, for the NaN guard, located where the values started)."""
+        p, state = self.p, self.state
         if state.diverged:
-            flush_logs()
-            from megatron.training.nan_locator import locate
-
-            with watchdog.watch("the locator of non-finite values (the failing step again, "
-                                "with collectives)", collective_s):
-                where = locate(step, state.iteration, writer)
+            self._flush_logs()
+            with self.watchdog.watch("the locator of non-finite values (the failing step "
+                                     "again, with collectives)", self.collective_s):
+                where = locate(p.step, state.iteration, p.writer)
             message = (f"iteration {state.iteration}: {state.diverged}; {where}; "
-                       + _stopping(checkpoint, saves, watchdog, state.iteration)
+                       + _stopping(p.checkpoint, p.saves, self.watchdog, state.iteration)
                        + " (lower the learning rate, or check the data; "
                        "--no-check-for-nan-in-loss-and-grad turns this check off)")
             raise NonFiniteError(message)  # reported once, for the job: megatron/failures.py
         if state.divergence is not None:
-            flush_logs()
-            from megatron.training.divergence import DivergenceError
-
+            self._flush_logs()
             found = state.divergence
-            if found.saves_before_passed and saves is not None:
-                saves.confirm()  # this step's update blew up; the weights before it passed
+            if found.saves_before_passed and p.saves is not None:
+                p.saves.confirm()  # this step's update blew up; the weights before it passed
             message = (f"iteration {state.iteration}: the run diverged ({found.check}): "
                        f"{found.seen} ({found.flag}); "
-                       + _stopping(checkpoint, saves, watchdog, state.iteration)
+                       + _stopping(p.checkpoint, p.saves, self.watchdog, state.iteration)
                        + " (lower the learning rate or lengthen its warmup, and start "
                        "again: --load resumes from that checkpoint; if the run was healthy, "
                        "raise the threshold, or --no-check-for-divergence turns this guard "
                        "off)")
             raise DivergenceError(message)  # reported once, as above
-        if saves is not None and not guard.unsure:
-            saves.confirm()  # this step passed the checks that judge the saves before it
+
+    def _save_if_due(self, last: bool, exit_now: bool) -> bool:
+        """Save at an interval, the last step or an exit; else let an async save commit.
+        Returns whether this step was saved."""
+        p, state, ckpt = self.p, self.state, self.p.checkpoint
+        due = ckpt.save and (last or exit_now or (
+            ckpt.save_interval and state.iteration % ckpt.save_interval == 0))
+        if not due:
+            if p.saves is not None:
+                p.saves.poll()
+            return False
+        self._flush_logs()
+        final = last or exit_now  # no later step would judge (or commit) it
         saved = False
-        if checkpoint.save and (last or exit_now or (checkpoint.save_interval and
-                                                     state.iteration % checkpoint.save_interval
-                                                     == 0)):
-            flush_logs()
-            final = last or exit_now  # no later step would judge (or commit) it
-            with watchdog.watch(f"checkpoint I/O: saving iteration {state.iteration} to "
-                                f"{checkpoint.save}", 60 * checkpoint.timeout_minutes), \
-                    ranges(CHECKPOINT_SAVE):
-                try:
-                    save(state, hold and not final)
-                    saved = True
-                except SaveFailed as e:
-                    if last or exit_now:  # nothing would try again
-                        raise
-                    writer.write_text(f"warning: {e}; trying again at the next save")
-            timer.reset()
-        elif saves is not None:
-            saves.poll()
-        if exit_now:
-            flush_logs()
-            if saves is not None:
-                with watchdog.watch("checkpoint I/O: the last save's files", None):
-                    saves.finish()
-            writer.write_text(f" exiting at iteration {state.iteration}: {state.exit_reason}"
-                              + (" (checkpoint saved)" if saved else ""))
-            break
-    flush_logs()
-    if saves is not None:
-        saves.confirm()
-        saves.finish()
-    profiler.finish()
-    return state
+        with self.watchdog.watch(f"checkpoint I/O: saving iteration {state.iteration} to "
+                                 f"{ckpt.save}", 60 * ckpt.timeout_minutes), \
+                self.ranges(CHECKPOINT_SAVE):
+            try:
+                p.save(state, self.hold and not final)
+                saved = True
+            except SaveFailed as e:
+                if final:  # nothing would try again
+                    raise
+                p.writer.write_text(f"warning: {e}; trying again at the next save")
+        self.timer.reset()
+        return saved
 
 
 class NonFiniteError(RunFailure):
@@ -302,8 +367,6 @@ def _divergence_signs(result, weights, divergence, device) -> Optional[torch.Ten
     """This rank's entries of the stop all-reduce for the divergence guard (None: it is off)."""
     if not divergence.enabled:
         return None
-    from megatron.training.divergence import local_signs
-
     growth = weights.update() if divergence.weight_growth > 0 else None
     return local_signs(result, growth, device)
 
@@ -313,10 +376,6 @@ def _stopping(checkpoint: CheckpointConfig, saves, watchdog, iteration: int) -> 
     calls it: the removal is collective)."""
     if not checkpoint.save:
         return "stopping (no --save, so no checkpoint)"
-    from pathlib import Path
-
-    from megatron.checkpoint.io.checkpointing import read_tracker
-
     removed = []
     if saves is not None:
         with watchdog.watch("checkpoint I/O: removing the saves the guard had not passed", None):
@@ -342,8 +401,6 @@ def _exit_requested(runtime: RuntimeConfig, train_iters: int, state: TrainState,
     `guard` then checks (every rank the same numbers: the same decision), setting
     state.divergence. The all-reduce runs at every step (also the last and --exit-interval's),
     so that every rank takes the same decision from the same flags."""
-    from megatron.training.divergence import SIGNS, agreed_signs
-
     timed_out = runtime.exit_duration_in_mins is not None and \
         time.monotonic() - start_time > runtime.exit_duration_in_mins * 60
     signum = signals.received if signals is not None and signals.received is not None else 0
@@ -372,8 +429,6 @@ def _exit_requested(runtime: RuntimeConfig, train_iters: int, state: TrainState,
         state.exit_reason = f"--exit-interval {runtime.exit_interval}"
         return True
     if signum:
-        import signal
-
         state.exit_reason = f"signal {signal.Signals(signum).name}"
         return True
     if timed_out:
