@@ -26,6 +26,17 @@ def collate_tensors(samples: List[Dict[str, np.ndarray]]) -> Dict[str, torch.Ten
     return {k: torch.from_numpy(v) for k, v in collate(samples).items()}
 
 
+def build_run_datasets(data: DataSettings, batch: BatchConfig) -> Dict[str, object]:
+    """{"train"|"valid"|"test": dataset or None}: the samples the run reads, in the order its
+    global batches take them (sample i of the split is the i-th one trained on); needs no
+    process group."""
+    tokenizer = build_tokenizer(data.tokenizer, extra_ids=data.vocab_extra_ids)
+    tokens = T5SpecialTokens.from_tokenizer(tokenizer, whole_word=data.dataset.t5.whole_word)
+    counts = split_sample_counts(batch.train_iters, batch.global_batch_size, batch.eval_interval,
+                                 batch.eval_iters)
+    return build_datasets(data.dataset, tokens, counts)
+
+
 def build_data(data: DataSettings, batch: BatchConfig, device_type: str,
                consumed_samples: int, reads_batches: bool = True):
     """(train, valid, test) data loaders for this data-parallel rank (None for an empty split).
@@ -33,11 +44,7 @@ def build_data(data: DataSettings, batch: BatchConfig, device_type: str,
     reads_batches: False on a pipeline stage that reads no batch (neither the first nor the
     last): its loaders hold as many placeholder batches as the others' and load nothing.
     """
-    tokenizer = build_tokenizer(data.tokenizer, extra_ids=data.vocab_extra_ids)
-    tokens = T5SpecialTokens.from_tokenizer(tokenizer, whole_word=data.dataset.t5.whole_word)
-    counts = split_sample_counts(batch.train_iters, batch.global_batch_size, batch.eval_interval,
-                                 batch.eval_iters)
-    datasets = build_datasets(data.dataset, tokens, counts)
+    datasets = build_run_datasets(data, batch)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     loaders = []
