@@ -2,6 +2,9 @@
 and without optimizer offload), fp32 and bf16, and TP=2 x DP=2, against one process that reaches
 the same global batch by gradient accumulation."""
 
+import json
+import threading
+
 import pytest
 
 from harness import run_workers
@@ -48,13 +51,34 @@ def test_tensor_and_data_parallel_match_one_process(train_data, single):
     assert_same_run(got[0][0], single[0], rtol=2e-5)
 
 
-def test_nvme_offload_matches_one_process(train_data, single, tmp_path):
+def test_nvme_offload_matches_one_process(train_data, tmp_path):
     """ZeRO-Infinity: optimizer states and parameters swapped to files (DeepSpeed's async_io on
-    libaio), with DeepSpeedCPUAdam."""
+    libaio), with DeepSpeedCPUAdam. DeepSpeed swaps only tensors of at least 1 MiB (its aio
+    block), so the model is wider than the tiny one: each rank's half of the embedding and of
+    the head is 1.03 MiB."""
+    config = json.loads(open(train_data.tiny).read())
+    wide = tmp_path / "wide.json"
+    wide.write_text(json.dumps({**config, "d_model": 128, "d_kv": 32}))
+    single = run_workers(1, run_pretrain, [base_argv(train_data, model=str(wide))],
+                         timeout=600)[0]
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    got = run_workers(2, run_pretrain, [base_argv(
-        train_data, "--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-param", "nvme",
-        "--nvme-path", str(nvme))], timeout=1200)
+    # DeepSpeed removes its swap files when the engine goes: look for them while it runs
+    swapped, done = set(), threading.Event()
+
+    def watch():
+        while not done.wait(0.01):
+            swapped.update(p.relative_to(nvme).parts[1] for p in nvme.rglob("*.swp"))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        got = run_workers(2, run_pretrain, [base_argv(
+            train_data, "--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-param",
+            "nvme", "--nvme-path", str(nvme), model=str(wide))], timeout=1200)
+    finally:
+        done.set()
+        watcher.join()
     assert_same_run(got[0][0], single[0], rtol=1e-4)
-    assert any(nvme.rglob("*.swp")) or any(nvme.rglob("*"))  # it really swapped to files
+    # it really swapped to files: optimizer states and parameters
+    assert {"optimizer", "float32params"} <= swapped, swapped
