@@ -73,6 +73,31 @@ def read(folder, source="master"):
     return dict(iter_full_tensors(find_iteration(folder), source))
 
 
+@pytest.fixture(scope="module")
+def initial(checkpoints):
+    """{'odd' | 'odd_tied': the full weights every run started from}: built here as the trainer
+    builds them (set_seeds, then the model; each layer draws from its own stream, so the layout
+    does not matter)."""
+    from megatron.initialize import set_seeds
+    from megatron.model import T5Config, T5Model
+    from megatron.model.state_dict import gather_full_state_dict
+
+    out = {}
+    for name in ("odd", "odd_tied"):
+        config = json.loads((checkpoints["one"].parent / f"{name}.json").read_text())
+        set_seeds(7, "cpu")  # base_argv's --seed
+        out[name] = gather_full_state_dict(T5Model(T5Config(**config)))
+    return out
+
+
+def update_difference(got, want, start, start_got=None):
+    """{name: |got's update - want's update| / |want's update|}: updates from `start` (the
+    run's own start `start_got`, if it differs: a bf16 run's masters begin as the bf16 copy)."""
+    start_got = start if start_got is None else start_got
+    return {k: float((got[k] - start_got[k] - (want[k] - start[k])).norm()
+                     / (want[k] - start[k]).norm()) for k in want}
+
+
 def reference(checkpoints, name):
     return read(checkpoints["one_tied" if name.endswith("tied") else "one"], "weights")
 
@@ -91,32 +116,42 @@ def test_one_process_output_is_its_module_file_unpadded(checkpoints):
 
 
 @pytest.mark.parametrize("name", sorted(FP32_LAYOUTS))
-def test_parallel_layouts_give_the_one_process_weights(checkpoints, name):
-    """Masters within fp32 noise of one process; under fp32 the weights are the masters."""
+def test_parallel_layouts_give_the_one_process_weights(checkpoints, initial, name):
+    """Masters within fp32 noise of one process: each tensor's update of the two steps within
+    1e-3 of the one-process update, by norm (measured: 1e-4 at most, TP 2's embedding; Adam
+    makes an element with a near-zero gradient swing with the summation order, so elementwise
+    bounds depend on the CPU); under fp32 the weights are the masters."""
     want = reference(checkpoints, name)
     master, weights = read(checkpoints[name]), read(checkpoints[name], "weights")
     assert list(master) == list(weights) == list(want)
-    for key, tensor in want.items():
+    for key in want:
         assert master[key].dtype == weights[key].dtype == torch.float32
-        torch.testing.assert_close(master[key], tensor, rtol=1e-4, atol=1e-5, msg=key)
         assert torch.equal(master[key], weights[key]), key
+    start = initial["odd_tied" if name.endswith("tied") else "odd"]
+    worst = update_difference(master, want, start)
+    assert max(worst.values()) < 1e-3, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
 
 
 @pytest.mark.parametrize("name", sorted(BF16_LAYOUTS))
-def test_bf16_masters_are_fp32_and_differ_from_the_weights(checkpoints, name):
+def test_bf16_masters_are_fp32_and_differ_from_the_weights(checkpoints, initial, name):
     """fp32 masters; the bf16 weights are the masters rounded (DeepSpeed copies them after
-    every step) and lose what the masters keep; both near the fp32 run (bf16 rounding of the
-    initial weights, two steps of lr 3e-3)."""
+    every step) and lose what the masters keep. The masters' update of the two steps (from the
+    bf16 start they are copied from) is the fp32 run's within bf16's noise: each tensor within
+    0.25 of it by norm (measured: 0.10 at most, 0.02 typically), which masters that were never
+    updated (1.0) or updated twice as far miss."""
     master, weights = read(checkpoints[name]), read(checkpoints[name], "weights")
     want = reference(checkpoints, name)
     assert list(master) == list(weights) == list(want)
     differ = 0
-    for key, tensor in want.items():
+    for key in want:
         assert master[key].dtype == torch.float32 and weights[key].dtype == torch.bfloat16
         assert torch.equal(master[key].to(torch.bfloat16), weights[key]), key
         differ += int(not torch.equal(master[key], weights[key].float()))
-        torch.testing.assert_close(master[key], tensor, rtol=1e-2, atol=2e-2, msg=key)
     assert differ == len(want)
+    start = initial["odd"]
+    bf16_start = {k: v.to(torch.bfloat16).float() for k, v in start.items()}
+    worst = update_difference(master, want, start, bf16_start)
+    assert max(worst.values()) < 0.25, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
 
 
 def test_describe(checkpoints):
