@@ -88,7 +88,10 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
     watchdog: the caller's (main starts one before the process group); else one of its own.
 
     First, before anything costly or visible, rank 0 takes --save's writer lock and every rank
-    learns the verdict; only then does DeepSpeed start (it builds or loads a compiled op).
+    learns the verdict; only then does DeepSpeed start (it builds or loads a compiled op). A
+    finished run ends with a barrier after the lock's release: every rank checks the lock with
+    the flags (checkpoint/io/ownership.py), so none may start a next run on the folder, in
+    this process group or another job, while rank 0 still holds it.
 
     Raises:
         RunFailure (megatron/failures.py), after reporting it once.
@@ -96,7 +99,7 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
     runtime = config.runtime
     own_watchdog = watchdog is None
     watchdog = watchdog or Watchdog(dist.get_rank())
-    lock = None
+    lock, finished = None, False
     try:
         if config.checkpoint.save is not None:
             with watchdog.watch("collective: the verdict on --save's writer lock",
@@ -109,13 +112,19 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                             "the file behind and every later start waits here: remove it)",
                             60 * runtime.distributed_timeout_minutes + 300):
             join_deepspeed()
-        return _pretrain(config, signals, watchdog, lock)
+        state = _pretrain(config, signals, watchdog, lock)
+        finished = True
+        return state
     except RunFailure as e:
         report_failure(e, dist.get_rank(), config.logging.log_file)
         raise
     finally:
         if lock is not None:
             lock.release()
+        if finished:  # no rank leaves before the lock is gone (a failed rank's peers may be)
+            with watchdog.watch("collective: the barrier before leaving",
+                                60 * runtime.distributed_timeout_minutes):
+                dist.barrier()
         if own_watchdog:
             watchdog.close()
 
@@ -346,19 +355,13 @@ def run(config: RunConfig, signals) -> int:
 
 
 def _train(config: RunConfig, signals, watchdog, created: bool) -> int:
-    finished = False
     try:
-        pretrain(config, signals, watchdog)
-        finished = True
+        pretrain(config, signals, watchdog)  # ends with a barrier when it finished
     except RunFailure:  # pretrain reported it
         return 1
     finally:
         parallel_state.destroy_model_parallel()
         if created and dist.is_initialized():
-            if finished:  # a failed rank's peers may be gone: no barrier then
-                with watchdog.watch("collective: the barrier before leaving",
-                                    60 * config.runtime.distributed_timeout_minutes):
-                    dist.barrier()
             dist.destroy_process_group()
     return 0
 
