@@ -19,10 +19,20 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from megatron.checkpoint.io.checkpointing import (
+    checkpoint_flag_problems,
+    checkpoint_problems,
+    layout,
+)
+from megatron.checkpoint.io.ownership import lock_problems
 from megatron.config import Layout, ParallelConfig, RunConfig, RuntimeConfig
+from megatron.config.lr_schedule import DECAY_STYLES
+from megatron.config.lr_schedule import from_args as lr_from_args
+from megatron.config.training import BatchConfig, CheckpointConfig, LoggingConfig, OptimizerConfig
 from megatron.data.data_args import add_data_args, resolve_data
 from megatron.data.t5_dataset import T5DatasetConfig
 from megatron.initialize import choose_device
@@ -30,16 +40,9 @@ from megatron.model.settings import ModelConfig, resolve_model
 from megatron.model.transformer import ATTENTION_BACKENDS
 from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
-from megatron.checkpoint.io.checkpointing import checkpoint_flag_problems, checkpoint_problems, layout
-from megatron.training.divergence import add_divergence_args, divergence_config, \
-    divergence_problems
-from megatron.checkpoint.io.ownership import lock_problems
-from megatron.training.profiling import add_profile_args, profile_config, profile_problems
+from megatron.training.divergence import add_divergence_args, divergence_config, divergence_problems
 from megatron.training.ds_config import OPTIMIZER_DEFAULTS
-from megatron.config.lr_schedule import DECAY_STYLES
-from megatron.config.lr_schedule import from_args as lr_from_args
-from megatron.config.training import BatchConfig, CheckpointConfig, LoggingConfig, \
-    OptimizerConfig
+from megatron.training.profiling import add_profile_args, profile_config, profile_problems
 
 
 class ArgumentsError(ValueError):
@@ -277,8 +280,6 @@ def parse_args(argv: Optional[Sequence[str]] = None,
     Raises:
         ArgumentsError: listing every problem of the flags and the files they name.
     """
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     config, problems = validate(args, os.environ if env is None else env)

@@ -118,6 +118,7 @@ def join_process_group(runtime: RuntimeConfig, parallel: ParallelConfig) -> bool
 def join_deepspeed() -> None:
     """DeepSpeed's communication backend on the process group already joined (a no-op when it
     has one)."""
+    # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
     import deepspeed
 
     if not deepspeed.comm.is_initialized():

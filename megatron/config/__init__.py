@@ -37,9 +37,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from megatron.data.data_args import DataSettings
-from megatron.model.settings import ModelConfig
-from megatron.pipeline.partition import Cut, cut_model
+import torch
+
 from megatron.config.training import (
     BatchConfig,
     CheckpointConfig,
@@ -49,6 +48,9 @@ from megatron.config.training import (
     ProfileConfig,
     ZeroConfig,
 )
+from megatron.data.data_args import DataSettings
+from megatron.model.settings import ModelConfig
+from megatron.pipeline.partition import Cut, cut_model
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,6 @@ class RuntimeConfig:
     def torch_device(self):
         """This rank's device: the current CUDA device (set by initialize_distributed), or the
         CPU."""
-        import torch
-
         if self.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")

@@ -125,6 +125,7 @@ def load_vocabulary(path: str) -> List[str]:
 
 def _import_jieba():
     try:
+        # jieba: an optional dependency (the 'cpm2' extra), needed only for CPM-2's vocab.txt
         import jieba
     except ImportError:
         raise ImportError("CPM-2's tokenizer (a vocab.txt) cuts words with jieba, which is not "

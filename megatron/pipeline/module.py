@@ -46,6 +46,7 @@ from megatron.model.transformer import (
 from megatron.pipeline.partition import Cut, PipeLayer
 from megatron.tensor_parallel.group import TensorParallel
 from megatron.tensor_parallel.layers import parallel_lm_logits
+from megatron.tensor_parallel.random import checkpoint
 
 LAYERS_FILE = "pipeline_layers.json"
 """Written into a pipeline checkpoint: each layer file's single-process name, the stage starts
@@ -204,6 +205,7 @@ def pipeline_specs(config: T5Config, cut: Cut, padded_vocab_size: int, attention
     layer of `cut.layers`, built for the tensor-parallel share `tp`.
 
     Names say what a layer is in the single-process model ('shared', 'encoder.block.3', ...)."""
+    # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     specs, names, parts = [], [], [0]
@@ -246,7 +248,6 @@ def build_pipeline_module(config: T5Config, cut: Cut, topology, padded_vocab_siz
     from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
     from deepspeed.pipe import PipelineModule
 
-    from megatron.tensor_parallel.random import checkpoint
 
     tp = tensor_parallel or TensorParallel.of_this_process()
     specs, parts, names = pipeline_specs(config, cut, padded_vocab_size, attention_backend, tp,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from megatron.model.config import T5Config
+from megatron.model.flops import forward_flops_per_sample
 
 WIRE_ORDER = ("hidden", "encoder_output", "position_bias", "enc_ids", "dec_ids", "enc_mask",
               "dec_mask")
@@ -221,8 +222,6 @@ def layer_costs(config: T5Config, enc_len: int, dec_len: int, vocab_size: int
                 ) -> Tuple[List[float], float, float]:
     """(forward FLOPs per sample of each block in flat order, of the first stage's extras, of
     the last stage's extras)."""
-    from megatron.model.flops import forward_flops_per_sample
-
     parts = forward_flops_per_sample(config, enc_len, dec_len, vocab_size)
     e, d = config.num_layers, config.num_decoder_layers
     encoder_block = parts["encoder"] / max(e, 1)

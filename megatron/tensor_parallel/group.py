@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megatron import parallel_state
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -31,8 +33,6 @@ class TensorParallel:
     def of_this_process(cls) -> "TensorParallel":
         """This process's share from `megatron.parallel_state` (one rank when its groups are not
         initialized). For entry points and the default of top-level constructors only."""
-        from megatron import parallel_state
-
         if not parallel_state.model_parallel_is_initialized():
             return cls()
         return cls(parallel_state.get_tensor_model_parallel_world_size(),

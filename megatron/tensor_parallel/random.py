@@ -19,10 +19,10 @@ are bit-identical with and without checkpointing.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from typing import Dict, Iterator
 
 import torch
-
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
@@ -167,8 +167,6 @@ def _device_type_of(args) -> str:
 
 def layer_seed(base: int, name: str) -> int:
     """The seed of layer `name`'s initial weights under the run's seed `base`."""
-    import hashlib
-
     digest = hashlib.sha256(f"{base}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2 ** 63 - 1)
 

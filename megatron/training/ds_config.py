@@ -445,6 +445,7 @@ def build_json(user: Dict[str, Any], batch: BatchSizes, dp: int, clip_grad: floa
 def deepspeed_problems(config: Dict[str, Any], user: Dict[str, Any], path: Optional[str],
                        dp: int, mp: int) -> List[str]:
     """What DeepSpeed's own config class says, and the JSON keys nobody reads."""
+    # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
     from deepspeed.runtime.config import DeepSpeedConfig
 
     where = path or "the generated DeepSpeed config"

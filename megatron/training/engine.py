@@ -16,9 +16,9 @@ from typing import Dict, List
 import torch
 
 from megatron import parallel_state
+from megatron.config.training import OptimizerConfig, ZeroConfig
 from megatron.model.settings import ModelConfig
 from megatron.model.t5 import T5Model
-from megatron.config.training import OptimizerConfig, ZeroConfig
 
 NO_DECAY_MARKERS = ("layer_norm", "bias", "relative_attention_bias")
 
@@ -28,6 +28,7 @@ def build_model(model: ModelConfig, zero: ZeroConfig, device: torch.device,
     """The model for this rank (weights identical on every data-parallel rank).
 
     ds_json: DeepSpeed's config, read by zero.Init under ZeRO-3."""
+    # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
     import deepspeed
 
     def make(device=None):
@@ -64,6 +65,7 @@ def build_optimizer(config: OptimizerConfig, offload_optimizer: str, device_type
     groups = param_groups(model, config.weight_decay)
     betas = (config.adam_beta1, config.adam_beta2)
     if offload_optimizer != "none":
+        # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=config.lr, betas=betas, eps=config.adam_eps,
@@ -76,6 +78,7 @@ def build_optimizer(config: OptimizerConfig, offload_optimizer: str, device_type
 def initialize_engine(optimizer: OptimizerConfig, zero: ZeroConfig, device_type: str,
                       ds_json: Dict, model: torch.nn.Module):
     """(engine, optimizer): DeepSpeed wrapped around the model and our AdamW."""
+    # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
     import deepspeed
 
     adamw = build_optimizer(optimizer, zero.offload_optimizer, device_type, model)

@@ -85,6 +85,7 @@ def local_gradient_fragments(param) -> Iterator[torch.Tensor]:
     module docstring); nothing where it holds none. ZeRO-1/2 keep their gradients only between
     the backward at the accumulation boundary and the step."""
     if hasattr(param, "ds_id"):  # ZeRO-3: this rank's partition (padding is zero)
+        # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
         from deepspeed.utils import safe_get_local_grad
 
         grad = safe_get_local_grad(param)

@@ -26,9 +26,11 @@ import torch
 import torch.distributed as dist
 
 from megatron import parallel_state
+from megatron.pipeline.module import build_pipeline_module, single_process_names
 from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.tensor_parallel.group import TensorParallel
 from megatron.tensor_parallel.layers import counts_in_norm
+from megatron.training.engine import build_optimizer
 from megatron.training.profiling import PIPELINE_BATCH, PIPELINE_SUMS
 from megatron.training.step import Batch, EngineStep, EvalResult, StepResult
 
@@ -133,8 +135,6 @@ class PipelineStep(EngineStep):
         return EvalResult(sums[0], sums[1])
 
     def _weight_names(self):
-        from megatron.pipeline.module import single_process_names
-
         return single_process_names(self.engine.module)
 
     # Pieces ----------------------------------------------------------------------------------
@@ -164,8 +164,6 @@ def build_pipeline_step(config, watchdog, writer) -> PipelineStep:
     import deepspeed
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-    from megatron.pipeline.module import build_pipeline_module
-    from megatron.training.engine import build_optimizer
 
     runtime, parallel, model = config.runtime, config.parallel, config.model
     device = runtime.torch_device()

@@ -9,7 +9,10 @@ next collective.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
+import sys
 from typing import Dict, Optional
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -70,10 +73,6 @@ def _die_with(parent: int) -> None:
     """SIGKILL this process when its parent exits (prctl PR_SET_PDEATHSIG; Linux only); exit at
     once if the parent is gone already. torch's workers notice a dead parent themselves too,
     but only every few seconds."""
-    import ctypes
-    import os
-    import sys
-
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PDEATHSIG

@@ -22,6 +22,12 @@ import torch
 
 from megatron import parallel_state
 from megatron.checkpoint.formats.deepspeed_files import OPTIMIZER_PARAMETERS
+from megatron.checkpoint.formats.weights import WeightsError, WeightsReader, load_into
+from megatron.checkpoint.io.async_save import Capture
+from megatron.checkpoint.io.checkpointing import rng_state, set_rng_state
+from megatron.checkpoint.io.optimizer_state import load_optimizer_state
+from megatron.training.layer_norms import LayerGradNorms
+from megatron.training.nan_locator import GradientCheck, NonFiniteWatch
 from megatron.training.profiling import BACKWARD, FORWARD, NO_RANGE, OPTIMIZER_STEP, no_range
 
 BATCH_KEYS = ("encoder_input_ids", "decoder_input_ids", "encoder_attention_mask",
@@ -179,8 +185,6 @@ class EngineStep(TrainStep):
         """What `save` would write, as (path, object) pairs, without writing it (collective):
         DeepSpeed's checkpoint engine is replaced by megatron/training/async_save.Capture for
         the duration. snapshot_with: copies each object (async saves)."""
-        from megatron.checkpoint.io.async_save import Capture
-
         real = self.engine.checkpoint_engine
         capture = Capture(real, snapshot_with)
         self.engine.checkpoint_engine = capture
@@ -209,8 +213,6 @@ class EngineStep(TrainStep):
         return path is not None
 
     def load_weights(self, folder: Path, optimizer_step: Optional[int] = None) -> None:
-        from megatron.checkpoint.formats.weights import WeightsError, WeightsReader, load_into
-
         module = self.engine.module
         problems = load_into(module, self._weight_names(), WeightsReader(folder),
                              module_vocab_size(module),
@@ -222,8 +224,6 @@ class EngineStep(TrainStep):
         if refresh is not None and optimizer_step is None:  # the masters of ZeRO and the
             refresh()  # 16-bit optimizers (with optimizer states they come from the file)
         if optimizer_step is not None:
-            from megatron.checkpoint.io.optimizer_state import load_optimizer_state
-
             load_optimizer_state(self.engine, self._weight_names(), folder, optimizer_step,
                                  module_vocab_size(module),
                                  parallel_state.get_tensor_model_parallel_rank(),
@@ -246,8 +246,6 @@ class EngineStep(TrainStep):
     def watch_layer_grad_norms(self, groups: List[str]) -> None:
         """Take per-layer gradient norms at the steps the loop arms (megatron/training/
         layer_norms.py), where DeepSpeed takes the global norm."""
-        from megatron.training.layer_norms import LayerGradNorms
-
         self.layer_grad_norms = LayerGradNorms(self.engine, self._weight_names(), groups,
                                                self._loss_scale, self.device)
 
@@ -286,8 +284,6 @@ class DataParallelStep(EngineStep):
     _rng = None  # the generators' states at the start of the last step (for its re-run)
 
     def watch_nonfinite(self, detect_layers: bool = False) -> None:
-        from megatron.training.nan_locator import GradientCheck, NonFiniteWatch
-
         engine = self.engine
         self._hold_bad = not engine.fp16_enabled()
         self._keep_rng = self._hold_bad and not detect_layers and \
@@ -308,8 +304,6 @@ class DataParallelStep(EngineStep):
         ranges = self.ranges
         self.last_batches, self._held = [], False
         if self._keep_rng:  # the re-run draws the same dropout masks
-            from megatron.checkpoint.io.checkpointing import rng_state
-
             self._rng = rng_state(self.device.type)
         for watch in (self._gradients, self._layers):
             if watch is not None:
@@ -370,9 +364,6 @@ class DataParallelStep(EngineStep):
         never accumulated, and DeepSpeed's gradient hooks and reductions do not run."""
         if self._layers is not None:
             return self._layers.first(), "watched"
-        from megatron.checkpoint.io.checkpointing import set_rng_state
-        from megatron.training.nan_locator import NonFiniteWatch
-
         if self._rng is not None:
             set_rng_state(self._rng, self.device.type)
         params = [p for p in self.engine.module.parameters() if p.requires_grad]
@@ -394,6 +385,7 @@ class DataParallelStep(EngineStep):
         if engine.zero_optimization_stage() != 0 or engine.bfloat16_enabled() \
                 or engine.fp16_enabled():
             return None
+        # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
         from deepspeed.runtime.utils import clip_grad_norm_
 
         return float(clip_grad_norm_(list(engine.module.parameters()), max_norm=float("inf"),

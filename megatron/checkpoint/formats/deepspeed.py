@@ -54,9 +54,11 @@ from megatron.checkpoint.formats.deepspeed_files import (
     model_file,
     zero_masters,
 )
+from megatron.checkpoint.formats.weights import WeightsError, WeightsReader, full_tensors
 from megatron.model.config import ConfigError, T5Config
 from megatron.model.meta import parameter_splits
 from megatron.model.state_dict import VOCAB_PARAMETERS
+from megatron.pipeline.module import single_process_names, tied_names
 from megatron.tensor_parallel.layers import unshard
 
 __all__ = ["ALLOWED_GLOBALS", "CheckpointReadError", "SOURCES", "check_optimizer_states",
@@ -259,8 +261,6 @@ def _check_names(found: Dict[str, Shard], params, folder: Path, tensor_rank: int
 
 
 def _weights_format_tensors(folder: Path, prefix: str) -> Iterator[Tuple[str, torch.Tensor]]:
-    from megatron.checkpoint.formats.weights import WeightsError, WeightsReader, full_tensors
-
     try:
         yield from full_tensors(WeightsReader(folder, prefix))
     except WeightsError as e:
@@ -428,8 +428,6 @@ def _single_process(local: Dict[str, Shard], layers: List[str], tied: Dict[str, 
                     folder: Path) -> Dict[str, Shard]:
     """Stage parameter names ('3.block.layer.0...', 'tied_modules.shared.embedding.weight') to
     ours, by the pipeline module's own mapping."""
-    from megatron.pipeline.module import single_process_names, tied_names
-
     if tied != tied_names():
         raise CheckpointReadError(f"{folder / LAYERS_FILE}: tied modules {tied} differ from this "
                                   f"version's {tied_names()}")
@@ -475,7 +473,6 @@ def describe(iter_dir: PathLike) -> Dict[str, Any]:
     out.update(format="deepspeed", precision=precision, model=None, parameters=None)
     try:
         config = model_config(meta, folder / META)
-        divisible = int(meta["model"].get("make_vocab_size_divisible_by", 128))
         params = parameter_splits(config)
         out["model"] = meta["model"]
         out["parameters"] = sum(math.prod(shape) for shape, _ in params.values())

@@ -51,6 +51,7 @@ class CheckpointReadError(ValueError):
 
 def allowed_globals() -> list:
     """The classes named by ALLOWED_GLOBALS (imported from DeepSpeed when a file is opened)."""
+    # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address

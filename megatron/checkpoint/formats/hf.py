@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
+from safetensors import safe_open
 
 from megatron.checkpoint.formats.hf_tokenizer import (
     TOKENIZER_CLASS,
@@ -390,8 +391,6 @@ class _WeightFile:
     def __enter__(self):
         try:
             if self.path.suffix == ".safetensors":
-                from safetensors import safe_open
-
                 self.handle = safe_open(str(self.path), framework="pt", device="cpu")
                 self.file, self.dict = self.handle.__enter__(), None
             else:

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Union
 
+from megatron.data.tokenizer import SENTINEL_FORMAT, T5Tokenizer
 from megatron.model.state_dict import StateDictError
 
 PathLike = Union[str, os.PathLike]
@@ -100,8 +101,6 @@ def hf_tokenizer_files(spm_model: PathLike, extra_ids: int = 100) -> HFTokenizer
         HFFolderError: not a T5-layout SentencePiece model (see T5Tokenizer), or one whose
             settings tokenizer.json cannot reproduce (BPE, whitespace as suffix).
     """
-    from megatron.data.tokenizer import SENTINEL_FORMAT, T5Tokenizer
-
     path = Path(spm_model)
     try:
         ours = T5Tokenizer(str(path), extra_ids)
@@ -140,8 +139,16 @@ def _unigram_tokenizer(proto, sentinels: List[str], special: List[str], unk_id: 
     special pieces and the sentinels are special tokens, cut out of the text first; eos is
     appended as transformers' T5 tokenizer appends it."""
     try:
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers
-        from tokenizers import pre_tokenizers, processors
+        # tokenizers: an optional dependency (the 'convert' extra), needed only here
+        from tokenizers import (
+            AddedToken,
+            Regex,
+            Tokenizer,
+            decoders,
+            normalizers,
+            pre_tokenizers,
+            processors,
+        )
         from tokenizers.models import Unigram
     except ImportError as err:
         raise HFFolderError(f"writing tokenizer.json needs the tokenizers package ({err})") \

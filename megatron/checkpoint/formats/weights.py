@@ -26,12 +26,14 @@ Written to OUT.tmp and renamed; the tracker is written last.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
+from safetensors import safe_open
 
 from megatron.checkpoint.formats.hf import ShardWriter, parse_size, staged_folder
 
@@ -132,8 +134,6 @@ class WeightsReader:
         return sorted(self._file(self.single).keys())
 
     def _file(self, name: str):
-        from safetensors import safe_open
-
         if name not in self._open:
             path = self.folder / name
             try:
@@ -189,12 +189,11 @@ def _copy(param, full: str, reader: WeightsReader, vocab_size: int, tensor_rank:
           tensor_size: int) -> Optional[str]:
     zero3 = hasattr(param, "ds_id")
     if zero3:
+        # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
         import deepspeed
 
         context = deepspeed.zero.GatheredParameters([param], modifier_rank=0)
     else:
-        import contextlib
-
         context = contextlib.nullcontext()
     with context:
         if getattr(param, "partition_stride", 1) != 1:
