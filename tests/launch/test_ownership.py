@@ -71,6 +71,9 @@ def test_one_writer_and_no_orphans(tiny_data, tmp_path):
         assert not alive, f"workers outlived torchrun: {[p.pid for p in alive]}"
         # nothing left that could write more: no process of this run at all
         assert not running_in(tmp_path), running_in(tmp_path)
+        # Usually the dead job's lock stays behind. When rank 1 exits first, rank 0's next
+        # collective fails and it releases its lock on the way out: nothing to take over then.
+        stale = (ckpt / "writer.lock").exists()
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
@@ -86,7 +89,7 @@ def test_one_writer_and_no_orphans(tiny_data, tmp_path):
                            text=True, timeout=240)
     assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
     log = (tmp_path / "run/log.txt").read_text()
-    assert "took over the writer lock of a job that is gone" in log
+    assert ("took over the writer lock of a job that is gone" in log) == stale
     assert f"resumed from {ckpt} at iteration {done}" in log
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(done + 1)
     assert not (ckpt / "writer.lock").exists()
