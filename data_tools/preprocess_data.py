@@ -45,6 +45,7 @@ from megatron.data.indexed_dataset import (
     optimal_dtype,
 )
 from megatron.data.jsonl import BadLine, Chunk, expand_inputs, parse_line, read_chunks
+from megatron.data.sentence_splitter import make_splitter
 from megatron.data.tokenizer import TOKENIZER_TYPES, build_tokenizer, resolve_tokenizer
 
 
@@ -163,8 +164,6 @@ def _init_worker(args: argparse.Namespace, stop, tokenizer=None) -> None:
     _worker["stop"] = stop  # shared with the main process; set: skip what is left (_stop_pool)
     splitter = None
     if args.split_sentences:
-        from megatron.data.sentence_splitter import make_splitter
-
         splitter = make_splitter(args.punkt_params, keep_newlines=args.keep_newlines)
     _worker["splitter"] = splitter
 
@@ -392,27 +391,10 @@ def _discard(pool, stop, builders: Sequence[IndexedDatasetBuilder], report,
 def run(args: argparse.Namespace) -> int:
     """Preprocess; returns the exit code."""
     try:
-        paths = expand_inputs(args.input)
-    except FileNotFoundError as e:
+        paths, tokenizer = _inputs(args)
+    except _Refused as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    flag = "--vocab-file" if args.vocab_file is not None else "--tokenizer-model"
-    try:
-        tokenizer = build_tokenizer(args.tokenizer, extra_ids=args.vocab_extra_ids)
-    except (ValueError, ImportError) as e:
-        print(f"error: {flag}: {e}", file=sys.stderr)
-        return 2
-    warm_up = getattr(tokenizer, "warm_up", None)  # CPM-2's: jieba, once, before the fork
-    if warm_up is not None:
-        warm_up()
-    if args.split_sentences:
-        from megatron.data.sentence_splitter import make_splitter
-
-        try:
-            make_splitter(args.punkt_params)  # fail here, not in every worker
-        except ValueError as e:
-            print(f"error: --punkt-params: {e}", file=sys.stderr)
-            return 2
     level = "sentence" if args.split_sentences else "document"
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
@@ -420,7 +402,6 @@ def run(args: argparse.Namespace) -> int:
     report_path = f"{args.output_prefix}_bad_lines.tsv"
     finals = [data_file_path(p) for p in prefixes] + [index_file_path(p) for p in prefixes]
     _remove_stale_temporaries(finals + [report_path])
-    dtype = optimal_dtype(tokenizer.vocab_size)
     if args.partitions > 1:
         print(f"note: --partitions {args.partitions} is not needed (input is streamed); "
               "output is identical", file=sys.stderr)
@@ -439,47 +420,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = open(report_tmp, "w", encoding="utf-8")
         report.write("file\tline\treason\n")
+        dtype = optimal_dtype(tokenizer.vocab_size)
         for prefix in prefixes:
             builders.append(IndexedDatasetBuilder(data_file_path(prefix), dtype=dtype))
         with _sigterm_held():
             pool, stop = _start_pool(args, tokenizer)
-        pending: collections.deque = collections.deque()
-        max_pending = 2 * args.workers + 2  # bounded memory: never more chunks than this in flight
-        chunks = read_chunks(paths, chunk_bytes=int(args.chunk_mb * (1 << 20)))
-        exhausted = False
-        while True:
-            while not exhausted and len(pending) < max_pending:
-                chunk = next(chunks, None)
-                if chunk is None:
-                    exhausted = True
-                    break
-                lines = (chunk.first_line, chunk.first_line + len(chunk.lines) - 1)
-                stats["bom"] += chunk.bom
-                pending.append((chunk.file_index, lines, chunk.nbytes, chunk.end_offset,
-                                pool.apply_async(_process_chunk, (chunk,))))
-            if not pending:
-                break
-            file_index, lines, nbytes, end_offset, async_result = pending.popleft()
-            try:
-                res: ChunkResult = async_result.get()
-            except Exception:  # a bug, not bad input: say where, then show its traceback
-                print(f"error: a worker failed on {paths[file_index]} lines {lines[0]}-{lines[1]}",
-                      file=sys.stderr)
-                raise
-            for line_no, reason in res.bad:
-                if args.strict:
-                    raise BadLine(f"{paths[file_index]}:{line_no}: {reason} (--strict)")
-                report.write(f"{paths[file_index]}\t{line_no}\t{reason}\n")
-            for builder, tokens, lengths, per_doc in zip(builders, res.tokens, res.lengths,
-                                                         res.per_doc):
-                builder.add_documents(tokens, lengths, per_doc)
-            stats["lines"] += res.lines
-            stats["bad"] += len(res.bad)
-            stats["documents"] += res.documents
-            stats["sequences"] += int(res.lengths[0].size) if res.lengths else 0
-            stats["tokens"] += sum(int(t.size) for t in res.tokens)
-            stats["bytes"] += nbytes
-            progress.update(nbytes, res.documents, int(file_starts[file_index]) + end_offset)
+        _stream(args, paths, pool, builders, report, stats, progress, file_starts)
         pool.close()
         pool.join()
         pool = None
@@ -488,12 +434,7 @@ def run(args: argparse.Namespace) -> int:
         for builder, prefix in zip(builders, prefixes):
             builder.finalize(index_file_path(prefix))
         report.close()
-        if stats["bad"]:
-            os.replace(report_tmp, report_path)
-        else:
-            os.unlink(report_tmp)
-            if os.path.exists(report_path):
-                os.unlink(report_path)  # a report of an earlier run would now mislead
+        _keep_report(stats["bad"] > 0, report_tmp, report_path)
     except (BadLine, OSError, ValueError, _Interrupted, KeyboardInterrupt) as e:
         progress.close()
         _discard(pool, stop, builders, report, report_tmp)
@@ -509,8 +450,92 @@ def run(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGTERM, old_term)
     progress.close()
+    _summary(args, stats, progress, time.time() - start, len(paths), report_path, prefixes)
+    return 0
 
-    elapsed = time.time() - start
+
+class _Refused(Exception):
+    """A flag or input that cannot run (exit 2); str() names it."""
+
+
+def _inputs(args: argparse.Namespace):
+    """(the input files, the tokenizer), each checked before any worker starts.
+
+    Raises:
+        _Refused: an input that matches nothing, a tokenizer or punkt file that cannot load."""
+    try:
+        paths = expand_inputs(args.input)
+    except FileNotFoundError as e:
+        raise _Refused(str(e)) from None
+    flag = "--vocab-file" if args.vocab_file is not None else "--tokenizer-model"
+    try:
+        tokenizer = build_tokenizer(args.tokenizer, extra_ids=args.vocab_extra_ids)
+    except (ValueError, ImportError) as e:
+        raise _Refused(f"{flag}: {e}") from None
+    warm_up = getattr(tokenizer, "warm_up", None)  # CPM-2's: jieba, once, before the fork
+    if warm_up is not None:
+        warm_up()
+    if args.split_sentences:
+        try:
+            make_splitter(args.punkt_params)  # fail here, not in every worker
+        except ValueError as e:
+            raise _Refused(f"--punkt-params: {e}") from None
+    return paths, tokenizer
+
+
+def _stream(args, paths, pool, builders, report, stats, progress, file_starts) -> None:
+    """Feed the chunks to the workers (at most 2 x workers + 2 in flight: bounded memory) and
+    append their results in input order."""
+    pending: collections.deque = collections.deque()
+    max_pending = 2 * args.workers + 2
+    chunks = read_chunks(paths, chunk_bytes=int(args.chunk_mb * (1 << 20)))
+    exhausted = False
+    while True:
+        while not exhausted and len(pending) < max_pending:
+            chunk = next(chunks, None)
+            if chunk is None:
+                exhausted = True
+                break
+            lines = (chunk.first_line, chunk.first_line + len(chunk.lines) - 1)
+            stats["bom"] += chunk.bom
+            pending.append((chunk.file_index, lines, chunk.nbytes, chunk.end_offset,
+                            pool.apply_async(_process_chunk, (chunk,))))
+        if not pending:
+            return
+        file_index, lines, nbytes, end_offset, async_result = pending.popleft()
+        try:
+            res: ChunkResult = async_result.get()
+        except Exception:  # a bug, not bad input: say where, then show its traceback
+            print(f"error: a worker failed on {paths[file_index]} lines {lines[0]}-{lines[1]}",
+                  file=sys.stderr)
+            raise
+        for line_no, reason in res.bad:
+            if args.strict:
+                raise BadLine(f"{paths[file_index]}:{line_no}: {reason} (--strict)")
+            report.write(f"{paths[file_index]}\t{line_no}\t{reason}\n")
+        for builder, tokens, lengths, per_doc in zip(builders, res.tokens, res.lengths,
+                                                     res.per_doc):
+            builder.add_documents(tokens, lengths, per_doc)
+        stats["lines"] += res.lines
+        stats["bad"] += len(res.bad)
+        stats["documents"] += res.documents
+        stats["sequences"] += int(res.lengths[0].size) if res.lengths else 0
+        stats["tokens"] += sum(int(t.size) for t in res.tokens)
+        stats["bytes"] += nbytes
+        progress.update(nbytes, res.documents, int(file_starts[file_index]) + end_offset)
+
+
+def _keep_report(any_bad: bool, report_tmp: str, report_path: str) -> None:
+    if any_bad:
+        os.replace(report_tmp, report_path)
+        return
+    os.unlink(report_tmp)
+    if os.path.exists(report_path):
+        os.unlink(report_path)  # a report of an earlier run would now mislead
+
+
+def _summary(args, stats, progress, elapsed: float, files: int, report_path: str,
+             prefixes) -> None:
     mb = stats["bytes"] / 1e6
     sentences = f"{stats['sequences']} sentences, " if args.split_sentences else ""
     print(f"done in {elapsed:.1f} s: {stats['documents']} documents, {sentences}"
@@ -521,12 +546,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"steady state: {steady:.2f} MB/s", file=sys.stderr)
     if stats["bom"]:
         print(f"removed the UTF-8 byte order mark (BOM) that began {stats['bom']} of "
-              f"{len(paths)} input files", file=sys.stderr)
+              f"{files} input files", file=sys.stderr)
     if stats["bad"]:
         print(f"skipped {stats['bad']} bad lines, listed in {report_path}", file=sys.stderr)
     for prefix in prefixes:
         print(f"wrote {prefix}.bin/.idx", file=sys.stderr)
-    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
