@@ -63,12 +63,7 @@ def compare(hf, ours):
     torch.testing.assert_close(out.logits[..., :VOCAB], ref.logits, rtol=1e-5,
                                atol=1e-5 * ref.logits.abs().max().item())
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
-    ref.loss.backward()
-    out.loss.backward()
-    ref_grads = from_hf_state_dict(
-        {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}, ours.config)
-    grads = gather_full_state_dict(ours, grads=True)
-    assert set(grads) == set(ref_grads) == {n for n, _ in ours.named_parameters()}
+    grads, ref_grads = backward_both(ours, out, hf, ref)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5,
                                    atol=1e-5 * ref_grads[name].abs().max().item(), msg=name)
@@ -76,6 +71,18 @@ def compare(hf, ours):
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa", "auto"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
+
+def backward_both(ours, out, hf, ref):
+    """(our full gradients, Hugging Face's under our names) after both losses' backward; both
+    cover every parameter of ours."""
+    ref.loss.backward()
+    out.loss.backward()
+    ref_grads = from_hf_state_dict(
+        {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}, ours.config)
+    grads = gather_full_state_dict(ours, grads=True)
+    assert set(grads) == set(ref_grads) == {n for n, _ in ours.named_parameters()}
+    return grads, ref_grads
+
 def test_hugging_face_weights_into_ours(name, backend):
     torch.manual_seed(1)
     hf = hf_model(CONFIGS[name])
@@ -137,12 +144,7 @@ def compare_bf16(hf, ours, autocast):
     want = torch.nn.functional.cross_entropy(ref.logits.float().reshape(-1, VOCAB),
                                              labels.reshape(-1))
     torch.testing.assert_close(out.loss, want, rtol=1e-2, atol=0)
-    ref.loss.backward()
-    out.loss.backward()
-    ref_grads = from_hf_state_dict(
-        {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}, ours.config)
-    grads = gather_full_state_dict(ours, grads=True)
-    assert set(grads) == set(ref_grads) == {n for n, _ in ours.named_parameters()}
+    grads, ref_grads = backward_both(ours, out, hf, ref)
     for name, grad in grads.items():
         assert grad.dtype == ref_grads[name].dtype == next(ours.parameters()).dtype, name
         assert relative_error(grad, ref_grads[name]) < 0.25, name
