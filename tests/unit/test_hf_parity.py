@@ -69,9 +69,6 @@ def compare(hf, ours):
                                    atol=1e-5 * ref_grads[name].abs().max().item(), msg=name)
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa", "auto"])
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-
 def backward_both(ours, out, hf, ref):
     """(our full gradients, Hugging Face's under our names) after both losses' backward; both
     cover every parameter of ours."""
@@ -83,6 +80,9 @@ def backward_both(ours, out, hf, ref):
     assert set(grads) == set(ref_grads) == {n for n, _ in ours.named_parameters()}
     return grads, ref_grads
 
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "auto"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_hugging_face_weights_into_ours(name, backend):
     torch.manual_seed(1)
     hf = hf_model(CONFIGS[name])
