@@ -27,10 +27,20 @@ HF_METADATA_KEYS = frozenset({
     "is_gated_act", "dense_act_fn", "is_decoder", "bos_token_id", "output_attentions",
     "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type",
     "max_position_embeddings",  # CPM-2 writes it; T5 positions are relative buckets
+    "add_router_probs", "add_cross_attention", "chunk_size_feed_forward",  # SwitchTransformers
 })
 
 CPM2_OFF_KEYS = {"do_dim_trick": False, "attn_scale": False}
 """CPM-2 switches accepted at these values only (the architecture they change is not built)."""
+
+
+MOE_FIELDS = ("num_experts", "encoder_sparse_step", "decoder_sparse_step",
+              "num_sparse_encoder_layers", "num_sparse_decoder_layers", "router_type",
+              "router_topk", "expert_capacity", "expert_capacity_factor",
+              "eval_expert_capacity_factor", "router_bias", "router_jitter_noise", "router_dtype",
+              "router_ignore_padding_tokens", "router_z_loss_coef", "router_aux_loss_coef",
+              "moe_expert_bias")
+"""The Mixture-of-Experts fields (left out of a dense model's dict)."""
 
 
 class ConfigError(ValueError):
@@ -88,6 +98,44 @@ class T5Config:
     eos_token_id: int = 1
     decoder_start_token_id: int = 0
 
+    # Mixture-of-Experts (megatron/model/moe.py); names as Hugging Face's SwitchTransformersConfig
+    num_experts: int = 0
+    """Experts of each sparse feed-forward; 0: a dense model."""
+    encoder_sparse_step: int = 1
+    """Which encoder blocks are sparse, as Hugging Face counts: with step s, blocks i with
+    i % s == 1, or every block when s == 1 (Switch: 2, every second block; CPM-2-MoE: 1);
+    0: none."""
+    decoder_sparse_step: int = 1
+    """The same for the decoder."""
+    num_sparse_encoder_layers: Optional[int] = None
+    """Hugging Face's: when given without encoder_sparse_step, the step is
+    num_layers // num_sparse_encoder_layers (num_layers when 0)."""
+    num_sparse_decoder_layers: Optional[int] = None
+    router_type: str = "switch"
+    """'switch' (top-1, output scaled by its probability), 'topk' (router_topk experts, weights
+    renormalised) or 'base' (balanced assignment in training, greedy top-1 in evaluation)."""
+    router_topk: int = 2
+    """k of router_type 'topk'."""
+    expert_capacity: Optional[int] = None
+    """Hugging Face's: the token choices an expert takes per sequence, used when no capacity
+    factor is set; None: dropless."""
+    expert_capacity_factor: Optional[float] = None
+    """Training capacity: ceil(factor x k x length / experts) choices per expert and sequence,
+    the rest dropped; None: expert_capacity (dropless when that is None too)."""
+    eval_expert_capacity_factor: Optional[float] = None
+    """The same in evaluation (None: expert_capacity, dropless when None)."""
+    router_bias: bool = False
+    router_jitter_noise: float = 0.0
+    """Training: the router's input times uniform noise in [1 - j, 1 + j]."""
+    router_dtype: str = "float32"
+    """Only float32: the router is always computed in float32."""
+    router_ignore_padding_tokens: bool = False
+    """Only false (as Hugging Face, which does not use it either)."""
+    router_z_loss_coef: float = 1e-3
+    router_aux_loss_coef: float = 1e-2
+    moe_expert_bias: bool = False
+    """Auxiliary-loss-free balancing: a per-expert bias on the choice, moved after each step."""
+
     def __post_init__(self) -> None:
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
@@ -96,6 +144,26 @@ class T5Config:
         if self.scale_decoder_outputs is None:
             self.scale_decoder_outputs = self.tie_word_embeddings
         self.validate()
+
+    # Mixture-of-Experts -----------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def sparse_blocks(self, is_decoder: bool) -> list:
+        """The indices of a stack's sparse blocks (Hugging Face's rule, encoder_sparse_step)."""
+        if not self.is_moe:
+            return []
+        step = self.decoder_sparse_step if is_decoder else self.encoder_sparse_step
+        layers = self.num_decoder_layers if is_decoder else self.num_layers
+        if step <= 0:
+            return []
+        return [i for i in range(layers) if step == 1 or i % step == 1]
+
+    @property
+    def router_k(self) -> int:
+        """Experts per token."""
+        return self.router_topk if self.router_type == "topk" else 1
 
     # Derived properties -----------------------------------------------------------------------
     @property
@@ -158,6 +226,47 @@ class T5Config:
             if isinstance(value, int) and isinstance(self.vocab_size, int) \
                     and not 0 <= value < self.vocab_size:
                 out.append(f"{name} {value} is outside the vocabulary (size {self.vocab_size})")
+        return out + self.moe_problems()
+
+    def moe_problems(self) -> list:
+        """What is wrong with the Mixture-of-Experts fields (nothing for a dense model)."""
+        out = []
+        for name in ("num_experts", "encoder_sparse_step", "decoder_sparse_step", "router_topk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                out.append(f"{name} must be a non-negative integer, not {value!r}")
+        if out or not self.num_experts:
+            return out
+        if self.router_type not in ("switch", "topk", "base"):
+            out.append(f"router_type must be 'switch', 'topk' or 'base', not {self.router_type!r}")
+        if self.router_type == "topk" and not 1 <= self.router_topk <= self.num_experts:
+            out.append(f"router_topk ({self.router_topk}) must be between 1 and num_experts "
+                       f"({self.num_experts})")
+        for name in ("expert_capacity_factor", "eval_expert_capacity_factor", "expert_capacity"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float)) or value <= 0):
+                out.append(f"{name} must be a positive number or null, not {value!r}")
+        if self.router_type == "base":
+            for name in ("expert_capacity_factor", "eval_expert_capacity_factor"):
+                if getattr(self, name) is not None:
+                    out.append(f"{name} cannot be set with router_type 'base': BASE layers give "
+                               "every expert the same number of tokens, nothing is dropped")
+            if self.moe_expert_bias:
+                out.append("moe_expert_bias cannot be set with router_type 'base': its "
+                           "assignment is balanced already")
+        if self.router_dtype != "float32":
+            out.append(f"router_dtype {self.router_dtype!r} is not supported: the router is "
+                       "computed in float32")
+        if self.router_ignore_padding_tokens is not False:
+            out.append("router_ignore_padding_tokens must be false")
+        if not isinstance(self.router_jitter_noise, (int, float)) \
+                or not 0 <= self.router_jitter_noise < 1:
+            out.append(f"router_jitter_noise must be in [0, 1), not {self.router_jitter_noise!r}")
+        for name in ("router_z_loss_coef", "router_aux_loss_coef"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                out.append(f"{name} must be a non-negative number, not {value!r}")
         return out
 
     def validate(self) -> None:
@@ -185,6 +294,13 @@ class T5Config:
         problems += [f"{key} {values[key]!r} (CPM-2) is not supported: only {off!r}"
                      for key, off in CPM2_OFF_KEYS.items() if values.get(key, off) != off]
         fields = {k: v for k, v in values.items() if k in known}
+        if values.get("model_type") == "switch_transformers":
+            fields.setdefault("feed_forward_proj", values.get("dense_act_fn", "relu"))
+        for stack, layers in (("encoder", "num_layers"), ("decoder", "num_decoder_layers")):
+            count = fields.get(f"num_sparse_{stack}_layers")
+            if f"{stack}_sparse_step" not in fields and isinstance(count, int):
+                total = fields.get(layers) or fields.get("num_layers", 6)
+                fields[f"{stack}_sparse_step"] = total // count if count > 0 else total
         if "init_method" not in fields and "init_method_std" in fields:
             fields["init_method"] = "cpm2"
         try:
@@ -215,7 +331,12 @@ class T5Config:
         return cls.from_dict(values, source=str(path))
 
     def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields; a dense model's leaves out the Mixture-of-Experts ones."""
+        out = dataclasses.asdict(self)
+        if not self.is_moe:
+            for name in MOE_FIELDS:
+                out.pop(name)
+        return out
 
     def to_hf_dict(self) -> Dict[str, Any]:
         """The fields of a Hugging Face T5 config.json for this architecture."""
@@ -229,8 +350,9 @@ class T5Config:
 def _metadata_problems(values: Dict[str, Any]) -> list:
     """Metadata keys that contradict what we would build (another model type, say)."""
     out = []
-    if values.get("model_type", "t5") not in ("t5", "mt5"):
-        out.append(f"model_type {values['model_type']!r} is not a T5 model (t5 or mt5)")
+    if values.get("model_type", "t5") not in ("t5", "mt5", "switch_transformers"):
+        out.append(f"model_type {values['model_type']!r} is not a T5 model (t5, mt5 or "
+                   "switch_transformers)")
     if values.get("is_encoder_decoder", True) is not True:
         out.append("is_encoder_decoder is false: only encoder-decoder models are built here")
     if values.get("is_decoder", False) is not False:

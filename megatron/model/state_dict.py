@@ -107,6 +107,8 @@ def from_hf_state_dict(hf: StateDict, config: T5Config) -> StateDict:
     copies = hf_copies(config)
     embedding = hf_embedding(hf, copies)
     out = {k: v for k, v in hf.items() if k not in copies and k not in HF_IGNORED}
+    if config.is_moe:
+        out = from_switch_names(out, config)
     if embedding is not None:
         out["shared.weight"] = embedding
     problems = [hf_copy_problem(name, hf[name], embedding) for name in copies if name in hf]
@@ -130,9 +132,97 @@ def _same(a: torch.Tensor, b) -> bool:
                                          and torch.equal(a, b)))
 
 
-def to_hf_state_dict(full: StateDict, config: T5Config) -> StateDict:
-    """A Hugging Face T5ForConditionalGeneration state dict from our full one."""
+def feed_forward_prefix(config: T5Config, stack: str, index: int) -> str:
+    """The name of a block's feed-forward sublayer: '{stack}.block.{index}.layer.{1 or 2}'."""
+    return f"{stack}.block.{index}.layer.{2 if stack == 'decoder' else 1}"
+
+
+def _feed_forward_names(config: T5Config):
+    """(prefix, sparse) of every block's feed-forward sublayer."""
+    for stack in ("encoder", "decoder"):
+        decoder = stack == "decoder"
+        sparse = set(config.sparse_blocks(decoder))
+        for i in range(config.num_decoder_layers if decoder else config.num_layers):
+            yield feed_forward_prefix(config, stack, i), i in sparse
+
+
+def _weight_names(config: T5Config) -> Tuple[str, ...]:
+    return ("wi_0", "wi_1", "wo") if config.is_gated_act else ("wi", "wo")
+
+
+def from_switch_names(hf: StateDict, config: T5Config) -> StateDict:
+    """Hugging Face SwitchTransformers names -> ours: a dense block's `mlp` is our
+    `DenseReluDense`, a sparse block's experts `mlp.experts.expert_{e}.wi.weight` are stacked
+    into `mlp.experts.wi` [experts, ...] (missing experts are left for the caller to report)."""
+    out = dict(hf)
+    for prefix, sparse in _feed_forward_names(config):
+        for w in _weight_names(config):
+            if sparse:
+                names = [f"{prefix}.mlp.experts.expert_{e}.{w}.weight"
+                         for e in range(config.num_experts)]
+                if all(n in out for n in names):
+                    out[f"{prefix}.mlp.experts.{w}"] = torch.stack([out.pop(n) for n in names])
+            elif f"{prefix}.mlp.{w}.weight" in out:
+                out[f"{prefix}.DenseReluDense.{w}.weight"] = out.pop(f"{prefix}.mlp.{w}.weight")
+    return out
+
+
+def to_switch_names(full: StateDict, config: T5Config) -> StateDict:
+    """Ours -> Hugging Face SwitchTransformers names (`from_switch_names` reversed)."""
     out = dict(full)
+    for prefix, sparse in _feed_forward_names(config):
+        for w in _weight_names(config):
+            if sparse:
+                stacked = out.pop(f"{prefix}.mlp.experts.{w}")
+                for e in range(config.num_experts):
+                    out[f"{prefix}.mlp.experts.expert_{e}.{w}.weight"] = stacked[e]
+            else:
+                out[f"{prefix}.mlp.{w}.weight"] = out.pop(f"{prefix}.DenseReluDense.{w}.weight")
+    return out
+
+
+def switch_shapes(shapes: Dict[str, Tuple[int, ...]], config: T5Config
+                  ) -> Dict[str, Tuple[int, ...]]:
+    """Our full parameter shapes under SwitchTransformers names (an expert's shape without the
+    experts dimension)."""
+    out = dict(shapes)
+    for prefix, sparse in _feed_forward_names(config):
+        for w in _weight_names(config):
+            if sparse:
+                shape = tuple(out.pop(f"{prefix}.mlp.experts.{w}"))
+                for e in range(config.num_experts):
+                    out[f"{prefix}.mlp.experts.expert_{e}.{w}.weight"] = shape[1:]
+            else:
+                out[f"{prefix}.mlp.{w}.weight"] = out.pop(f"{prefix}.DenseReluDense.{w}.weight")
+    return out
+
+
+def stack_switch_experts(named: Iterable[Tuple[str, torch.Tensor]], config: T5Config):
+    """A stream of (SwitchTransformers name, tensor) -> (our name, tensor): each expert tensor is
+    held until its layer's every expert has come, then they are yielded stacked."""
+    pending: Dict[str, Dict[int, torch.Tensor]] = {}
+    for name, tensor in named:
+        parts = name.split(".")
+        if ".mlp.experts.expert_" in name:
+            at = parts.index("experts")
+            ours = ".".join(parts[:at + 1] + [parts[at + 2]])
+            experts = pending.setdefault(ours, {})
+            experts[int(parts[at + 1].removeprefix("expert_"))] = tensor
+            if len(experts) == config.num_experts:
+                yield ours, torch.stack([experts[e] for e in range(config.num_experts)])
+                del pending[ours]
+        elif parts[-3:-1] in (["mlp", "wi"], ["mlp", "wi_0"], ["mlp", "wi_1"], ["mlp", "wo"]):
+            yield ".".join(parts[:-3] + ["DenseReluDense"] + parts[-2:]), tensor
+        else:
+            yield name, tensor
+    if pending:  # (the names were checked before: only a truncated stream ends here)
+        raise StateDictError(f"experts missing for {', '.join(sorted(pending))}")
+
+
+def to_hf_state_dict(full: StateDict, config: T5Config) -> StateDict:
+    """A Hugging Face T5ForConditionalGeneration (SwitchTransformersForConditionalGeneration
+    for a Mixture-of-Experts config) state dict from our full one."""
+    out = to_switch_names(full, config) if config.is_moe else dict(full)
     for name in HF_TIED_COPIES:
         out[name] = full["shared.weight"]
     if config.tie_word_embeddings:
@@ -169,6 +259,8 @@ def load_full_state_dict(model: torch.nn.Module, full: StateDict) -> None:
                 continue
             rows = model.padded_vocab_size - vocab
             tensor = torch.cat([tensor, tensor.new_zeros(rows, *tensor.shape[1:])])
+        if getattr(param, "expert_parallel", False):
+            tensor = _local_experts(tensor, model.expert_parallel)
         if getattr(param, "tensor_model_parallel", False):
             tensor = shard(tensor, param.partition_dim, param.partition_stride, tp.rank, tp.size)
         if tensor.shape != param.shape:
@@ -181,6 +273,14 @@ def load_full_state_dict(model: torch.nn.Module, full: StateDict) -> None:
     with torch.no_grad():
         for name, tensor in local.items():
             params[name].copy_(tensor)
+
+
+def _local_experts(tensor: torch.Tensor, ep) -> torch.Tensor:
+    """This expert-parallel rank's experts of a stacked [experts, ...] tensor."""
+    if ep is None or ep.size == 1 or tensor.shape[0] % ep.size:
+        return tensor  # (a count that does not divide is reported as a shape mismatch)
+    local = tensor.shape[0] // ep.size
+    return tensor[ep.rank * local:(ep.rank + 1) * local]
 
 
 def gather_full_state_dict(model: torch.nn.Module, grads: bool = False) -> StateDict:
@@ -197,6 +297,11 @@ def gather_full_state_dict(model: torch.nn.Module, grads: bool = False) -> State
             parts = [torch.empty_like(tensor) for _ in range(tp.size)]
             dist.all_gather(parts, tensor.contiguous(), group=tp.group)
             tensor = unshard(parts, param.partition_dim, param.partition_stride)
+        ep = getattr(model, "expert_parallel", None)
+        if getattr(param, "expert_parallel", False) and ep.size > 1:
+            parts = [torch.empty_like(tensor) for _ in range(ep.size)]
+            dist.all_gather(parts, tensor.contiguous(), group=ep.group)
+            tensor = torch.cat(parts)
         if name in VOCAB_PARAMETERS:
             tensor = tensor[:model.config.vocab_size]
         out[name] = tensor.clone()

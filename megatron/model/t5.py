@@ -24,7 +24,7 @@ from megatron.model.dropout import Dropout
 from megatron.model.transformer import ATTENTION_BACKENDS, Carry, InitMethods, T5Block, \
     T5LayerNorm
 from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron.tensor_parallel.group import TensorParallel
+from megatron.tensor_parallel.group import NO_EXPERT_PARALLEL, ExpertParallel, TensorParallel
 from megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -44,11 +44,28 @@ class T5Output(NamedTuple):
     logits: torch.Tensor
     loss: Optional[torch.Tensor] = None
     token_losses: Optional[torch.Tensor] = None
+    aux_loss: Optional[torch.Tensor] = None
+    """The sparse blocks' weighted balancing losses (training; None in a dense model)."""
+
+    @property
+    def objective(self) -> Optional[torch.Tensor]:
+        """What training minimises: the loss plus the balancing losses."""
+        if self.aux_loss is None or self.loss is None:
+            return self.loss
+        return self.loss + self.aux_loss
 
 
-def model_parallel_problems(config: T5Config, tensor_parallel_size: int) -> List[str]:
-    """What keeps `config` from being split over `tensor_parallel_size` ranks."""
+def model_parallel_problems(config: T5Config, tensor_parallel_size: int,
+                            expert_parallel_size: int = 1) -> List[str]:
+    """What keeps `config` from being split over `tensor_parallel_size` ranks (and its experts
+    over `expert_parallel_size`)."""
     out = []
+    if expert_parallel_size > 1 and not config.is_moe:
+        out.append(f"expert-model-parallel size {expert_parallel_size} needs a Mixture-of-"
+                   "Experts model (num_experts)")
+    elif config.is_moe and config.num_experts % expert_parallel_size:
+        out.append(f"num_experts ({config.num_experts}) is not divisible by the "
+                   f"expert-model-parallel size {expert_parallel_size}")
     for name, value in (("num_heads", config.num_heads), ("d_ff", config.d_ff)):
         if value % tensor_parallel_size:
             out.append(f"{name} ({value}) is not divisible by the tensor-model-parallel size "
@@ -58,11 +75,11 @@ def model_parallel_problems(config: T5Config, tensor_parallel_size: int) -> List
 
 class T5Stack(nn.Module):
     def __init__(self, config: T5Config, is_decoder: bool, backend: str, tp: TensorParallel,
-                 device=None, dtype=None) -> None:
+                 device=None, dtype=None, ep: ExpertParallel = NO_EXPERT_PARALLEL) -> None:
         super().__init__()
         num_layers = config.num_decoder_layers if is_decoder else config.num_layers
         self.block = nn.ModuleList([build_block(config, is_decoder, i, backend, tp,
-                                                device=device, dtype=dtype)
+                                                device=device, dtype=dtype, ep=ep)
                                     for i in range(num_layers)])
         self.final_layer_norm = final_layer_norm(config, device, dtype)
 
@@ -82,6 +99,8 @@ class T5Model(nn.Module):
             run on; default: this process's, read from megatron.parallel_state here and nowhere
             below. With explicit sizes on the meta device, any rank's model of any layout is
             built without process groups.
+        expert_parallel: which experts to build (a Mixture-of-Experts config) and the group
+            their all-to-all runs on; default: this process's, as for tensor_parallel.
 
     Raises:
         ConfigError: the config cannot be split over the tensor-parallel ranks.
@@ -90,10 +109,12 @@ class T5Model(nn.Module):
     def __init__(self, config: T5Config, make_vocab_size_divisible_by: int = 128,
                  attention_backend: str = "auto", checkpoint_activations: bool = False,
                  checkpoint_num_layers: int = 1, label_smoothing: float = 0.0, device=None,
-                 dtype=None, tensor_parallel: Optional[TensorParallel] = None) -> None:
+                 dtype=None, tensor_parallel: Optional[TensorParallel] = None,
+                 expert_parallel: Optional[ExpertParallel] = None) -> None:
         super().__init__()
         tp = tensor_parallel or TensorParallel.of_this_process()
-        problems = model_parallel_problems(config, tp.size)
+        ep = expert_parallel or ExpertParallel.of_this_process()
+        problems = model_parallel_problems(config, tp.size, ep.size)
         if attention_backend not in ATTENTION_BACKENDS:
             problems.append(f"attention backend {attention_backend!r} is not one of "
                             f"{', '.join(ATTENTION_BACKENDS)}")
@@ -102,7 +123,7 @@ class T5Model(nn.Module):
                             f"{checkpoint_num_layers}")
         if problems:
             raise ConfigError("; ".join(problems))
-        self.config, self.tensor_parallel = config, tp
+        self.config, self.tensor_parallel, self.expert_parallel = config, tp, ep
         self.padded_vocab_size = config.padded_vocab_size(make_vocab_size_divisible_by, tp.size)
         self.checkpoint_activations = checkpoint_activations
         self.checkpoint_num_layers = checkpoint_num_layers
@@ -111,8 +132,8 @@ class T5Model(nn.Module):
         # whichever parts a process builds (pipeline stages build only theirs, with the same
         # builders: build_block, shared_embedding, untied_lm_head, final_layer_norm).
         self.shared = shared_embedding(config, self.padded_vocab_size, tp, device, dtype)
-        self.encoder = T5Stack(config, False, attention_backend, tp, device, dtype)
-        self.decoder = T5Stack(config, True, attention_backend, tp, device, dtype)
+        self.encoder = T5Stack(config, False, attention_backend, tp, device, dtype, ep)
+        self.decoder = T5Stack(config, True, attention_backend, tp, device, dtype, ep)
         if not config.tie_word_embeddings:
             self.lm_head = untied_lm_head(config, self.padded_vocab_size, tp, device, dtype)
         self.dropout = Dropout(config.dropout_rate)
@@ -202,11 +223,13 @@ class T5Model(nn.Module):
                 labels: Optional[torch.Tensor] = None) -> T5Output:
         carry = self.initial_carry(encoder_input_ids, decoder_input_ids, encoder_attention_mask,
                                    decoder_attention_mask)
-        logits = self.lm_logits(self.run_layers(carry).hidden)
+        carry = self.run_layers(carry)
+        logits = self.lm_logits(carry.hidden)
         if labels is None:
-            return T5Output(logits=logits)
+            return T5Output(logits=logits, aux_loss=carry.aux_loss)
         loss, token_losses = self.loss(logits, labels)
-        return T5Output(logits=logits, loss=loss, token_losses=token_losses)
+        return T5Output(logits=logits, loss=loss, token_losses=token_losses,
+                        aux_loss=carry.aux_loss)
 
 
 _MINIMUM = torch.finfo(torch.float32).min
@@ -232,16 +255,19 @@ def additive_decoder_mask(attention_mask: Optional[torch.Tensor], batch: int, le
 # (pipeline/module.py) build them with these, by name.
 def build_block(config: T5Config, is_decoder: bool, index: int, backend: str,
                 tp: TensorParallel, has_relative_attention_bias: Optional[bool] = None,
-                device=None, dtype=None) -> T5Block:
+                device=None, dtype=None, ep: ExpertParallel = NO_EXPERT_PARALLEL) -> T5Block:
     """Block `index` of the encoder or the decoder; block 0 holds the stack's bias table unless
-    `has_relative_attention_bias` says otherwise (a pipeline stage keeps the table apart)."""
+    `has_relative_attention_bias` says otherwise (a pipeline stage keeps the table apart); a
+    sparse block (config.sparse_blocks) holds this rank's experts of `ep`."""
     stack = "decoder" if is_decoder else "encoder"
     layers = config.num_decoder_layers if is_decoder else config.num_layers
     if has_relative_attention_bias is None:
         has_relative_attention_bias = index == 0
+    sparse = config.sparse_blocks(is_decoder)
     with init_rng(f"{stack}.block.{index}"):
         return T5Block(config, InitMethods(config, layers), is_decoder,
-                       has_relative_attention_bias, backend=backend, tp=tp, device=device,
+                       has_relative_attention_bias, backend=backend, tp=tp, ep=ep,
+                       sparse_layers=len(sparse) if index in sparse else 0, device=device,
                        dtype=dtype)
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from megatron.model.config import T5Config
 from megatron.model.dropout import Dropout, dropout
+from megatron.model.nonlinearity import activation_function
 from megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
     InitMethod,
@@ -31,7 +32,8 @@ from megatron.tensor_parallel.layers import (
     normal_init,
     set_tensor_model_parallel_attributes,
 )
-from megatron.tensor_parallel.group import TensorParallel
+from megatron.model.moe import SparseMLP
+from megatron.tensor_parallel.group import NO_EXPERT_PARALLEL, ExpertParallel, TensorParallel
 from megatron.tensor_parallel.random import get_cuda_rng_tracker, init_rng
 
 
@@ -47,6 +49,8 @@ class Carry(NamedTuple):
         bias: relative position bias plus the stack's mask, computed once by its block 0 (None
         before it) and reused by the other blocks.
     decoder_input_ids: [batch, dec_len], read by the decoder's embedding step.
+    aux_loss: the weighted balancing losses of the sparse blocks run so far (a float32 scalar;
+        None in a dense model, in evaluation, and before the first sparse block).
     """
 
     hidden: Optional[torch.Tensor]
@@ -55,6 +59,7 @@ class Carry(NamedTuple):
     decoder_mask: torch.Tensor
     position_bias: Optional[torch.Tensor]
     decoder_input_ids: torch.Tensor
+    aux_loss: Optional[torch.Tensor] = None
 
 
 # Standard deviation of a unit normal truncated to [-2, 2]: a truncated draw is scaled by its
@@ -114,9 +119,11 @@ class InitMethods:
             "q": (c.d_model * c.d_kv) ** -0.5, "k": c.d_model ** -0.5, "v": c.d_model ** -0.5,
             "o": c.inner_dim ** -0.5, "relative_attention_bias": c.d_model ** -0.5,
             "wi": c.d_model ** -0.5, "wo": c.d_ff ** -0.5,
+            "router": 1.0,
         }
         if c.init_method == "t5x":
             stds["lm_head"] = c.d_model ** -0.5
+            stds["router"] = 0.02  # flaxformer's router kernel
             stds["relative_attention_bias"] = \
                 (2.0 / (c.num_heads + c.relative_attention_num_buckets)) ** 0.5
         return c.initializer_factor * stds[kind]
@@ -308,16 +315,6 @@ class T5Attention(nn.Module):
         return self.o(context.transpose(1, 2).reshape(batch, length, -1))
 
 
-def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    if name == "relu":
-        return F.relu
-    if name == "gelu":
-        return F.gelu
-    if name in ("gelu_new", "gelu_pytorch_tanh"):
-        return lambda x: F.gelu(x, approximate="tanh")
-    return F.silu  # silu, swish
-
-
 class T5DenseActDense(nn.Module):
     """wo(dropout(act(wi x))), or with a gate: wo(dropout(act(wi_0 x) * wi_1 x))."""
 
@@ -335,7 +332,7 @@ class T5DenseActDense(nn.Module):
             self.wi = ColumnParallelLinear(config.d_model, config.d_ff, init_method=init("wi"),
                                            **kw)
         self.wo = RowParallelLinear(config.d_ff, config.d_model, init_method=init("wo"), **kw)
-        self.act = _activation(config.activation)
+        self.act = activation_function(config.activation)
         self.dropout_p = config.dropout_rate
 
     def forward_flops(self, tokens: int) -> int:
@@ -381,14 +378,33 @@ class T5LayerCrossAttention(nn.Module):
 
 
 class T5LayerFF(nn.Module):
-    def __init__(self, config, init, *, tp, device=None, dtype=None):
+    """The feed-forward sublayer: dense (`DenseReluDense`), or with `sparse_layers` (the count
+    of sparse blocks in its stack) a Mixture-of-Experts (`mlp`, model/moe.py). forward returns
+    (hidden, the sparse layer's weighted balancing losses or None)."""
+
+    def __init__(self, config, init, *, tp, ep=NO_EXPERT_PARALLEL, sparse_layers: int = 0,
+                 device=None, dtype=None):
         super().__init__()
-        self.DenseReluDense = T5DenseActDense(config, init, tp=tp, device=device, dtype=dtype)
+        if sparse_layers:
+            self.mlp = SparseMLP(config, init, tp=tp, ep=ep, sparse_layers=sparse_layers,
+                                 device=device, dtype=dtype)
+        else:
+            self.DenseReluDense = T5DenseActDense(config, init, tp=tp, device=device,
+                                                  dtype=dtype)
         self.layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, device, dtype)
         self.dropout = Dropout(config.dropout_rate)
 
+    @property
+    def feed_forward(self):
+        return getattr(self, "mlp", None) or self.DenseReluDense
+
     def forward(self, hidden):
-        return hidden + self.dropout(self.DenseReluDense(self.layer_norm(hidden)))
+        normed = self.layer_norm(hidden)
+        if hasattr(self, "mlp"):
+            out, aux = self.mlp(normed)
+        else:
+            out, aux = self.DenseReluDense(normed), None
+        return hidden + self.dropout(out), aux
 
 
 def _clamp_fp16(hidden: torch.Tensor) -> torch.Tensor:
@@ -417,16 +433,18 @@ class T5Block(nn.Module):
 
     def __init__(self, config: T5Config, init: InitMethods, is_decoder: bool,
                  has_relative_attention_bias: bool, backend: str = "auto", *,
-                 tp: TensorParallel, device=None, dtype=None) -> None:
+                 tp: TensorParallel, ep: ExpertParallel = NO_EXPERT_PARALLEL,
+                 sparse_layers: int = 0, device=None, dtype=None) -> None:
         super().__init__()
         self.is_decoder = is_decoder
+        self.is_sparse = bool(sparse_layers)
         kw = dict(tp=tp, device=device, dtype=dtype)
         self.layer = nn.ModuleList([T5LayerSelfAttention(config, init, is_decoder,
                                                          has_relative_attention_bias, backend,
                                                          **kw)])
         if is_decoder:
             self.layer.append(T5LayerCrossAttention(config, init, backend, **kw))
-        self.layer.append(T5LayerFF(config, init, **kw))
+        self.layer.append(T5LayerFF(config, init, ep=ep, sparse_layers=sparse_layers, **kw))
 
     def forward_flops(self, length: int, encoder_length: int = 0,
                       cross_key_value: bool = True) -> int:
@@ -441,7 +459,7 @@ class T5Block(nn.Module):
             flops += cross.query_flops(length, encoder_length)
             if cross_key_value:
                 flops += cross.key_value_flops(encoder_length)
-        return flops + self.layer[-1].DenseReluDense.forward_flops(length)
+        return flops + self.layer[-1].feed_forward.forward_flops(length)
 
     def forward(self, carry: Carry) -> Carry:
         hidden, position_bias = carry.hidden, carry.position_bias
@@ -455,5 +473,9 @@ class T5Block(nn.Module):
         hidden = _clamp_fp16(self.layer[0](hidden, position_bias))
         if self.is_decoder:
             hidden = _clamp_fp16(self.layer[1](hidden, carry.encoder_output, carry.encoder_mask))
-        hidden = _clamp_fp16(self.layer[-1](hidden))
-        return carry._replace(hidden=hidden, position_bias=position_bias)
+        hidden, aux = self.layer[-1](hidden)
+        hidden = _clamp_fp16(hidden)
+        aux_loss = carry.aux_loss
+        if aux is not None:
+            aux_loss = aux if aux_loss is None else aux_loss + aux
+        return carry._replace(hidden=hidden, position_bias=position_bias, aux_loss=aux_loss)

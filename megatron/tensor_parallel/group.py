@@ -1,4 +1,4 @@
-"""A layer's share of tensor parallelism, handed to it when it is built.
+"""A layer's share of tensor (and expert) parallelism, handed to it when it is built.
 
 Layers, the model and the collectives between them take a `TensorParallel`: how many ranks split
 the layer, which of them this one is, and the process group their collectives run on. Nothing
@@ -42,3 +42,32 @@ class TensorParallel:
 
 SINGLE = TensorParallel()
 """One rank: plain math."""
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """The experts of a Mixture-of-Experts layer split over `size` ranks of the data-parallel
+    group (rank `rank` holds experts [rank * E / size, (rank + 1) * E / size)); `group` runs the
+    all-to-all that sends tokens to their experts (None with one rank, or without processes)."""
+
+    size: int = 1
+    rank: int = 0
+    group: Optional[Any] = None
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"expert-parallel rank {self.rank} of size {self.size}")
+
+    @classmethod
+    def of_this_process(cls) -> "ExpertParallel":
+        """This process's share from `megatron.parallel_state` (one rank when its groups are not
+        initialized). For entry points and the default of top-level constructors only."""
+        if not parallel_state.model_parallel_is_initialized():
+            return cls()
+        return cls(parallel_state.get_expert_model_parallel_world_size(),
+                   parallel_state.get_expert_model_parallel_rank(),
+                   parallel_state.get_expert_model_parallel_group())
+
+
+NO_EXPERT_PARALLEL = ExpertParallel()
+"""Every expert on this rank."""

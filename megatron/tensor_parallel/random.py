@@ -137,12 +137,15 @@ class _CheckpointFunction(torch.autograd.Function):
         args = list(ctx.others)
         for slot, saved in zip(ctx.slots, ctx.saved_tensors):
             args[slot] = saved.detach().requires_grad_(saved.requires_grad)
+        global _RECOMPUTING
         current = _rng_snapshot(ctx.device_type)
         _rng_restore(ctx.rng, ctx.device_type)
+        _RECOMPUTING += 1
         try:
             with torch.enable_grad():
                 outputs = ctx.function(*args)
         finally:
+            _RECOMPUTING -= 1
             _rng_restore(current, ctx.device_type)
         if torch.is_tensor(outputs):
             outputs = (outputs,)
@@ -151,6 +154,15 @@ class _CheckpointFunction(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
         return (None, None) + tuple(a.grad if torch.is_tensor(a) else None for a in args)
+
+
+_RECOMPUTING = 0
+
+
+def is_recomputing() -> bool:
+    """Whether a checkpointed forward is being run again in backward (layers that count what
+    they see count it once)."""
+    return _RECOMPUTING > 0
 
 
 def checkpoint(function, *args):

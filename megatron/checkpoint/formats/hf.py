@@ -61,6 +61,8 @@ from megatron.model.state_dict import (
     hf_copy_problem,
     hf_embedding_source,
     resolve_hf_tie,
+    stack_switch_experts,
+    switch_shapes,
 )
 
 CONFIG = "config.json"
@@ -251,10 +253,11 @@ def read_hf_config(path: PathLike) -> T5Config:
     if not isinstance(values, dict):
         raise HFFolderError(f"{path}: expected a JSON object")
     model_type = values.get("model_type", "t5")
-    if model_type not in ("t5", "mt5"):
-        raise HFFolderError(f"{path}: model_type {model_type!r} is not T5: only T5 and mT5 "
-                            f"(T5ForConditionalGeneration, MT5ForConditionalGeneration) folders "
-                            f"are read")
+    if model_type not in ("t5", "mt5", "switch_transformers"):
+        raise HFFolderError(f"{path}: model_type {model_type!r} is not T5: only T5, mT5 and "
+                            f"SwitchTransformers (T5ForConditionalGeneration, "
+                            f"MT5ForConditionalGeneration, "
+                            f"SwitchTransformersForConditionalGeneration) folders are read")
     problems = [f"{key} {values[key]!r} is not supported (only {off!r})"
                 for key, off in GENERIC_HF_OFF.items() if values.get(key, off) not in (off, None)]
     if problems:
@@ -321,11 +324,14 @@ def read_hf_folder(directory: PathLike) -> Tuple[T5Config, Iterator[Tuple[str, t
     if problems:
         raise HFFolderError(f"{directory}: " + "; ".join(problems))
     dropped = set(copies) - {source} | set(HF_IGNORED)
-    return config, _stream(files, dropped, source)
+    stream = _stream(files, dropped, source)
+    return config, (stack_switch_experts(stream, config) if config.is_moe else stream)
 
 
 def _check_names(directory, config, shapes, source, copies, indexed) -> None:
     expected = full_parameter_shapes(config)
+    if config.is_moe:  # SwitchTransformers names: one tensor per expert, dense blocks' `mlp`
+        expected = switch_shapes(expected, config)
     ours = {("shared.weight" if n == source else n): n for n in shapes
             if n not in HF_IGNORED and (n == source or n not in copies)}
     problems = []

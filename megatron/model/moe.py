@@ -1,0 +1,400 @@
+"""Mixture-of-Experts feed-forward: a router, the experts as grouped weights, expert parallelism.
+
+The layer replaces the dense feed-forward (`T5DenseActDense`) of the blocks the config makes
+sparse (`T5Config.sparse_blocks`); its names follow Hugging Face's SwitchTransformers
+(`mlp.router.classifier`, `mlp.experts`), with the experts' weights stacked: `experts.wi`
+[experts, d_ff, d_model] (`wi_0`, `wi_1` when gated) and `experts.wo` [experts, d_model, d_ff],
+so that expert e is Hugging Face's `experts.expert_{e}.wi` / `.wo`.
+
+**Routing** (`route`), in float32 whatever the training precision, per sequence: a token's
+routing depends on its own sequence only, so every data- and expert-parallel layout routes alike.
+- 'switch' (Switch Transformer): top-1; the expert's output is scaled by its probability.
+- 'topk' (GShard, ST-MoE): the k most probable experts, their probabilities renormalised to 1.
+- 'base' (BASE layers, CPM-2-MoE): in training, a balanced assignment (each expert gets the
+  same number of a sequence's tokens, up to one, the total router score maximal;
+  model/balanced_assignment.py); in evaluation greedy top-1. The output is scaled by the sigmoid
+  of the chosen expert's logit (the router's only gradient), and no balancing loss is added.
+- Optional jitter (training): the router's input multiplied by uniform noise in
+  [1 - jitter, 1 + jitter], as Switch and Hugging Face do.
+- Optional expert bias (auxiliary-loss-free balancing, DeepSeek-V3): a per-expert bias added to
+  the probabilities for the choice only (the gate weights stay the unbiased probabilities),
+  moved after each optimizer step by `update_expert_bias` toward equal load.
+
+**Capacity**: dropless by default (every token reaches its k experts). With a capacity C, an
+expert takes at most C of a sequence's token choices, first choices before second ones and
+earlier positions first; a choice over capacity is dropped (its expert output is zero, the
+residual carries the token) and counted. C = ceil(factor x k x length / experts) with
+`expert_capacity_factor` in training and `eval_expert_capacity_factor` in evaluation, or
+Hugging Face's `expert_capacity` (a count per sequence) when no factor is set.
+
+**Balancing losses** (not for 'base'): per sequence, Switch's E x sum_e f_e P_e (f_e: the
+fraction of the sequence's tokens choosing e among their k, before capacity; P_e: the mean
+router probability of e) and ST-MoE's z-loss mean(logsumexp(logits)^2); averaged over the batch
+and over the stack's sparse layers, times `router_aux_loss_coef` and `router_z_loss_coef`. Hugging
+Face's SwitchTransformers averages the z-loss the same way; its auxiliary loss takes f and P
+averaged over a stack's sparse layers before their product, which equals ours when a stack has one
+sparse layer.
+
+**Experts** run as one grouped matrix multiply over the local experts
+(`torch.nn.functional.grouped_mm`: on CPU in any float dtype, on CUDA its grouped GEMM kernels for
+bfloat16; other CUDA dtypes use a batched multiply of the experts' rows padded to the busiest
+one). Their d_ff is split over the tensor-parallel ranks as the dense feed-forward's is (each rank
+computes its slice for every routed token; one all-reduce after the combination), so an expert's
+weights are divided by TP, not replicated.
+
+**Expert parallelism** (`ExpertParallel`): the experts are split over EP ranks of the
+data-parallel group; the token choices go to the rank of their expert and back by all-to-all
+(uneven splits; the counts are exchanged first).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.model.balanced_assignment import balanced_assignment
+from megatron.model.config import T5Config
+from megatron.model.dropout import dropout
+from megatron.model.nonlinearity import activation_function
+from megatron.tensor_parallel.group import ExpertParallel, TensorParallel
+from megatron.tensor_parallel.layers import divide, set_tensor_model_parallel_attributes, shard
+from megatron.tensor_parallel.random import get_cuda_rng_tracker, is_recomputing
+from megatron.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
+
+ROUTER_TYPES = ("switch", "topk", "base")
+
+
+class Routing(NamedTuple):
+    """A batch's routing: T = batch x length tokens, k choices each."""
+
+    experts: torch.Tensor
+    """[T, k] int64: each choice's expert."""
+    weights: torch.Tensor
+    """[T, k] float32: the gate weight of each choice (0 where dropped)."""
+    kept: torch.Tensor
+    """[T, k] bool: the choice is within its expert's capacity."""
+    probs: torch.Tensor
+    """[B, S, E] float32: the router's probabilities."""
+    logits: torch.Tensor
+    """[B, S, E] float32: the router's logits."""
+
+
+def capacity_keep(experts: torch.Tensor, num_experts: int, capacity: Optional[int]) -> torch.Tensor:
+    """[B, S, k] choices -> [B, S, k] bool: the choices within `capacity` per expert and sequence,
+    first choices before second ones, earlier positions first (None: all)."""
+    if capacity is None:
+        return torch.ones_like(experts, dtype=torch.bool)
+    batch, length, k = experts.shape
+    order = experts.transpose(1, 2).reshape(batch, k * length)  # (choice, position) order
+    onehot = F.one_hot(order, num_experts)
+    position = (onehot.cumsum(dim=1) * onehot).sum(-1)  # 1-based place in its expert's queue
+    return (position <= capacity).reshape(batch, k, length).transpose(1, 2)
+
+
+def route(logits: torch.Tensor, router_type: str, k: int, capacity: Optional[int],
+          training: bool, expert_bias: Optional[torch.Tensor] = None) -> Routing:
+    """The routing of [B, S, E] float32 logits (module docstring)."""
+    batch, length, num_experts = logits.shape
+    probs = logits.softmax(dim=-1)
+    if router_type == "base":
+        if training:
+            chosen = balanced_assignment(logits.detach())[..., None].to(logits.device)
+        else:
+            chosen = logits.argmax(dim=-1, keepdim=True)
+        weights = torch.sigmoid(logits.gather(-1, chosen))
+    else:
+        scores = probs if expert_bias is None else probs + expert_bias.float()
+        chosen = scores.detach().topk(1 if router_type == "switch" else k, dim=-1).indices
+        weights = probs.gather(-1, chosen)
+        if router_type == "topk":
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    kept = capacity_keep(chosen, num_experts, capacity)
+    weights = weights * kept
+    return Routing(chosen.reshape(batch * length, -1), weights.reshape(batch * length, -1),
+                   kept.reshape(batch * length, -1), probs, logits)
+
+
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Switch's auxiliary loss, per sequence, averaged over the batch: E x sum_e f_e P_e, f_e the
+    fraction of tokens choosing e among their choices, P_e the mean probability of e.
+    probs: [B, S, E]; experts: [B, S, k]."""
+    num_experts = probs.shape[-1]
+    chosen = F.one_hot(experts, num_experts).amax(dim=-2).float()  # [B, S, E]
+    return num_experts * (chosen.mean(dim=1) * probs.mean(dim=1)).sum(-1).mean()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's z-loss: the mean over tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single of rows with uneven splits; the backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, rows, send: List[int], receive: List[int], group):
+        ctx.send, ctx.receive, ctx.group = send, receive, group
+        out = rows.new_empty((sum(receive),) + tuple(rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), receive, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.receive, group=ctx.group)
+        return back, None, None, None
+
+
+def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """rows [N, in] sorted by group, `counts` [G] rows per group; weight [G, out, in]:
+    rows of group g times weight[g]^T, [N, out] (module docstring: grouped_mm, or a padded
+    batched multiply for CUDA dtypes its kernels lack)."""
+    if rows.device.type != "cuda" or rows.dtype == torch.bfloat16:
+        offsets = counts.cumsum(0).to(torch.int32)
+        return F.grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
+    groups = weight.shape[0]
+    starts = counts.cumsum(0) - counts
+    group = torch.repeat_interleave(torch.arange(groups, device=rows.device), counts)
+    slot = torch.arange(rows.shape[0], device=rows.device) - starts[group]
+    padded = rows.new_zeros(groups, int(counts.max()) if rows.shape[0] else 0, rows.shape[1])
+    padded[group, slot] = rows
+    return torch.bmm(padded, weight.transpose(1, 2))[group, slot]
+
+
+class Experts(nn.Module):
+    """This rank's experts: the dense feed-forward's weights stacked, [local experts, ...], each
+    split over the tensor-parallel ranks like `T5DenseActDense` (wi by rows, wo by columns)."""
+
+    def __init__(self, config: T5Config, init, *, tp: TensorParallel, ep: ExpertParallel,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        if config.num_experts % ep.size:
+            raise ValueError(f"the number of experts ({config.num_experts}) is not divisible "
+                             f"by the expert-model-parallel size {ep.size}")
+        self.local = config.num_experts // ep.size
+        self.first = ep.rank * self.local
+        self.tp, self.ep = tp, ep
+        self.gated = config.is_gated_act
+        self.d_model, self.d_ff = config.d_model, config.d_ff
+        ff = divide(config.d_ff, tp.size, "d_ff")
+        names = ("wi_0", "wi_1") if self.gated else ("wi",)
+        for name in names:
+            self.register_parameter(name, self._weight((self.local, ff, config.d_model), 1,
+                                                       init("wi"), device, dtype))
+        self.wo = self._weight((self.local, config.d_model, ff), 2, init("wo"), device, dtype)
+        self.act = activation_function(config.activation)
+        self.dropout_p = config.dropout_rate
+
+    def _weight(self, shape, tp_dim: int, init_method, device, dtype) -> nn.Parameter:
+        """This rank's [local, ...] slice of the stacked weight; tp_dim: the dimension split
+        over tensor ranks. Every expert is drawn in turn as a full dense weight from the
+        block's stream and this rank keeps its own (the same weights at any EP and TP)."""
+        weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        set_tensor_model_parallel_attributes(weight, True, tp_dim, 1)
+        weight.expert_parallel = True  # averaged over the expert-data-parallel group only
+        if weight.device.type != "meta":
+            full = list(shape[1:])
+            full[tp_dim - 1] *= self.tp.size
+            with torch.no_grad():
+                for e in range(self.num_experts):
+                    master = torch.empty(full, dtype=torch.float32)
+                    init_method(master)
+                    if self.first <= e < self.first + self.local:
+                        weight[e - self.first].copy_(
+                            shard(master, tp_dim - 1, 1, self.tp.rank, self.tp.size))
+        return weight
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [N, d_model] sorted by local expert, counts [local]: their outputs (this tensor
+        rank's partial sums)."""
+        if self.gated:
+            inner = self.act(grouped_linear(rows, self.wi_0, counts)) \
+                * grouped_linear(rows, self.wi_1, counts)
+        else:
+            inner = self.act(grouped_linear(rows, self.wi, counts))
+        if self.training and self.dropout_p > 0:
+            with get_cuda_rng_tracker().fork():
+                inner = dropout(inner, self.dropout_p)
+        return grouped_linear(inner, self.wo, counts)
+
+
+class Router(nn.Module):
+    """The router's linear layer (Hugging Face's `router.classifier`), replicated on tensor ranks
+    and computed in float32; with expert bias, the bias buffer (`router.expert_bias`)."""
+
+    def __init__(self, config: T5Config, init, device=None, dtype=None) -> None:
+        super().__init__()
+        self.classifier = nn.Linear(config.d_model, config.num_experts, bias=config.router_bias,
+                                    device=device, dtype=dtype)
+        self.jitter = config.router_jitter_noise
+        if self.classifier.weight.device.type != "meta":
+            with torch.no_grad():
+                master = torch.empty(self.classifier.weight.shape, dtype=torch.float32)
+                init("router")(master)
+                self.classifier.weight.copy_(master)
+                if self.classifier.bias is not None:
+                    self.classifier.bias.zero_()
+        if config.moe_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts,
+                                                            dtype=torch.float32, device=device))
+        else:
+            self.expert_bias = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, S, d_model] -> float32 logits [B, S, experts]."""
+        hidden = hidden.float()
+        if self.training and self.jitter > 0:
+            hidden = hidden * torch.empty_like(hidden).uniform_(1 - self.jitter, 1 + self.jitter)
+        bias = self.classifier.bias
+        return F.linear(hidden, self.classifier.weight.float(),
+                        None if bias is None else bias.float())
+
+
+class MoEStats:
+    """What a sparse layer saw since the last read (the log line): sums over its calls."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls = 0
+        self.aux_loss = 0.0
+        self.z_loss = 0.0
+        self.dropped = 0.0
+        self.choices = 0.0
+        self.load: Optional[torch.Tensor] = None
+        """Token choices per expert (before capacity), float64 [experts], this rank's tokens."""
+
+    def add(self, aux, z, dropped, choices, load) -> None:
+        self.calls += 1
+        self.aux_loss = self.aux_loss + aux
+        self.z_loss = self.z_loss + z
+        self.dropped = self.dropped + dropped
+        self.choices = self.choices + choices
+        self.load = load if self.load is None else self.load + load
+
+
+class SparseMLP(nn.Module):
+    """The Mixture-of-Experts feed-forward (module docstring): forward(hidden) -> (output, the
+    weighted balancing losses of this call, or None)."""
+
+    def __init__(self, config: T5Config, init, *, tp: TensorParallel, ep: ExpertParallel,
+                 sparse_layers: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.router = Router(config, init, device, dtype)
+        self.experts = Experts(config, init, tp=tp, ep=ep, device=device, dtype=dtype)
+        self.num_experts, self.tp, self.ep = config.num_experts, tp, ep
+        self.router_type = config.router_type
+        self.k = 1 if config.router_type in ("switch", "base") else config.router_topk
+        self.capacity_factor = config.expert_capacity_factor
+        self.eval_capacity_factor = config.eval_expert_capacity_factor
+        self.expert_capacity = config.expert_capacity
+        self.aux_coef = config.router_aux_loss_coef / sparse_layers
+        self.z_coef = config.router_z_loss_coef / sparse_layers
+        self.stats = MoEStats()
+        self.step_load: Optional[torch.Tensor] = None
+        """Token choices per expert since the last `update_expert_bias` (expert bias only)."""
+
+    def capacity(self, length: int) -> Optional[int]:
+        """Choices an expert takes per sequence of `length` tokens (None: dropless)."""
+        factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        if factor is not None:
+            return max(1, math.ceil(factor * self.k * length / self.num_experts))
+        return self.expert_capacity
+
+    def forward_flops(self, tokens: int) -> int:
+        """Forward FLOPs over `tokens` positions: the router, and k experts per token (the
+        active parameters; dropped choices are counted)."""
+        experts = self.experts
+        per_token = 2 * experts.d_model * experts.d_ff * (3 if experts.gated else 2)
+        return tokens * (2 * experts.d_model * self.num_experts + self.k * per_token)
+
+    def forward(self, hidden: torch.Tensor):
+        batch, length, width = hidden.shape
+        logits = self.router(hidden)
+        routing = route(logits, self.router_type, self.k, self.capacity(length), self.training,
+                        self.router.expert_bias)
+        out = self._experts(hidden.reshape(batch * length, width), routing)
+        chosen = routing.experts.reshape(batch, length, -1)
+        aux, balance, z = None, 0.0, 0.0
+        if self.router_type != "base" and self.training:  # (also in a checkpointed forward)
+            balance = load_balancing_loss(routing.probs, chosen)
+            z = router_z_loss(logits)
+            aux = self.aux_coef * balance + self.z_coef * z
+            balance, z = balance.detach(), z.detach()
+        if is_recomputing():  # counted by the forward
+            return out.reshape(batch, length, width), aux
+        load = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts).double()
+        self.stats.add(balance, z, (~routing.kept).sum().double(), float(routing.kept.numel()),
+                       load)
+        if self.router.expert_bias is not None and self.training:
+            self.step_load = load if self.step_load is None else self.step_load + load
+        return out.reshape(batch, length, width), aux
+
+    def _experts(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The weighted sum of each token's kept experts' outputs, [T, d_model]."""
+        k = routing.experts.shape[1]
+        keep = routing.kept.reshape(-1).nonzero().squeeze(1)
+        expert = routing.experts.reshape(-1)[keep]
+        order = torch.argsort(expert, stable=True)
+        expert, keep = expert[order], keep[order]
+        token, weight = keep // k, routing.weights.reshape(-1)[keep]
+        counts = torch.bincount(expert, minlength=self.num_experts)
+        rows = copy_to_tensor_model_parallel_region(tokens, self.tp)[token]
+        if self.ep.size == 1:
+            out = self.experts(rows, counts)
+        else:
+            out = self._exchange(rows, counts)
+        out = reduce_from_tensor_model_parallel_region(out, self.tp)
+        combined = tokens.new_zeros(tokens.shape)
+        return combined.index_add(0, token, out * weight[:, None].to(out.dtype))
+
+    def _exchange(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by global expert -> their experts' ranks -> the local experts -> back."""
+        ep, local = self.ep, self.experts.local
+        sent = counts.reshape(ep.size, local)
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent.contiguous(), group=ep.group)  # [source, local]
+        send = sent.sum(1).tolist()
+        receive = received.sum(1).tolist()
+        arrived = _AllToAll.apply(rows, send, receive, ep.group)
+        # from [source][local expert] blocks to [local expert][source]
+        which = torch.repeat_interleave(
+            torch.arange(local, device=rows.device).repeat(ep.size), received.reshape(-1))
+        order = torch.argsort(which, stable=True)
+        out = self.experts(arrived[order], received.sum(0))
+        back = torch.empty_like(out)
+        back[order] = out
+        return _AllToAll.apply(back, receive, send, ep.group)
+
+
+def sparse_layers(model: nn.Module) -> List[SparseMLP]:
+    return [m for m in model.modules() if isinstance(m, SparseMLP)]
+
+
+def update_expert_bias(model: nn.Module, rate: float, group=None) -> None:
+    """After an optimizer step: move each expert bias toward equal load, by `rate` times the
+    sign of (mean load - the expert's load), the load counted over the step's tokens on every
+    rank of `group` (the data-parallel group). Collective over `group` when the model has
+    expert bias."""
+    for layer in sparse_layers(model):
+        bias = layer.router.expert_bias
+        if bias is None:
+            continue
+        load = layer.step_load
+        if load is None:
+            load = torch.zeros(layer.num_experts, dtype=torch.float64, device=bias.device)
+        load = load.to(bias.device)
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(load, group=group)
+        bias.add_(rate * torch.sign(load.mean() - load).float())
+        layer.step_load = None
