@@ -36,7 +36,8 @@ from megatron.config.training import BatchConfig, CheckpointConfig, LoggingConfi
 from megatron.data.data_args import add_data_args, resolve_data
 from megatron.data.t5_dataset import T5DatasetConfig
 from megatron.initialize import choose_device
-from megatron.model.settings import ModelConfig, resolve_model
+from megatron.model.settings import ModelConfig, add_moe_args, moe_layout_problems, \
+    resolve_model
 from megatron.model.transformer import ATTENTION_BACKENDS
 from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     for action in parser._actions:  # checked in validate(), with every other problem
         action.required = False
     _add_model_args(parser)
+    add_moe_args(parser)
     _add_parallel_args(parser)
     _add_batch_args(parser)
     _add_optimizer_args(parser)
@@ -102,6 +104,9 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="cut the model into this many pipeline stages (DeepSpeed's pipeline "
                         "engine; ZeRO 0 or 1); world = tensor x pipeline x data parallel")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="split the experts of a Mixture-of-Experts model over this many ranks "
+                        "of the data-parallel group (tokens go to their experts by all-to-all)")
     g.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None,
                    help="the encoder on stages below this rank, the decoder on the others "
                         "(default: stages cut by each layer's cost)")
@@ -396,8 +401,12 @@ def resolve_layout(values: Dict[str, object], parallel: ParallelConfig, device_t
         values, parallel.data_parallel_size, parallel.model_parallel_size, device_type)
     model, model_problems = resolve_model(values, parallel.tensor_model_parallel_size,
                                           parallel.pipeline_model_parallel_size,
-                                          resolved.checkpoint_activations)
+                                          resolved.checkpoint_activations,
+                                          parallel.expert_model_parallel_size)
     problems = model_problems + problems
+    if model is not None:
+        problems += moe_layout_problems(model.t5, parallel, resolved.zero.stage,
+                                        resolved.precision.precision)
     if model is not None:
         problems += cut_problems(model.t5, parallel.pipeline_model_parallel_size,
                                  parallel.pipeline_split_rank)
@@ -451,8 +460,14 @@ def resolve_parallel(values: Dict[str, object], env: Mapping[str, str],
     if world % (tp * pp):
         problems.append(f"world size {world} is not divisible by "
                         f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}")
-    return ParallelConfig(world, tp, pp, max(world // (tp * pp), 1),
-                          values["pipeline_model_parallel_split_rank"])
+    data = max(world // (tp * pp), 1)
+    ep = values["expert_model_parallel_size"]
+    if ep < 1 or data % ep:
+        problems.append(f"--expert-model-parallel-size {ep} does not divide the data-parallel "
+                        f"size {data} (world {world} / (tensor {tp} x pipeline {pp}))")
+        ep = 1
+    return ParallelConfig(world, tp, pp, data, values["pipeline_model_parallel_split_rank"],
+                          ep)
 
 
 def loop_problems(values: Mapping[str, object]) -> List[str]:

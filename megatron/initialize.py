@@ -111,7 +111,8 @@ def join_process_group(runtime: RuntimeConfig, parallel: ParallelConfig) -> bool
         raise RuntimeError(f"the launcher started {dist.get_world_size()} processes but the "
                            f"flags were checked for {parallel.world_size}")
     parallel_state.initialize_model_parallel(parallel.tensor_model_parallel_size,
-                                             parallel.pipeline_model_parallel_size)
+                                             parallel.pipeline_model_parallel_size,
+                                             parallel.expert_model_parallel_size)
     return created
 
 

@@ -267,6 +267,10 @@ def get_expert_model_parallel_group():
     return _state().expert
 
 
+def get_expert_model_parallel_ranks() -> List[int]:
+    return _state().expert_ranks if _state().layout.expert_size > 1 else [_state().layout.rank]
+
+
 def get_expert_data_parallel_world_size() -> int:
     return get_data_parallel_world_size() // get_expert_model_parallel_world_size()
 

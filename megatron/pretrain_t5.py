@@ -63,7 +63,8 @@ def build_step(config: RunConfig, watchdog, writer):
                         "with the other ranks)", collective_s):
         engine, _ = initialize_engine(config.optimizer, config.zero, runtime.device_type,
                                       config.deepspeed_json(), model)
-    return DataParallelStep(engine, runtime.torch_device())
+    return DataParallelStep(engine, runtime.torch_device(), config.optimizer.clip_grad,
+                            config.model.expert_bias_update_rate)
 
 
 def step_cost(config: RunConfig):

@@ -63,6 +63,8 @@ class ParallelConfig:
     """world_size / (tensor x pipeline)."""
     pipeline_split_rank: Optional[int] = None
     """--pipeline-model-parallel-split-rank: the first decoder stage (None: cut by cost)."""
+    expert_model_parallel_size: int = 1
+    """--expert-model-parallel-size: the experts split over this many data-parallel ranks."""
 
     @property
     def model_parallel_size(self) -> int:

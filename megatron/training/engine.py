@@ -19,6 +19,7 @@ from megatron import parallel_state
 from megatron.config.training import OptimizerConfig, ZeroConfig
 from megatron.model.settings import ModelConfig
 from megatron.model.t5 import T5Model
+from megatron.training import experts
 
 NO_DECAY_MARKERS = ("layer_norm", "bias", "relative_attention_bias")
 
@@ -45,7 +46,9 @@ def build_model(model: ModelConfig, zero: ZeroConfig, device: torch.device,
                                  pin_memory=device.type == "cuda",
                                  mpu=parallel_state):
             return make(device)
-    return make(device)
+    built = make(device)
+    experts.prepare(built)  # expert parallelism on DeepSpeed's conventions
+    return built
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict]:
@@ -62,7 +65,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict]:
 
 def build_optimizer(config: OptimizerConfig, offload_optimizer: str, device_type: str,
                     model: torch.nn.Module) -> torch.optim.Optimizer:
-    groups = param_groups(model, config.weight_decay)
+    groups = experts.split_param_groups(model, param_groups(model, config.weight_decay))
     betas = (config.adam_beta1, config.adam_beta2)
     if offload_optimizer != "none":
         # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
@@ -82,6 +85,8 @@ def initialize_engine(optimizer: OptimizerConfig, zero: ZeroConfig, device_type:
     import deepspeed
 
     adamw = build_optimizer(optimizer, zero.offload_optimizer, device_type, model)
+    if zero.stage == 0 and experts.uses_deepspeed_experts(model):
+        ds_json = {**ds_json, "gradient_clipping": 0.0}  # the step clips (experts.py)
     engine, adamw, _, _ = deepspeed.initialize(model=model, optimizer=adamw, config=ds_json,
                                                mpu=parallel_state, dist_init_required=False)
     return engine, adamw

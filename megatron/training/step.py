@@ -26,6 +26,8 @@ from megatron.checkpoint.formats.weights import WeightsError, WeightsReader, loa
 from megatron.checkpoint.io.async_save import Capture
 from megatron.checkpoint.io.checkpointing import rng_state, set_rng_state
 from megatron.checkpoint.io.optimizer_state import load_optimizer_state
+from megatron.model.moe import update_expert_bias
+from megatron.training import experts
 from megatron.training.layer_norms import LayerGradNorms
 from megatron.training.nan_locator import GradientCheck, NonFiniteWatch
 from megatron.training.profiling import BACKWARD, FORWARD, NO_RANGE, OPTIMIZER_STEP, no_range
@@ -165,10 +167,23 @@ class EngineStep(TrainStep):
     """What every DeepSpeed-backed step shares: train mode, checkpoint files, the loss scale and
     the gradient norm the engine reports."""
 
-    def __init__(self, engine, device: torch.device) -> None:
+    def __init__(self, engine, device: torch.device, clip_grad: float = 0.0,
+                 expert_bias_update_rate: float = 1e-3) -> None:
         self.engine = engine
         self.device = device
         self.micro_batches = engine.gradient_accumulation_steps()
+        self.clip_grad = clip_grad
+        self.expert_bias_update_rate = expert_bias_update_rate
+        module = engine.module
+        self._clip_experts = engine.zero_optimization_stage() == 0 and \
+            experts.uses_deepspeed_experts(module)
+        """ZeRO-0 with experts over ranks: the step takes the norm and clips (experts.py)."""
+
+    def after_update(self) -> None:
+        """After an optimizer step: the expert biases move toward equal load."""
+        update_expert_bias(self.engine.module, self.expert_bias_update_rate,
+                           parallel_state.get_data_parallel_group()
+                           if parallel_state.model_parallel_is_initialized() else None)
 
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)
@@ -180,6 +195,8 @@ class EngineStep(TrainStep):
             client_state[OPTIMIZER_PARAMETERS] = order
         self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state,
                                     save_latest=False)
+        for path, state in experts.expert_files(self.engine.module, root / tag).items():
+            self.engine.checkpoint_engine.save(state, str(path))
 
     def capture(self, root: Path, tag: str, iteration: int, snapshot_with=None) -> list:
         """What `save` would write, as (path, object) pairs, without writing it (collective):
@@ -210,6 +227,8 @@ class EngineStep(TrainStep):
                                               load_optimizer_states=not weights_only,
                                               load_lr_scheduler_states=False,
                                               load_module_only=weights_only)
+        if path is not None:
+            experts.load_expert_files(self.engine.module, root / tag)
         return path is not None
 
     def load_weights(self, folder: Path, optimizer_step: Optional[int] = None) -> None:
@@ -316,7 +335,7 @@ class DataParallelStep(EngineStep):
             with ranges(FORWARD):
                 out = engine(**batch)
             with ranges(BACKWARD):
-                engine.backward(out.loss)
+                engine.backward(out.objective)
             totals[0] += out.loss.detach().double()
             totals[1] += batch["encoder_attention_mask"].sum()
             totals[2] += (batch["labels"] != -100).sum()
@@ -329,8 +348,11 @@ class DataParallelStep(EngineStep):
                         norm is not None and not math.isfinite(norm))
                     return StepResult(totals[0] / self.micro_batches, totals[1], totals[2],
                                       float("nan") if bad else norm, False, self._loss_scale())
+            if last and self._clip_experts:
+                experts.clip_gradients(engine.module, norm, self.clip_grad)
             with ranges(OPTIMIZER_STEP) if last else NO_RANGE:
                 engine.step()
+        self.after_update()
         if norm is None:
             norm = self._grad_norm()
         return StepResult(totals[0] / self.micro_batches, totals[1], totals[2], norm,
@@ -372,7 +394,7 @@ class DataParallelStep(EngineStep):
             for micro, batch in enumerate(self.last_batches):
                 watch.new_micro_batch(micro)
                 out = self.engine.module(**batch)  # not the engine's forward: it expects
-                torch.autograd.grad(out.loss, params, allow_unused=True)  # engine.backward
+                torch.autograd.grad(out.objective, params, allow_unused=True)  # its backward
             return watch.first(), "re-run" if self._held else "updated"
         finally:
             watch.detach()
@@ -385,6 +407,8 @@ class DataParallelStep(EngineStep):
         if engine.zero_optimization_stage() != 0 or engine.bfloat16_enabled() \
                 or engine.fp16_enabled():
             return None
+        if self._clip_experts:  # experts over ranks: DeepSpeed's ZeRO-0 norm mixes them
+            return experts.global_grad_norm(engine.module)
         # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
         from deepspeed.runtime.utils import clip_grad_norm_
 

@@ -105,10 +105,15 @@ def set_rng_state(state: Dict[str, Any], device_type: str) -> None:
 
 
 def layout(parallel, zero_stage: int) -> Dict[str, int]:
-    """What a checkpoint's files depend on: the parallel sizes and the ZeRO stage."""
-    return {"tensor_model_parallel_size": parallel.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
-            "data_parallel_size": parallel.data_parallel_size, "zero_stage": zero_stage}
+    """What a checkpoint's files depend on: the parallel sizes and the ZeRO stage (the
+    expert-parallel size only where it is over 1)."""
+    out = {"tensor_model_parallel_size": parallel.tensor_model_parallel_size,
+           "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
+           "data_parallel_size": parallel.data_parallel_size, "zero_stage": zero_stage}
+    expert = getattr(parallel, "expert_model_parallel_size", 1)
+    if expert > 1:
+        out["expert_model_parallel_size"] = expert
+    return out
 
 
 def checkpoint_flag_problems(values: Dict[str, Any]) -> List[str]:
@@ -237,10 +242,11 @@ def layout_problems(saved: Dict[str, int], now: Dict[str, int], load: str,
     """Why a checkpoint in `load` saved with layout `saved` cannot be loaded by a run of layout
     `now` (empty: it can)."""
     changed = []
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        if saved[key] != now[key]:
-            changed.append(f"--{key.replace('_', '-')} {saved[key]} in the checkpoint, "
-                           f"{now[key]} now")
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "expert_model_parallel_size"):
+        if saved.get(key, 1) != now.get(key, 1):
+            changed.append(f"--{key.replace('_', '-')} {saved.get(key, 1)} in the checkpoint, "
+                           f"{now.get(key, 1)} now")
     reshard_free = weights_only and saved["zero_stage"] < 3 and now["zero_stage"] < 3
     if not reshard_free:
         for key, flag in (("data_parallel_size", "data-parallel size"),

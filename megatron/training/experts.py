@@ -1,0 +1,174 @@
+"""Expert parallelism on DeepSpeed's conventions (DeepSpeed 0.19.8, read in its code).
+
+DeepSpeed's engine treats a parameter as an expert's when `param.allreduce is False`, reduces its
+gradient over the expert-data-parallel group named by `param.group_name` (`ep_size_<EP>`; the
+sum over the ranks holding the same experts, divided by the whole data-parallel size, as a
+single process averages), and ZeRO-1/2 partitions the optimizer states of the parameter groups
+marked `moe` (`split_params_into_different_moe_groups_for_optimizer`) over that group. It turns
+this on only when the module holds an instance of its own `deepspeed.moe.layer.MoE` (its
+`has_moe_layers`). Its MoE layer itself is not used: it has no z-loss, no BASE routing, no
+grouped experts under tensor parallelism, and refuses ZeRO-3 (so do we, before the start).
+
+So, for EP > 1:
+- `prepare`: our expert parameters (`expert_parallel`) get `allreduce = False` and the group
+  name; DeepSpeed's group tables get our expert and expert-data-parallel groups under that
+  name (its own layout, `groups._get_expert_parallel_ranks`, is the same one: runs of EP
+  consecutive data ranks; tests/distributed/test_expert_parallel.py checks it); a marker module
+  (`DeepSpeedExperts`, a `MoE` without layers, parameters or state) tells the engine that the
+  model has experts. It holds no expert of its own, so DeepSpeed's MoE checkpoint code writes no
+  per-expert files: `expert_files` and `load_expert_files` save and read this rank's experts.
+- the optimizer's parameter groups are split into dense and expert groups.
+- the gradient norm: ZeRO-1/2 sums the squared norms of every rank's partitions over the whole
+  data-parallel group, each expert counted once (right). The engine's own ZeRO-0 clipping
+  (`runtime.utils.clip_grad_norm_`) averages the ranks' norms, and the ranks hold different
+  experts: that norm is neither the model's nor the same on every rank, so under ZeRO-0 the step
+  takes `global_grad_norm` and clips itself (DeepSpeed's clipping set to 0).
+With EP = 1 the experts are ordinary parameters, replicated over the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron import parallel_state
+from megatron.tensor_parallel.layers import counts_in_norm
+
+EXPERT_FILE = "expert_parallel_rank_{ep:02d}_mp_rank_{mp:02d}_model_states.pt"
+"""This expert-parallel rank's experts, written by its first expert-data-parallel rank beside
+DeepSpeed's files."""
+
+
+def group_name(expert_parallel_size: int) -> str:
+    """DeepSpeed's name of the expert groups of this size."""
+    return f"ep_size_{expert_parallel_size}"
+
+
+def uses_deepspeed_experts(model: nn.Module) -> bool:
+    """Whether the model's experts are split over ranks (EP > 1)."""
+    ep = getattr(model, "expert_parallel", None)
+    return ep is not None and ep.size > 1
+
+
+def prepare(model: nn.Module) -> None:
+    """Mark the expert parameters, register our groups with DeepSpeed and add the marker
+    (module docstring); nothing with EP = 1."""
+    if not uses_deepspeed_experts(model):
+        return
+    # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import groups
+
+    size = model.expert_parallel.size
+    name = group_name(size)
+    groups._EXPERT_PARALLEL_GROUP[name] = parallel_state.get_expert_model_parallel_group()
+    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = parallel_state.get_expert_model_parallel_ranks()
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = parallel_state.get_expert_data_parallel_group()
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = \
+        parallel_state.get_expert_data_parallel_ranks()
+    for param in model.parameters():
+        if getattr(param, "expert_parallel", False):
+            param.allreduce = False
+            param.group_name = name
+
+    class DeepSpeedExperts(MoE):
+        """Tells DeepSpeed's engine that the model has experts (module docstring)."""
+
+        def __init__(self) -> None:
+            nn.Module.__init__(self)
+            self.num_experts = model.config.num_experts
+            self.ep_size = size
+            self.expert_group_name = name
+            self.num_local_experts = 0  # DeepSpeed writes no expert files: ours do
+
+        def set_deepspeed_parallelism(self, *args, **kwargs) -> None:
+            """The engine's call to create the groups: ours are registered already."""
+
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("a marker for DeepSpeed's engine, not a layer")
+
+    model.add_module("deepspeed_experts", DeepSpeedExperts())
+
+
+def split_param_groups(model: nn.Module, groups: List[Dict]) -> List[Dict]:
+    """The optimizer's groups with the expert parameters in their own groups (DeepSpeed's
+    `moe` groups); unchanged with EP = 1."""
+    if not uses_deepspeed_experts(model):
+        return groups
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    return split_params_into_different_moe_groups_for_optimizer(groups)
+
+
+def global_grad_norm(model: nn.Module) -> float:
+    """The norm of the whole model's gradients (reduced, before clipping): tensor shards and
+    experts counted once, replicated weights once (collective over the model-parallel and the
+    expert-parallel groups)."""
+    tensor_rank = parallel_state.get_tensor_model_parallel_rank()
+    dense, experts = [], []
+    for param in model.parameters():
+        if param.grad is None or not counts_in_norm(param, tensor_rank):
+            continue
+        (experts if getattr(param, "expert_parallel", False) else dense).append(param.grad)
+    device = next(model.parameters()).device
+    squares = torch.zeros(2, dtype=torch.float64, device=device)
+    for i, grads in enumerate((dense, experts)):
+        if grads:
+            squares[i] = torch.stack([g.detach().double().norm() for g in grads]).square().sum()
+    if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            expert = squares[1:].clone()
+            dist.all_reduce(expert, group=parallel_state.get_expert_model_parallel_group())
+            squares[1] = expert[0]
+    return float(squares.sum().sqrt())
+
+
+def clip_gradients(model: nn.Module, norm: float, max_norm: float) -> None:
+    """Scale the gradients as torch's clip_grad_norm_ does (coefficient max / (norm + 1e-6))."""
+    if max_norm <= 0:
+        return
+    coefficient = max_norm / (norm + 1e-6)
+    if coefficient < 1:
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(coefficient)
+
+
+def expert_state(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """This rank's experts, by name (the expert biases are the same on every rank: they are in
+    DeepSpeed's model file)."""
+    return {name: p.detach() for name, p in model.named_parameters()
+            if getattr(p, "expert_parallel", False)}
+
+
+def expert_files(model: nn.Module, folder: Path) -> Dict[Path, Dict[str, torch.Tensor]]:
+    """The file this rank writes beside DeepSpeed's (the first expert-data-parallel rank of
+    each expert-parallel rank), or nothing."""
+    if not uses_deepspeed_experts(model):
+        return {}
+    if parallel_state.get_expert_data_parallel_rank() != 0:
+        return {}
+    path = folder / EXPERT_FILE.format(ep=parallel_state.get_expert_model_parallel_rank(),
+                                       mp=parallel_state.get_model_parallel_rank())
+    return {path: {name: t.clone() for name, t in expert_state(model).items()}}
+
+
+def load_expert_files(model: nn.Module, folder: Path) -> None:
+    """Read this rank's experts back (`expert_files`)."""
+    if not uses_deepspeed_experts(model):
+        return
+    path = folder / EXPERT_FILE.format(ep=parallel_state.get_expert_model_parallel_rank(),
+                                       mp=parallel_state.get_model_parallel_rank())
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    state = expert_state(model)
+    missing = sorted(set(state) - set(saved))
+    if missing:
+        raise RuntimeError(f"{path} lacks {', '.join(missing[:4])}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            tensor.copy_(saved[name])
