@@ -331,7 +331,7 @@ class SparseMLP(nn.Module):
             z = router_z_loss(logits)
             aux = self.aux_coef * balance + self.z_coef * z
             balance, z = balance.detach(), z.detach()
-        if is_recomputing():  # counted by the forward
+        if not self.training or is_recomputing():  # training forwards are counted, once
             return out.reshape(batch, length, width), aux
         load = torch.bincount(routing.experts.reshape(-1), minlength=self.num_experts).double()
         self.stats.add(balance, z, (~routing.kept).sum().double(), float(routing.kept.numel()),
@@ -379,6 +379,33 @@ class SparseMLP(nn.Module):
 
 def sparse_layers(model: nn.Module) -> List[SparseMLP]:
     return [m for m in model.modules() if isinstance(m, SparseMLP)]
+
+
+STAT_COLUMNS = ("calls", "aux_loss", "z_loss", "dropped", "choices")
+"""The leading columns of `take_stats`' rows; the expert loads follow."""
+
+
+def take_stats(model: nn.Module, device) -> tuple:
+    """(names of the sparse layers, float64 [layers, len(STAT_COLUMNS) + experts]: each
+    layer's sums since the last take: calls, balancing and z losses, dropped and all token
+    choices, token choices per expert), the layers' counters reset; (names, None) without
+    sparse layers. Names are the owning block's ('encoder.block.1')."""
+    names, rows = [], []
+    for name, module in model.named_modules():
+        if not isinstance(module, SparseMLP):
+            continue
+        stats = module.stats
+        load = stats.load if stats.load is not None else \
+            torch.zeros(module.num_experts, dtype=torch.float64)
+        head = torch.tensor([float(stats.calls)], dtype=torch.float64)
+        values = [torch.as_tensor(v, dtype=torch.float64).reshape(1).cpu()
+                  for v in (stats.aux_loss, stats.z_loss, stats.dropped, stats.choices)]
+        rows.append(torch.cat([head, *values, load.double().cpu()]))
+        names.append(name.split(".layer.")[0])
+        stats.reset()
+    if not rows:
+        return names, None
+    return names, torch.stack(rows).to(device)
 
 
 def update_expert_bias(model: nn.Module, rate: float, group=None) -> None:

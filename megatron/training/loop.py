@@ -36,6 +36,7 @@ from megatron.config import RuntimeConfig
 from megatron.config.lr_schedule import LRSchedule
 from megatron.config.training import BatchConfig, CheckpointConfig, LoggingConfig
 from megatron.failures import RunFailure
+from megatron.training import moe_metrics
 from megatron.training.divergence import SIGNS, DivergenceError, DivergenceGuard, WeightGrowth, \
     agreed_signs, local_signs
 from megatron.training.layer_norms import write_layer_norms
@@ -56,6 +57,8 @@ class TrainState:
     grad_norms: Dict[int, Optional[float]] = field(default_factory=dict)
     """iteration -> global gradient norm before clipping."""
     layer_grad_norms: Dict[int, Dict[str, float]] = field(default_factory=dict)
+    moe: Dict[int, Dict[str, Dict[str, float]]] = field(default_factory=dict)
+    """Per logged iteration, each sparse layer's numbers (training/moe_metrics.py)."""
     """iteration -> {layer group: gradient norm before clipping} (--log-grad-norms-per-layer;
     logged iterations only)."""
     evaluations: List[tuple] = field(default_factory=list)
@@ -260,9 +263,18 @@ class _Loop:
         """The metrics line (and the per-layer gradient norms) of the interval."""
         p, state = self.p, self.state
         self._flush_logs()
-        p.writer.write(self.stats.summary(state.iteration, state.consumed_samples,
-                                          p.schedule.lr(state.iteration - 1), self.loss_scale,
-                                          dist.get_world_size(), p.cost.peak_tflops))
+        summary = self.stats.summary(state.iteration, state.consumed_samples,
+                                     p.schedule.lr(state.iteration - 1), self.loss_scale,
+                                     dist.get_world_size(), p.cost.peak_tflops)
+        model = p.step.model()
+        experts = moe_metrics.gather(model, self.device) if model is not None else None
+        if experts:
+            summary.update(moe_metrics.summary_fields(experts))
+            state.moe[state.iteration] = experts
+        p.writer.write(summary)
+        if experts:
+            p.writer.write_text(moe_metrics.layer_line(state.iteration, experts))
+            p.writer.write_scalars(moe_metrics.layer_scalars(experts), state.iteration)
         layer_norms = p.step.layer_grad_norms.take() \
             if p.step.layer_grad_norms is not None else None
         if layer_norms is not None:

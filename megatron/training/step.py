@@ -80,6 +80,10 @@ class TrainStep(abc.ABC):
     def step(self, batches: Iterator[Batch], lr: float) -> StepResult:
         """Train on the next `micro_batches` batches of `batches` at learning rate `lr`."""
 
+    def model(self):
+        """This rank's module (its sparse layers report to the log), or None."""
+        return None
+
     @abc.abstractmethod
     def eval_step(self, batch: Batch) -> EvalResult:
         """The loss of `batch` without gradients (the model in evaluation mode)."""
@@ -187,6 +191,9 @@ class EngineStep(TrainStep):
 
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)
+
+    def model(self):
+        return self.engine.module
 
     def save(self, root: Path, tag: str, iteration: int) -> None:
         client_state = {"iteration": iteration}

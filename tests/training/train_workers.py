@@ -24,7 +24,8 @@ def run_pretrain(rank, world_size, argvs):
         out.append({"losses": dict(state.losses), "grad_norms": dict(state.grad_norms),
                     "evals": list(state.evaluations),
                     "iteration": state.iteration,
-                    "layer_grad_norms": dict(state.layer_grad_norms)})
+                    "layer_grad_norms": dict(state.layer_grad_norms),
+                    "moe": dict(state.moe)})
     return out
 
 
