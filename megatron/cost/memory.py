@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from megatron.model.activations import ActivationShape, micro_batch_activations
 from megatron.model.config import T5Config
-from megatron.model.meta import parameter_numels
+from megatron.model.meta import is_expert_parameter, parameter_numels
 
 if TYPE_CHECKING:
     from megatron.config import Layout
@@ -179,7 +179,7 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
                     make_vocab_size_divisible_by: int = 128, attention_kernel: str = "fused",
                     buckets: ZeroBuckets = ZeroBuckets(), device_type: str = "cuda",
                     gradient_accumulation_steps: int = 1, pipeline_cut: Optional["Cut"] = None,
-                    pipeline_stage: int = 0) -> MemoryEstimate:
+                    pipeline_stage: int = 0, expert_parallel_size: int = 1) -> MemoryEstimate:
     """Per-rank memory of training `config` with DeepSpeed ZeRO and Adam(W).
 
     Args:
@@ -198,6 +198,9 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
             stage 0-2 gradients live through the forward ('cuda' always counts them).
         pipeline_cut, pipeline_stage: with a cut of more than one stage, the memory of a rank
             of that stage (see the module docstring); None or one stage: no pipeline.
+        expert_parallel_size: a Mixture-of-Experts model's experts split over this many
+            data-parallel ranks: each holds E / EP of them, and ZeRO partitions their states
+            over the data-parallel size / EP ranks holding the same experts.
 
     Raises:
         ValueError: an argument out of range or a combination DeepSpeed does not run.
@@ -232,10 +235,20 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
                                          checkpoint_num_layers if checkpoint_activations else 0)
         return _stage_estimate(list(numels.values()), data_parallel_size, zero_stage, precision,
                                offload_optimizer, buckets, device_type, activations)
-    numels = parameter_numels(config, tensor_parallel_size, make_vocab_size_divisible_by)
+    numels = parameter_numels(config, tensor_parallel_size, make_vocab_size_divisible_by,
+                              expert_parallel_size)
     params, grads, optimizer, buffers, step, offloaded = _model_states(
         list(numels.values()), data_parallel_size, zero_stage, precision, offload_optimizer,
         offload_param, buckets)
+    if config.is_moe and expert_parallel_size > 1:  # the experts' states over expert-data ranks
+        dense = [n for name, n in numels.items() if not is_expert_parameter(name)]
+        expert = [n for name, n in numels.items() if is_expert_parameter(name)]
+        parts = [_model_states(dense, data_parallel_size, zero_stage, precision,
+                               offload_optimizer, offload_param, buckets),
+                 _model_states(expert, data_parallel_size // expert_parallel_size, zero_stage,
+                               precision, offload_optimizer, offload_param, buckets)]
+        params, grads, optimizer, _, step, offloaded = (
+            sum(values) for values in zip(*parts))
     saved, activations = micro_batch_activations(shape, tp, vocab, encoder_seq_length,
                                                  decoder_seq_length, checkpoint_activations,
                                                  checkpoint_num_layers)
@@ -279,7 +292,8 @@ def estimate_run(config: "Layout", device_type: str, stage: Optional[int] = None
         attention_kernel=kernel, device_type=device_type,
         buckets=ZeroBuckets.from_zero_config(config.deepspeed.get("zero_optimization", {})),
         gradient_accumulation_steps=config.batch.gradient_accumulation_steps,
-        pipeline_cut=cut, pipeline_stage=stage or 0)
+        pipeline_cut=cut, pipeline_stage=stage or 0,
+        expert_parallel_size=getattr(parallel, "expert_model_parallel_size", 1))
 
 
 def estimate_stages(config: "Layout", device_type: str,

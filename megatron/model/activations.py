@@ -81,13 +81,24 @@ class ActivationShape:
         return (cross_entropy, cross_entropy + a * b * d * self.D, a * b * d * vocab,
                 b * d * vocab * (4 * padded + (a if a != 4 else 0)))
 
-    def encoder_block(self, e: int) -> int:
-        return 2 * self.sublayer(self.b * e) + self.attention(e, e, True) + \
-            self.feed_forward(self.b * e)
+    def sparse_feed_forward(self, tokens: int) -> int:
+        """A Mixture-of-Experts feed-forward (model/moe.py): k expert rows per token through the
+        expert FFN (feed_forward's terms, k times), the gathered input rows and the weighted
+        output rows, the router's fp32 input, logits and probabilities, and the choices'
+        int64 indices (expert, order, token)."""
+        c = self.config
+        k = c.router_k
+        return k * self.feed_forward(tokens) + 2 * tokens * k * self.D * self.a \
+            + tokens * 4 * (self.D + 2 * c.num_experts) + 3 * 8 * tokens * k
 
-    def decoder_block(self, d: int, e: int) -> int:
+    def encoder_block(self, e: int, sparse: bool = False) -> int:
+        ff = self.sparse_feed_forward if sparse else self.feed_forward
+        return 2 * self.sublayer(self.b * e) + self.attention(e, e, True) + ff(self.b * e)
+
+    def decoder_block(self, d: int, e: int, sparse: bool = False) -> int:
+        ff = self.sparse_feed_forward if sparse else self.feed_forward
         return 3 * self.sublayer(self.b * d) + self.attention(d, d, True) + \
-            self.attention(d, e, False) + self.feed_forward(self.b * d)
+            self.attention(d, e, False) + ff(self.b * d)
 
 
 
@@ -100,10 +111,12 @@ def micro_batch_activations(s: ActivationShape, tp: int, vocab: int, e: int, d: 
     outer = ids + s.norm(b * e) + s.norm(b * d) + 2 * s.dropout * b * (e + d) * D
     cross_entropy, head, logits, logits_grad = s.head(d, vocab, tp)
     outer += cross_entropy
+    sparse_e, sparse_d = set(c.sparse_blocks(False)), set(c.sparse_blocks(True))
     if not checkpoint:
         # + the relative-position buckets: one int64 [q, k] per stack
-        saved = outer + 8 * (e * e + d * d) + c.num_layers * s.encoder_block(e) + \
-            c.num_decoder_layers * s.decoder_block(d, e) + s.bias_cast(e) + s.bias_cast(d)
+        blocks = sum(s.encoder_block(e, i in sparse_e) for i in range(c.num_layers)) + \
+            sum(s.decoder_block(d, e, i in sparse_d) for i in range(c.num_decoder_layers))
+        saved = outer + 8 * (e * e + d * d) + blocks + s.bias_cast(e) + s.bias_cast(d)
         if s.kernel == "fused" and a == 4:  # sdpa saves the shared fp32 bias
             saved += 4 * b * s.heads * (e * e + d * d)
         recompute = 0
@@ -115,11 +128,11 @@ def micro_batch_activations(s: ActivationShape, tp: int, vocab: int, e: int, d: 
         saved += bias_bytes * b * s.heads * ((enc_chunks > 1) * e * e + (dec_chunks > 1) * d * d)
         saved += 8 * b * d * (tp > 1)  # the decoder ids, saved apart from the local ids
         # one chunk's blocks (the first with its buckets), less its input, saved already
-        recompute = max(
-            min(chunk, c.num_layers) * s.encoder_block(e) + 8 * e * e - a * b * e * D
-            + s.bias_cast(e),
-            min(chunk, c.num_decoder_layers) * s.decoder_block(d, e) + 8 * d * d - a * b * d * D
-            + s.bias_cast(d))
+        recompute = max(  # (a chunk of sparse blocks where the stack has them: the larger)
+            min(chunk, c.num_layers) * s.encoder_block(e, bool(sparse_e)) + 8 * e * e
+            - a * b * e * D + s.bias_cast(e),
+            min(chunk, c.num_decoder_layers) * s.decoder_block(d, e, bool(sparse_d))
+            + 8 * d * d - a * b * d * D + s.bias_cast(d))
     # T5Output holds the logits through backward, which starts with the logits' gradient; a
     # recompute comes after the head is freed
     return saved, saved + logits + max(logits_grad, recompute - head)

@@ -17,7 +17,8 @@ MEMORY_EFFICIENCY = 0.8
 """The share of the datasheet's device and host memory bandwidth that kernels reach."""
 TERM_NAMES = {"compute": "compute", "tp_comm": "TP communication",
               "pp_bubble": "pipeline bubble", "dp_comm": "DP/ZeRO communication",
-              "optimizer": "optimizer step", "offload": "offload traffic"}
+              "optimizer": "optimizer step", "offload": "offload traffic",
+              "ep_comm": "expert all-to-all"}
 
 
 HALF_ROWS = 48
@@ -102,6 +103,7 @@ def as_json(result: Plan, top: int) -> List[dict]:
         out.append({
             "rank": rank, "layout": c.label(), "world_size": c.world_size,
             "tensor_parallel": c.tp, "pipeline_parallel": c.pp, "data_parallel": c.dp,
+            "expert_parallel": c.ep,
             "micro_batch_size": c.micro_batch, "micro_batches_per_step": c.micro_batches,
             "zero_stage": c.zero_stage, "offload_optimizer": c.offload_optimizer,
             "offload_param": c.offload_param, "checkpoint_activations": c.recompute,

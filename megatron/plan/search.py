@@ -21,6 +21,7 @@ from megatron.pipeline.partition import Cut
 from megatron.plan.cluster import Cluster
 from megatron.plan.timing import LayoutShape, Machine, StepTime, block_flops, \
     model_flops_per_sample, step_time
+from megatron.cost.report import all_to_all_bytes
 from megatron.model.meta import parameter_numels
 from megatron.cost.memory import MemoryEstimate, ZeroBuckets, estimate_stages, \
     stage_parameter_numels
@@ -71,6 +72,8 @@ class Candidate:
     mfu: float = 0.0
     micro_batches: int = 0
     """Per data-parallel rank per step (gradient accumulation steps)."""
+    ep: int = 1
+    """Expert-parallel size (a Mixture-of-Experts model)."""
 
     @property
     def fits(self) -> bool:
@@ -92,12 +95,22 @@ class Candidate:
             off = f", offload optimizer {self.offload_optimizer}"
             if self.offload_param != "none":
                 off += f" + params {self.offload_param}"
-        return (f"TP {self.tp} x PP {self.pp} x DP {self.dp}, micro batch {self.micro_batch}, "
-                f"ZeRO {self.zero_stage}{off}{', recompute' if self.recompute else ''}")
+        ep = f" (EP {self.ep})" if self.ep > 1 else ""
+        return (f"TP {self.tp} x PP {self.pp} x DP {self.dp}{ep}, micro batch "
+                f"{self.micro_batch}, ZeRO {self.zero_stage}{off}"
+                f"{', recompute' if self.recompute else ''}")
 
 
 def _powers_of_two(limit: int) -> List[int]:
     return [2 ** i for i in range(int(math.log2(max(limit, 1))) + 1)]
+
+
+def expert_parallel_sizes(t5: T5Config, dp: int) -> List[int]:
+    """The expert-parallel sizes to try: powers of two dividing the data-parallel size and the
+    number of experts (1 alone for a dense model)."""
+    if not t5.is_moe:
+        return [1]
+    return [ep for ep in _powers_of_two(dp) if dp % ep == 0 and t5.num_experts % ep == 0]
 
 
 def enumerate_candidates(request: Request, cluster: Cluster, t5: T5Config
@@ -128,9 +141,13 @@ def enumerate_candidates(request: Request, cluster: Cluster, t5: T5Config
                     if request.precision == "fp16" and cluster.device_type == "cpu":
                         continue
                     for recompute in request.recompute:
-                        yield Candidate(tp, pp, dp, mb, zero, off_opt, off_param, recompute,
-                                        layout_flags(request, tp, pp, mb, zero, off_opt,
-                                                     off_param, recompute))
+                        for ep in expert_parallel_sizes(t5, dp):
+                            flags = layout_flags(request, tp, pp, mb, zero, off_opt, off_param,
+                                                 recompute)
+                            if ep > 1:
+                                flags += ["--expert-model-parallel-size", str(ep)]
+                            yield Candidate(tp, pp, dp, mb, zero, off_opt, off_param,
+                                            recompute, flags, ep=ep)
 
 
 def layout_flags(request: Request, tp: int, pp: int, micro_batch: int, zero: int,
@@ -236,9 +253,10 @@ class Evaluator:
             blocks = [tuple(len(r) for r in cut.stage_blocks(s)) for s in range(pp)]
         else:
             blocks = [(t5.num_layers, t5.num_decoder_layers)]
-        key = (tp, pp)
+        ep = par.expert_model_parallel_size
+        key = (tp, pp, ep)
         if key not in self._parameters:  # (per stage, each tensor's): one tp x pp layout
-            numels = parameter_numels(t5, tp, mvd)
+            numels = parameter_numels(t5, tp, mvd, ep)
             self._parameters[key] = (
                 [sum(stage_parameter_numels(t5, cut, s, tp, mvd).values()) for s in range(pp)]
                 if cut is not None else [sum(numels.values())], list(numels.values()))
@@ -257,7 +275,10 @@ class Evaluator:
             stage_blocks=blocks, stage_parameters=params,
             saved_per_micro_batch=self.saved_per_micro_batch(layout, stages),
             persistent_parameters=sum(n for n in numels if n <= threshold),
-            max_live_parameters=buckets.stage3_max_live_parameters)
+            max_live_parameters=buckets.stage3_max_live_parameters,
+            ep=ep, all_to_all_bytes=all_to_all_bytes(layout),
+            all_to_all_calls=4 * layout.batch.gradient_accumulation_steps * (
+                len(t5.sparse_blocks(False)) + len(t5.sparse_blocks(True))) if ep > 1 else 0)
 
     def saved_per_micro_batch(self, layout: Layout, stages: Sequence[MemoryEstimate]
                               ) -> List[float]:

@@ -117,15 +117,20 @@ class StepTime:
     dp_comm: float
     optimizer: float
     offload: float
+    ep_comm: float = 0.0
+    """Mixture-of-Experts: the all-to-all of the token choices to their experts and back."""
 
     @property
     def total(self) -> float:
         return self.compute + self.tp_comm + self.pp_bubble + self.dp_comm + self.optimizer + \
-            self.offload
+            self.offload + self.ep_comm
 
     def terms(self) -> Dict[str, float]:
-        return {"compute": self.compute, "tp_comm": self.tp_comm, "pp_bubble": self.pp_bubble,
-                "dp_comm": self.dp_comm, "optimizer": self.optimizer, "offload": self.offload}
+        out = {"compute": self.compute, "tp_comm": self.tp_comm, "pp_bubble": self.pp_bubble,
+               "dp_comm": self.dp_comm, "optimizer": self.optimizer, "offload": self.offload}
+        if self.ep_comm:
+            out["ep_comm"] = self.ep_comm
+        return out
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,12 @@ class LayoutShape:
     max_live_parameters: int = 1_000_000_000
     """ZeRO-3: parameters gathered in forward stay for backward when the partitioned ones are
     at most this many (DeepSpeed's stage3_max_live_parameters); else backward gathers again."""
+    ep: int = 1
+    """Expert-parallel ranks (a run of EP data-parallel ranks, TP apart)."""
+    all_to_all_bytes: float = 0.0
+    """Bytes a rank sends by all-to-all per step (megatron/cost/report.all_to_all_bytes)."""
+    all_to_all_calls: int = 0
+    """All-to-alls per step (4 per sparse layer and micro-batch: there and back, twice)."""
 
 
 def block_flops(t5, encoder_len: int, decoder_len: int, vocab: int
@@ -247,5 +258,11 @@ def step_time(shape: LayoutShape, machine: Machine) -> StepTime:
         gathered = (psi - s.persistent_parameters) / s.dp * pb
         bw = mc.host_link_bw if s.offload_param == "cpu" else mc.nvme_bw / mc.devices_per_node
         offload += m * 2 * gathered / bw
-    return StepTime(compute, tp_comm, bubble, dp_comm, optimizer, offload)
+    ep_comm = 0.0
+    if s.ep > 1:  # every rank sends and receives at once: the bytes over its link
+        bw = mc.link(s.ep, s.tp)
+        if mc.collective_bw and "all_to_all" in mc.collective_bw:
+            bw = mc.collective_bw["all_to_all"]
+        ep_comm = s.all_to_all_bytes / bw + s.all_to_all_calls * mc.latency
+    return StepTime(compute, tp_comm, bubble, dp_comm, optimizer, offload, ep_comm)
 

@@ -38,7 +38,8 @@ def test_syntax_and_executable(script):
 
 
 @pytest.mark.parametrize("name", ["tiny_cpu.sh", "t5_base.sh", "t5_v1_1_xl_tp_zero3.sh",
-                                  "cpm2_11b_fp32_zero3.sh"])
+                                  "cpm2_11b_fp32_zero3.sh", "switch_base_8.sh",
+                                  "cpm2_moe_198b.sh"])
 def test_examples_name_missing_settings(name, tmp_path):
     proc = bash(REPO / "launch/examples" / name)
     assert proc.returncode == 2
@@ -55,6 +56,8 @@ def test_examples_name_missing_settings(name, tmp_path):
     ("t5_base.sh", 64, "TP 1 x PP 1 x DP 64"),
     ("t5_v1_1_xl_tp_zero3.sh", 64, "TP 2 x PP 1 x DP 32"),
     ("cpm2_11b_fp32_zero3.sh", 64, "TP 1 x PP 1 x DP 64"),
+    ("switch_base_8.sh", 32, "TP 1 x PP 1 x DP 32"),
+    ("cpm2_moe_198b.sh", 128, "TP 4 x PP 1 x DP 32"),
 ])
 def test_gpu_examples_pass_the_dry_run(name, world_size, expect, tiny_data, tmp_path):
     proc = bash(REPO / "launch/examples" / name, env={
