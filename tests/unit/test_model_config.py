@@ -19,10 +19,11 @@ PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.json"))
 def test_all_presets_exist():
     assert PRESETS == sorted([
         "t5-small", "t5-base", "t5-large", "t5-3b", "t5-11b", "t5-v1_1-small", "t5-v1_1-base",
-        "t5-v1_1-large", "t5-v1_1-xl", "t5-v1_1-xxl", "cpm2-11b", "t5-demo"])
+        "t5-v1_1-large", "t5-v1_1-xl", "t5-v1_1-xxl", "cpm2-11b", "t5-demo",
+        "switch-base-8", "cpm2-moe-198b"])
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", [n for n in PRESETS if not load_preset(n).is_moe])
 def test_preset_parameter_count_matches_hugging_face(name):
     config = load_preset(name)
     hf_fields = {k: v for k, v in config.to_hf_dict().items() if k != "init_method_std"}
@@ -35,6 +36,29 @@ def test_preset_parameter_count_matches_hugging_face(name):
     ours_count = sum(p.numel() for p in ours.parameters())
     assert ours_count == hf_count == num_parameters(config)
     assert {n for n, _ in ours.named_parameters()} <= set(hf.state_dict())
+
+
+def test_moe_preset_parameter_counts():
+    """Switch-Base-8 against transformers' SwitchTransformers (619M, as google/switch-base-8);
+    CPM-2-MoE by hand: CPM-2's 11B plus 31 more copies of each of its 48 gated feed-forwards
+    and a router per block (198B)."""
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    config = load_preset("switch-base-8")
+    with torch.device("meta"):
+        hf = SwitchTransformersForConditionalGeneration(SwitchTransformersConfig(
+            vocab_size=config.vocab_size, d_model=config.d_model, d_kv=config.d_kv,
+            d_ff=config.d_ff, num_layers=12, num_sparse_encoder_layers=6,
+            num_decoder_layers=12, num_sparse_decoder_layers=6, num_heads=config.num_heads,
+            num_experts=8))
+        ours = T5Model(config, make_vocab_size_divisible_by=1, device="meta")
+    assert sum(p.numel() for p in ours.parameters()) == \
+        sum(p.numel() for p in hf.parameters()) == num_parameters(config) == 619_339_008
+    moe, dense = load_preset("cpm2-moe-198b"), load_preset("cpm2-11b")
+    ffn = 3 * dense.d_model * dense.d_ff
+    blocks = dense.num_layers + dense.num_decoder_layers
+    assert num_parameters(moe) == num_parameters(dense) + blocks * (
+        31 * ffn + moe.num_experts * moe.d_model)
 
 
 def test_known_sizes():
