@@ -121,7 +121,9 @@ def moe_layout_problems(t5: T5Config, parallel, zero_stage: int, precision: str)
     if parallel.pipeline_model_parallel_size > 1:
         out.append(f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size} "
                    f"cannot train a Mixture-of-Experts model (--num-experts {t5.num_experts}) "
-                   "yet: the balancing losses do not cross pipeline stages; use tensor and "
+                   "yet: the balancing losses do not cross pipeline stages, and DeepSpeed "
+                   "0.19.8's pipeline engine would not read its checkpoints back (with experts "
+                   "its load_module_state_dict skips the stages' layer files); use tensor and "
                    "expert parallelism")
     if zero_stage == 0 and precision != "fp32":
         out.append(f"--zero-stage 0 with {precision} cannot train a Mixture-of-Experts model "
