@@ -66,6 +66,8 @@ setup(
             "psutil",
             "jieba==0.42.1",
             "matplotlib",
+            # the reference optimum of tests/unit/test_balanced_assignment.py
+            "scipy",
         ],
     },
     entry_points={
