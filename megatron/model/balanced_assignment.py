@@ -27,10 +27,12 @@ def balanced_assignment(scores: torch.Tensor, capacity: Optional[int] = None) ->
     It is solved exactly (up to rounding: gains below 1e-12 of the group's score range are not
     pursued) by Bertsekas' auction with epsilon scaling in C++
     (`csrc/balanced_assignment.cpp`), the tokens bidding for experts * capacity slots, finished by
-    a check that no cycle of token moves improves the total. Each group takes about
-    O(tokens * (experts + capacity)) per scaling phase and O(experts^2) memory; 8 groups of 512
-    tokens and 32 experts take a few milliseconds on one CPU core (bench/RESULTS.md). The groups
-    run one after the other without the GIL.
+    a check that no cycle of token moves improves the total. Each scaling phase costs about
+    O(tokens * (experts + capacity)) per group (a handful of bids per token), the check
+    O(tokens * experts + experts^2), memory O(experts^2). 8 groups of 512 tokens on 32 experts
+    take about 9 ms on one CPU core, 5-8x less than scipy's `linear_sum_assignment`; 8 groups of
+    114 tokens about 1.5 ms, on par with it (bench/RESULTS.md). The groups run one after the
+    other, without the GIL.
 
     Args:
         scores: [groups, tokens, experts] token-expert affinities, any float dtype, any device.
