@@ -1,9 +1,10 @@
 """Build and install the project.
 
-The C++ data helpers (csrc/*.cpp) are compiled into `megatron.data._helpers` here, at install time:
-nothing is ever compiled at run time. `megatron` is a PEP 420 namespace package (no
-`megatron/__init__.py`) so that it can live beside megatron-core, which ships `megatron.core` in the
-same namespace and is used by our interop tests.
+The C++ helpers are compiled here, at install time (nothing is ever compiled at run time): the data
+helpers (csrc/helpers.cpp, csrc/builders.cpp) into `megatron.data._helpers`, the balanced
+assignment of BASE-layer routing (csrc/balanced_assignment.cpp) into `megatron.model._moe_helpers`.
+`megatron` is a PEP 420 namespace package (no `megatron/__init__.py`) so that it can live beside
+megatron-core, which ships `megatron.core` in the same namespace and is used by our interop tests.
 """
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
@@ -16,7 +17,14 @@ ext_modules = [
         depends=["csrc/builders.h"],
         cxx_std=17,
         extra_compile_args=["-O3"],
-    )
+    ),
+    # BASE-layer routing: the balanced token-to-expert assignment (an exact auction).
+    Pybind11Extension(
+        "megatron.model._moe_helpers",
+        ["csrc/balanced_assignment.cpp"],
+        cxx_std=17,
+        extra_compile_args=["-O3"],
+    ),
 ]
 
 setup(
@@ -58,6 +66,8 @@ setup(
             "psutil",
             "jieba==0.42.1",
             "matplotlib",
+            # the reference optimum of tests/unit/test_balanced_assignment.py
+            "scipy",
         ],
     },
     entry_points={

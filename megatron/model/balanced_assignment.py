@@ -1,16 +1,61 @@
-"""TEMPORARY stand-in (not committed): the helper's C++ auction replaces it."""
-import math
-import numpy as np
+"""Balanced assignment of tokens to experts: the routing of BASE layers (Lewis et al., 2021).
+
+At training time a BASE layer sends every token to one expert so that all experts get the same
+number of tokens and the total token-expert affinity is as large as possible (fairseq's
+`BaseLayer`, copied by CPM-2-MoE). At evaluation the balance is not needed and the greedy top-1
+expert is taken instead; that is done by the router, not here.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
 import torch
-from scipy.optimize import linear_sum_assignment
+
+from megatron.model import _moe_helpers
 
 
-def balanced_assignment(scores, capacity=None):
-    g, t, e = scores.shape
-    capacity = capacity or math.ceil(t / e)
-    s = scores.detach().float().cpu().numpy()
-    out = np.zeros((g, t), dtype=np.int64)
-    for i in range(g):
-        rows, cols = linear_sum_assignment(np.repeat(s[i], capacity, axis=1), maximize=True)
-        out[i, rows] = cols // capacity
-    return torch.from_numpy(out).to(scores.device)
+def balanced_assignment(scores: torch.Tensor, capacity: Optional[int] = None) -> torch.Tensor:
+    """The expert of every token, at most `capacity` tokens per expert, maximising the total score.
+
+    For each group g independently, returns expert[g, t] maximising
+    sum_t scores[g, t, expert[g, t]] under: every token gets exactly one expert, and no expert gets
+    more than `capacity` tokens. With the default capacity ceil(tokens / experts) the experts get
+    tokens // experts or one more (exactly tokens / experts each when it divides).
+
+    It is solved exactly (up to rounding: gains below 1e-12 of the group's score range are not
+    pursued) by Bertsekas' auction with epsilon scaling in C++
+    (`csrc/balanced_assignment.cpp`), the tokens bidding for experts * capacity slots, finished by
+    a check that no cycle of token moves improves the total. Each scaling phase costs about
+    O(tokens * (experts + capacity)) per group (a handful of bids per token), the check
+    O(tokens * experts + experts^2), memory O(experts^2). 8 groups of 512 tokens on 32 experts
+    take about 9 ms on one CPU core, 5-8x less than scipy's `linear_sum_assignment`; 8 groups of
+    114 tokens about 1.5 ms, on par with it (bench/RESULTS.md). The groups run one after the
+    other, without the GIL.
+
+    Args:
+        scores: [groups, tokens, experts] token-expert affinities, any float dtype, any device.
+            They are detached and copied to the CPU as float32; larger scores are preferred.
+        capacity: the most tokens an expert may take; default ceil(tokens / experts).
+
+    Returns:
+        LongTensor [groups, tokens] of expert indices, on the device of `scores`.
+
+    Raises:
+        ValueError: `scores` is not 3-D, holds NaN or infinite values, `capacity` < 1, or
+            tokens > experts * capacity (not every token would get a slot).
+        TypeError: `capacity` is not an integer.
+    """
+    if scores.dim() != 3:
+        raise ValueError(f"balanced_assignment: scores must be [groups, tokens, experts], got "
+                         f"shape {tuple(scores.shape)}")
+    if not scores.is_floating_point():
+        raise ValueError(f"balanced_assignment: scores must be floating point, got {scores.dtype}")
+    _, tokens, experts = scores.shape
+    if capacity is None:
+        capacity = max(1, -(-tokens // experts)) if experts > 0 else 1
+    capacity = operator.index(capacity)
+    array = scores.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    expert = _moe_helpers.balanced_assignment(array, capacity)  # int64 [groups, tokens]
+    return torch.from_numpy(expert).to(scores.device)
