@@ -266,7 +266,7 @@ class _Loop:
         summary = self.stats.summary(state.iteration, state.consumed_samples,
                                      p.schedule.lr(state.iteration - 1), self.loss_scale,
                                      dist.get_world_size(), p.cost.peak_tflops)
-        model = p.step.model()
+        model = p.step.reporting_module()
         experts = moe_metrics.gather(model, self.device) if model is not None else None
         if experts:
             summary.update(moe_metrics.summary_fields(experts))

@@ -23,6 +23,8 @@ def gather(model, device) -> Optional[Dict[str, Dict[str, float]]]:
     """{layer name: {aux_loss, z_loss, dropped, max_load}} over the whole model (collective
     over the data-parallel and pipeline groups; every rank gets it), None for a dense model."""
     names, rows = take_stats(model, device)
+    if rows is None and parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return None  # a dense model: no collective (a pipeline gathers every stage's layers)
     if parallel_state.model_parallel_is_initialized() and dist.is_initialized():
         if rows is not None:
             dist.all_reduce(rows, group=parallel_state.get_data_parallel_group())

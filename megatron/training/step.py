@@ -80,8 +80,9 @@ class TrainStep(abc.ABC):
     def step(self, batches: Iterator[Batch], lr: float) -> StepResult:
         """Train on the next `micro_batches` batches of `batches` at learning rate `lr`."""
 
-    def model(self):
-        """This rank's module (its sparse layers report to the log), or None."""
+    def reporting_module(self):
+        """This rank's module, whose Mixture-of-Experts layers report to the log
+        (training/moe_metrics.py); None: nothing to report."""
         return None
 
     @abc.abstractmethod
@@ -192,7 +193,7 @@ class EngineStep(TrainStep):
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)
 
-    def model(self):
+    def reporting_module(self):
         return self.engine.module
 
     def save(self, root: Path, tag: str, iteration: int) -> None:
