@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from megatron.model import _moe_helpers
+import megatron.model._moe_helpers as _moe_helpers  # the C++ extension alone (not the package)
 
 
 def balanced_assignment(scores: torch.Tensor, capacity: Optional[int] = None) -> torch.Tensor:
