@@ -17,17 +17,25 @@ from megatron import parallel_state
 
 
 @dataclass(frozen=True)
-class TensorParallel:
-    """size: ranks that split a layer; rank: this one, in [0, size); group: their process group
-    (None with one rank, or for a model built without processes)."""
+class _Share:
+    """size: ranks that split something; rank: this one, in [0, size); group: their process
+    group (None with one rank, or for a model built without processes)."""
 
     size: int = 1
     rank: int = 0
     group: Optional[Any] = None
+    kind = "parallel"  # (not a field: the error's word)
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
-            raise ValueError(f"tensor-parallel rank {self.rank} of size {self.size}")
+            raise ValueError(f"{self.kind} rank {self.rank} of size {self.size}")
+
+
+@dataclass(frozen=True)
+class TensorParallel(_Share):
+    """A layer split over `size` tensor-parallel ranks (`_Share`)."""
+
+    kind = "tensor-parallel"
 
     @classmethod
     def of_this_process(cls) -> "TensorParallel":
@@ -45,18 +53,12 @@ SINGLE = TensorParallel()
 
 
 @dataclass(frozen=True)
-class ExpertParallel:
+class ExpertParallel(_Share):
     """The experts of a Mixture-of-Experts layer split over `size` ranks of the data-parallel
     group (rank `rank` holds experts [rank * E / size, (rank + 1) * E / size)); `group` runs the
-    all-to-all that sends tokens to their experts (None with one rank, or without processes)."""
+    all-to-all that sends tokens to their experts."""
 
-    size: int = 1
-    rank: int = 0
-    group: Optional[Any] = None
-
-    def __post_init__(self) -> None:
-        if self.size < 1 or not 0 <= self.rank < self.size:
-            raise ValueError(f"expert-parallel rank {self.rank} of size {self.size}")
+    kind = "expert-parallel"
 
     @classmethod
     def of_this_process(cls) -> "ExpertParallel":
