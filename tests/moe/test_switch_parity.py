@@ -80,6 +80,7 @@ def test_logits_and_router_losses_equal_hugging_face(tmp_path, layout):
     train_out = ours(enc, dec, labels=labels)
     for h in hooks:
         h.remove()
+    objective_aux = 0.0
     for stack, z_ref, aux_ref in (("encoder", ref.encoder_z_loss, ref.encoder_aux_loss),
                                   ("decoder", ref.decoder_z_loss, ref.decoder_aux_loss)):
         mine = [v for k, v in logits.items() if k.startswith(stack)]
@@ -87,6 +88,7 @@ def test_logits_and_router_losses_equal_hugging_face(tmp_path, layout):
         assert torch.allclose(z, z_ref, rtol=1e-5), (stack, z, z_ref)
         aux = torch.stack([load_balancing_loss(v.softmax(-1), v.argmax(-1, keepdim=True))
                            for v in mine]).mean()
+        objective_aux += FIELDS["router_aux_loss_coef"] * aux + FIELDS["router_z_loss_coef"] * z
         if len(mine) == 1:
             assert torch.allclose(aux, aux_ref, rtol=1e-5), (stack, aux, aux_ref)
         else:  # Hugging Face averages f and P over the stack's layers before their product
@@ -94,6 +96,8 @@ def test_logits_and_router_losses_equal_hugging_face(tmp_path, layout):
                           1).mean(1)
             p = torch.cat([v.softmax(-1) for v in mine], 1).mean(1)
             assert torch.allclose((f * p).mean() * 16, aux_ref, rtol=1e-5)
+    # each stack's sparse layers weigh 1 / their count (Hugging Face's z-loss normalisation)
+    assert torch.allclose(train_out.aux_loss, objective_aux, rtol=1e-5)
     if layout == "one_per_stack":  # the training objective as a whole
         assert torch.allclose(train_out.objective, ref.loss, rtol=1e-5), \
             (train_out.objective, ref.loss)
