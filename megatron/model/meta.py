@@ -15,7 +15,7 @@ from typing import Dict, Tuple
 
 from megatron.model.config import T5Config
 from megatron.model.t5 import T5Model
-from megatron.tensor_parallel.group import TensorParallel
+from megatron.tensor_parallel.group import NO_EXPERT_PARALLEL, TensorParallel
 
 def meta_model(config: T5Config, make_vocab_size_divisible_by: int = 128,
                tensor_parallel_size: int = 1, tensor_parallel_rank: int = 0) -> T5Model:
@@ -34,8 +34,9 @@ def _key(config: T5Config) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _built(config_json: str, divisor: int, size: int, rank: int) -> T5Model:
+    # every expert (the full model's shapes), whatever the expert-parallel groups of this process
     return T5Model(T5Config.from_dict(json.loads(config_json)), divisor, device="meta",
-                   tensor_parallel=TensorParallel(size, rank))
+                   tensor_parallel=TensorParallel(size, rank), expert_parallel=NO_EXPERT_PARALLEL)
 
 
 def parameter_numels(config: T5Config, tensor_parallel_size: int = 1,
@@ -81,6 +82,22 @@ def parameter_splits(config: T5Config) -> Dict[str, Tuple[Tuple[int, ...],
             if getattr(param, "tensor_model_parallel", False) else None
         out[name] = (tuple(param.shape), split)
     return out
+
+
+def expert_parameters(config: T5Config) -> Tuple[str, ...]:
+    """The names of the experts' stacked weights ([experts, ...], split over expert-parallel
+    ranks along dim 0), in the model's order; empty for a dense model."""
+    return tuple(name for name, param in meta_model(config, 1).named_parameters()
+                 if getattr(param, "expert_parallel", False))
+
+
+def buffer_shapes(config: T5Config) -> Dict[str, Tuple[int, ...]]:
+    """Name -> shape of the persistent buffers (state that is not a parameter: the experts'
+    routing biases of `moe_expert_bias`), whole on every rank; empty for most models."""
+    model = meta_model(config, 1)
+    params = dict(model.named_parameters())
+    return {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()
+            if name not in params}
 
 
 def full_parameter_shapes(config: T5Config) -> Dict[str, Tuple[int, ...]]:
