@@ -36,11 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron import parallel_state
+from megatron.checkpoint.formats.deepspeed_experts import EXPERT_FILE
 from megatron.tensor_parallel.layers import counts_in_norm
-
-EXPERT_FILE = "expert_parallel_rank_{ep:02d}_mp_rank_{mp:02d}_model_states.pt"
-"""This expert-parallel rank's experts, written by its first expert-data-parallel rank beside
-DeepSpeed's files."""
 
 
 def group_name(expert_parallel_size: int) -> str:
