@@ -62,6 +62,11 @@ def prepare(model: nn.Module) -> None:
 
     size = model.expert_parallel.size
     name = group_name(size)
+    # ours only: an earlier run in this process (tests) may have left groups, since destroyed,
+    # under another size, and DeepSpeed's checkpoint code takes the largest size it finds
+    for table in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                  groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        table.clear()
     groups._EXPERT_PARALLEL_GROUP[name] = parallel_state.get_expert_model_parallel_group()
     groups._EXPERT_PARALLEL_GROUP_RANKS[name] = parallel_state.get_expert_model_parallel_ranks()
     groups._EXPERT_DATA_PARALLEL_GROUP[name] = parallel_state.get_expert_data_parallel_group()
