@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the checkpoint to read (default: the tracker's)")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--target-expert-parallel-size", type=int, default=1,
+                   help="--to megatron: the expert-model-parallel size the checkpoint is for "
+                        "(recorded and checked against the experts; the trainer's "
+                        "--expert-model-parallel-size)")
     p.add_argument("--model-config", default=None, metavar="FILE",
                    help="--from cpm2: the run's model config (CPM-2's enc_dec JSON or ours); "
                         "CPM-2 checkpoints do not record it")
@@ -124,7 +128,8 @@ def check(args) -> List[str]:
         problems.append(f"--to {kind}: not one of hf, megatron, fp32")
     if args.from_format == "hf" and kind == "hf":
         problems.append("--from hf --to hf: nothing to convert")
-    for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size"):
+    for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
+                 "target_expert_parallel_size"):
         value = getattr(args, flag)
         if value < 1:
             problems.append(f"--{flag.replace('_', '-')} must be >= 1")
@@ -195,11 +200,11 @@ def read_source(args) -> Tuple[dict, Iterator, dict, int]:
 
 def _count(model_meta: dict) -> int:
     """The tensors a model has under our names (the progress bar's total)."""
-    from megatron.model.meta import parameter_splits
     from megatron.model.config import T5Config
+    from megatron.model.meta import buffer_shapes, parameter_splits
 
     config = T5Config.from_dict(model_meta["config"], source="the checkpoint's meta.json")
-    return len(parameter_splits(config))
+    return len(parameter_splits(config)) + len(buffer_shapes(config))
 
 
 def tokenizer_of(args, source_meta_path: Optional[Path]):
@@ -259,23 +264,32 @@ def optimizer_states(args, source: dict):
 def to_megatron(args, out: Path, model_meta: dict, tensors, source: dict, progress,
                 optimizer) -> int:
     from megatron.checkpoint.formats.weights import write_weights_checkpoint
+    from megatron.model.config import T5Config
 
+    experts = args.target_expert_parallel_size
+    num_experts = T5Config.from_dict(model_meta["config"]).num_experts
+    if experts > 1 and (num_experts == 0 or num_experts % experts):
+        raise CommandLineError(f"--target-expert-parallel-size {experts}: the model has "
+                               f"{num_experts} experts, which it does not divide")
     layout = {"tensor_model_parallel_size": args.target_tensor_parallel_size,
               "pipeline_model_parallel_size": args.target_pipeline_parallel_size}
+    if experts > 1:
+        layout["expert_model_parallel_size"] = experts
     write_weights_checkpoint(out, tensors, model_meta, iteration=source.get("iteration") or 0,
                              source=source, target_layout=layout,
                              max_shard_size=args.max_shard_size, force=args.force,
                              progress=progress, optimizer=optimizer)
     (out / "model_config.json").write_text(json.dumps(model_meta["config"], indent=1))
     config = f"--model-config {out / 'model_config.json'}"
+    sizes = "tensor, pipeline, expert and data-parallel size" if num_experts \
+        else "tensor, pipeline and data-parallel size"
     if optimizer is not None:
         print(f"wrote {out} with the optimizer states (Adam step {optimizer['step']}): resume "
-              f"with --load {out} at iteration {source.get('iteration')}, in any tensor, "
-              f"pipeline and data-parallel size and ZeRO stage ({config}); or start from its "
-              f"weights with --finetune")
+              f"with --load {out} at iteration {source.get('iteration')}, in any {sizes} and "
+              f"ZeRO stage ({config}); or start from its weights with --finetune")
     else:
-        print(f"wrote {out}: start the trainer with --load {out} --finetune (any tensor, "
-              f"pipeline and data-parallel size; {config}); the optimizer starts fresh")
+        print(f"wrote {out}: start the trainer with --load {out} --finetune (any {sizes}; "
+              f"{config}); the optimizer starts fresh")
     return 0
 
 
@@ -364,6 +378,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with logs_to_stderr():
             importlib.import_module("deepspeed")
         return run(args)
+    except CommandLineError as e:  # found once the source is read
+        print(f"error: the command line cannot run: {e}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:  # our readers' errors name the file and the tensor
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,101 @@
+"""Converting Mixture-of-Experts models (data_tools/convert_checkpoint.py) in one process: a
+weights checkpoint gives each expert rank its experts; the trainer, refusing another
+expert-parallel size, names the conversion."""
+
+import json
+
+import torch
+
+from data_tools import convert_checkpoint
+from megatron.checkpoint.formats.weights import (
+    WeightsReader,
+    full_tensors,
+    load_into,
+    write_weights_checkpoint,
+)
+from megatron.model import T5Model
+from megatron.model.config import T5Config
+from megatron.model.state_dict import gather_full_state_dict
+from megatron.tensor_parallel.group import ExpertParallel
+
+VOCAB = 300
+BASE = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_heads=4, num_layers=3,
+            num_decoder_layers=2, dropout_rate=0.0)
+SWITCH = dict(BASE, num_experts=4, encoder_sparse_step=2, decoder_sparse_step=1,
+              tie_word_embeddings=False, router_z_loss_coef=0.003, router_aux_loss_coef=0.02)
+
+
+def model_of(fields, seed=0, **kw):
+    torch.manual_seed(seed)
+    model = T5Model(T5Config(**fields), 1, attention_backend="eager", **kw)
+    with torch.no_grad():  # a readable routing (the default router is nearly uniform)
+        for name, p in model.named_parameters():
+            if "router" in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+def full_state(model):
+    """Parameters and persistent buffers (expert biases), full."""
+    state = gather_full_state_dict(model)
+    params = dict(model.named_parameters())
+    state.update((n, t.detach().clone()) for n, t in model.state_dict().items()
+                 if n not in params)
+    return state
+
+
+def weights_checkpoint(model, path):
+    write_weights_checkpoint(path, full_state(model).items(), {"config": model.config.to_dict()})
+    return path
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    enc = torch.randint(2, VOCAB, (3, 12), generator=g)
+    dec = torch.randint(2, VOCAB, (3, 7), generator=g)
+    labels = torch.randint(2, VOCAB, (3, 7), generator=g)
+    return enc, dec, labels
+
+
+def convert(*argv):
+    return convert_checkpoint.main([*map(str, argv), "--no-progress"])
+
+
+def read_back(out):
+    """A weights checkpoint's config and tensors."""
+    folder = out / "iter_0000000"
+    meta = json.loads((folder / "meta.json").read_text())
+    return T5Config.from_dict(meta["model"]["config"]), dict(full_tensors(WeightsReader(folder)))
+
+
+def test_each_expert_rank_loads_its_experts(tmp_path):
+    """A weights checkpoint into the model of expert rank 1 of 2 (experts 2 and 3), TP 1."""
+    ours = model_of({**SWITCH, "feed_forward_proj": "gated-gelu"})
+    state = full_state(ours)
+    reader = WeightsReader(weights_checkpoint(ours, tmp_path / "w") / "iter_0000000")
+    torch.manual_seed(1)
+    rank1 = T5Model(ours.config, 1, attention_backend="eager",
+                    expert_parallel=ExpertParallel(2, 1))
+    problems = load_into(rank1, {n: n for n, _ in rank1.named_parameters()}, reader, VOCAB, 0, 1,
+                         experts=(1, 2))
+    assert problems == []
+    for name, param in rank1.named_parameters():
+        want = state[name][2:] if getattr(param, "expert_parallel", False) else state[name]
+        if name == "shared.weight":
+            want = torch.cat([want, want.new_zeros(param.shape[0] - VOCAB, want.shape[1])])
+        assert torch.equal(param.detach(), want), name
+
+
+def test_the_trainer_names_the_expert_conversion():
+    """A resume with another expert-parallel size is refused with the command that converts."""
+    from megatron.checkpoint.io.checkpointing import layout_problems
+
+    saved = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+             "data_parallel_size": 4, "zero_stage": 1, "expert_model_parallel_size": 2}
+    for now, target in (({**saved, "expert_model_parallel_size": 4}, "4"),
+                        ({k: v for k, v in saved.items() if k != "expert_model_parallel_size"},
+                         "1")):
+        problems = layout_problems(saved, now, "ckpt", weights_only=False)
+        assert len(problems) == 1
+        assert f"--expert-model-parallel-size 2 in the checkpoint, {target} now" in problems[0]
+        assert f"--target-expert-parallel-size {target}`" in problems[0]
