@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--to megatron: leave the optimizer states out (default: carried "
                         "where the source has them, so that --load resumes the run)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT")
+    p.add_argument("--allow-inexact-hf", action="store_true",
+                   help="--to hf of a Mixture-of-Experts model that transformers' "
+                        "SwitchTransformers computes differently (top-k or BASE routing, expert "
+                        "bias, an evaluation capacity factor): write it anyway, the differences "
+                        "in its README.md")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -137,6 +142,8 @@ def check(args) -> List[str]:
             problems.append(f"--{flag.replace('_', '-')} has effect only with --to megatron")
     if args.weights_only and kind != "megatron":
         problems.append("--weights-only has effect only with --to megatron")
+    if args.allow_inexact_hf and kind != "hf":
+        problems.append("--allow-inexact-hf has effect only with --to hf")
     if args.dtype is not None and kind != "hf":
         problems.append("--dtype has effect only with --to hf")
     if args.tokenizer_model is not None and kind != "hf":
@@ -359,9 +366,12 @@ def run(args) -> int:
         (torch.float32 if source.get("format") == "cpm2" else None)  # CPM-2 saved fp16
     write_hf_folder(out, config, tensors, max_shard_size=args.max_shard_size,
                     tokenizer_model=tokenizer, dtype=dtype, force=args.force,
-                    progress=progress, tokenizer_files=tokenizer_files)
+                    progress=progress, tokenizer_files=tokenizer_files,
+                    allow_inexact=args.allow_inexact_hf)
     tokenizer_note = "; tokenizer: see its README.md" if tokenizer_files is not None else ""
-    print(f"wrote {out}: T5ForConditionalGeneration.from_pretrained({str(out)!r}){tokenizer_note}")
+    kind = "SwitchTransformersForConditionalGeneration" if config.is_moe \
+        else "T5ForConditionalGeneration"
+    print(f"wrote {out}: {kind}.from_pretrained({str(out)!r}){tokenizer_note}")
     return 0
 
 

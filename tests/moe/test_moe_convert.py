@@ -1,9 +1,15 @@
-"""Converting Mixture-of-Experts models (data_tools/convert_checkpoint.py) in one process: a
-weights checkpoint gives each expert rank its experts; the trainer, refusing another
-expert-parallel size, names the conversion."""
+"""Converting Mixture-of-Experts models (data_tools/convert_checkpoint.py) in one process:
+
+- ours -> Hugging Face SwitchTransformers: the folder loads in transformers with no missing or
+  unexpected tensor and gives our logits (evaluation, nothing dropped); ours -> HF -> ours is bit
+  for bit, config included; a model transformers would compute differently is refused unless
+  --allow-inexact-hf, and then still comes back exactly; gated experts are refused.
+- a weights checkpoint gives each expert rank its experts; the trainer, refusing another
+  expert-parallel size, names the conversion."""
 
 import json
 
+import pytest
 import torch
 
 from data_tools import convert_checkpoint
@@ -66,6 +72,60 @@ def read_back(out):
     folder = out / "iter_0000000"
     meta = json.loads((folder / "meta.json").read_text())
     return T5Config.from_dict(meta["model"]["config"]), dict(full_tensors(WeightsReader(folder)))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_switch_export_loads_in_transformers_and_round_trips(tmp_path, tied):
+    from transformers import SwitchTransformersForConditionalGeneration
+
+    ours = model_of({**SWITCH, "tie_word_embeddings": tied}).eval()
+    hf_dir, back = tmp_path / "hf", tmp_path / "back"
+    assert convert("--load", weights_checkpoint(ours, tmp_path / "w"), "--to", "hf", hf_dir) == 0
+    hf, info = SwitchTransformersForConditionalGeneration.from_pretrained(
+        hf_dir, output_loading_info=True)
+    assert not any(info.values()), info  # no missing, unexpected or mismatched tensor
+    assert [b.is_sparse for b in hf.encoder.block] == [b.is_sparse for b in ours.encoder.block]
+    assert [b.is_sparse for b in hf.decoder.block] == [b.is_sparse for b in ours.decoder.block]
+    enc, dec, labels = batch()
+    with torch.no_grad():
+        want = ours(enc, dec, labels=labels).logits[..., :VOCAB]
+        got = hf.eval()(input_ids=enc, decoder_input_ids=dec).logits
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    # ours -> HF -> ours, with the experts for two expert ranks: the same tensors, bit for bit
+    assert convert("--from", "hf", hf_dir, "--to", "megatron", back,
+                   "--target-expert-parallel-size", "2") == 0
+    config, tensors = read_back(back)
+    assert config.to_dict() == ours.config.to_dict()
+    state = full_state(ours)
+    assert tensors.keys() == state.keys()
+    assert all(torch.equal(tensors[n], state[n]) for n in state)
+    readme = (hf_dir / "README.md").read_text()
+    assert "SwitchTransformersForConditionalGeneration" in readme and "exactly" not in readme
+
+
+def test_inexact_exports_are_refused_unless_allowed(tmp_path, capsys):
+    fields = {**SWITCH, "router_type": "topk", "router_topk": 2, "moe_expert_bias": True}
+    ours = model_of(fields)
+    with torch.no_grad():  # as trained: biases that move the choice
+        for name, buffer in ours.named_buffers():
+            buffer.copy_(torch.randn_like(buffer) * 0.1)
+    w, hf_dir, back = weights_checkpoint(ours, tmp_path / "w"), tmp_path / "hf", tmp_path / "b"
+    assert convert("--load", w, "--to", "hf", hf_dir) == 1
+    err = capsys.readouterr().err
+    assert "top-2 routing" in err and "expert biases" in err and "--allow-inexact-hf" in err
+    assert not hf_dir.exists()
+    assert convert("--load", w, "--to", "hf", hf_dir, "--allow-inexact-hf") == 0
+    assert "top-2 routing" in (hf_dir / "README.md").read_text()
+    assert convert("--from", "hf", hf_dir, "--to", "megatron", back) == 0
+    config, tensors = read_back(back)
+    assert config.to_dict() == ours.config.to_dict()
+    state = full_state(ours)
+    assert tensors.keys() == state.keys()
+    assert all(torch.equal(tensors[n], state[n]) for n in state)
+    gated = model_of({**SWITCH, "feed_forward_proj": "gated-gelu"})
+    assert convert("--load", weights_checkpoint(gated, tmp_path / "g"), "--to", "hf",
+                   tmp_path / "ghf", "--allow-inexact-hf") == 1
+    assert "gated feed-forwards" in capsys.readouterr().err
 
 
 def test_each_expert_rank_loads_its_experts(tmp_path):
