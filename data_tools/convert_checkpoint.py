@@ -88,6 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "SwitchTransformers computes differently (top-k or BASE routing, expert "
                         "bias, an evaluation capacity factor): write it anyway, the differences "
                         "in its README.md")
+    moe = p.add_argument_group(
+        "upcycling", "--to megatron from a dense model: a Mixture-of-Experts model whose experts "
+        "are copies of each sparse block's feed-forward, its router zero (a weights checkpoint: "
+        "start it with --finetune); the trainer's flags, which set the model config's fields")
+    moe.add_argument("--num-experts", type=int, default=None,
+                     help="experts per sparse feed-forward")
+    moe.add_argument("--moe-router-type", choices=("switch", "topk", "base"), default=None,
+                     help="default: switch; topk with renormalised weights starts as exactly "
+                          "the dense model")
+    moe.add_argument("--moe-router-topk", type=int, default=None,
+                     help="k of the topk router (implies --moe-router-type topk)")
+    moe.add_argument("--moe-encoder-sparse-step", type=int, default=None,
+                     help="sparse encoder blocks: i %% step == 1, every block with 1 (default)")
+    moe.add_argument("--moe-decoder-sparse-step", type=int, default=None,
+                     help="the same for the decoder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -142,6 +157,7 @@ def check(args) -> List[str]:
             problems.append(f"--{flag.replace('_', '-')} has effect only with --to megatron")
     if args.weights_only and kind != "megatron":
         problems.append("--weights-only has effect only with --to megatron")
+    problems += _upcycle_problems(args, kind)
     if args.allow_inexact_hf and kind != "hf":
         problems.append("--allow-inexact-hf has effect only with --to hf")
     if args.dtype is not None and kind != "hf":
@@ -154,6 +170,27 @@ def check(args) -> List[str]:
         problems.append("--iteration needs --load (or --from cpm2)")
     if Path(out).exists() and not args.force:
         problems.append(f"{out} exists; pass --force to replace it")
+    return problems
+
+
+def _upcycle_flags(args) -> dict:
+    from megatron.checkpoint.formats.upcycle import UPCYCLE_FLAGS
+
+    return {field: getattr(args, flag[2:].replace("-", "_"))
+            for flag, field in UPCYCLE_FLAGS.items()}
+
+
+def _upcycle_problems(args, kind: str) -> List[str]:
+    given = {k: v for k, v in _upcycle_flags(args).items() if v is not None}
+    if not given:
+        return []
+    if "num_experts" not in given:
+        return ["--moe-* flags upcycle a dense model: they need --num-experts"]
+    problems = []
+    if kind != "megatron":
+        problems.append("--num-experts (upcycling) has effect only with --to megatron")
+    if given["num_experts"] < 1:
+        problems.append("--num-experts must be >= 1")
     return problems
 
 
@@ -268,6 +305,24 @@ def optimizer_states(args, source: dict):
             "resume": {k: meta.get(k) for k in ("consumed_samples", "lr_schedule")}}
 
 
+def upcycled(args, model_meta: dict, tensors, source: dict):
+    """(model meta, tensors, source) of the Mixture-of-Experts model --num-experts asks for, made
+    from the dense source (megatron/checkpoint/formats/upcycle.py)."""
+    from megatron.checkpoint.formats.upcycle import UpcycleError, upcycle, upcycled_config
+    from megatron.model.config import T5Config
+
+    dense = T5Config.from_dict(model_meta["config"], source="the source's config")
+    try:
+        config = upcycled_config(dense, _upcycle_flags(args))
+    except UpcycleError as e:
+        raise CommandLineError(str(e)) from None
+    source = {**source, "upcycled": {"num_experts": config.num_experts,
+                                     "router_type": config.router_type,
+                                     "experts_per_token": config.router_k,
+                                     "router": "zeros"}}
+    return {**model_meta, "config": config.to_dict()}, upcycle(tensors, config), source
+
+
 def to_megatron(args, out: Path, model_meta: dict, tensors, source: dict, progress,
                 optimizer) -> int:
     from megatron.checkpoint.formats.weights import write_weights_checkpoint
@@ -295,7 +350,11 @@ def to_megatron(args, out: Path, model_meta: dict, tensors, source: dict, progre
               f"with --load {out} at iteration {source.get('iteration')}, in any {sizes} and "
               f"ZeRO stage ({config}); or start from its weights with --finetune")
     else:
-        print(f"wrote {out}: start the trainer with --load {out} --finetune (any {sizes}; "
+        upcycle = source.get("upcycled")
+        what = (f" (upcycled: {num_experts} experts, each a copy of its block's feed-forward, "
+                f"the routers zero; see megatron/checkpoint/formats/upcycle.py for what it "
+                f"computes at step 0)") if upcycle else ""
+        print(f"wrote {out}{what}: start the trainer with --load {out} --finetune (any {sizes}; "
               f"{config}); the optimizer starts fresh")
     return 0
 
@@ -324,7 +383,11 @@ def run(args) -> int:
         return 0
     kind, out = args.to[0], Path(args.to[1])
     model_meta, tensors, source, total = read_source(args)
-    optimizer = optimizer_states(args, source) if kind == "megatron" else None
+    if args.num_experts is not None:  # upcycling: weights only
+        model_meta, tensors, source = upcycled(args, model_meta, tensors, source)
+        total = _count(model_meta)
+    optimizer = optimizer_states(args, source) \
+        if kind == "megatron" and "upcycled" not in source else None
     if optimizer is not None:
         total *= 3  # the weights, then each moment
     progress = _progress(not args.no_progress, total, f"--to {kind}")

@@ -4,10 +4,13 @@
   unexpected tensor and gives our logits (evaluation, nothing dropped); ours -> HF -> ours is bit
   for bit, config included; a model transformers would compute differently is refused unless
   --allow-inexact-hf, and then still comes back exactly; gated experts are refused.
-- a weights checkpoint gives each expert rank its experts; the trainer, refusing another
-  expert-parallel size, names the conversion."""
+- a weights checkpoint gives each expert rank its experts.
+- upcycling a dense model (--num-experts): with top-k renormalised weights it computes the dense
+  model; with switch routing the dense model whose sparse feed-forwards are scaled by 1 / E, with
+  BASE by 1 / 2 (megatron/checkpoint/formats/upcycle.py); the balancing losses at step 0."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ from megatron.checkpoint.formats.weights import (
 )
 from megatron.model import T5Model
 from megatron.model.config import T5Config
-from megatron.model.state_dict import gather_full_state_dict
+from megatron.model.state_dict import gather_full_state_dict, load_full_state_dict
 from megatron.tensor_parallel.group import ExpertParallel
 
 VOCAB = 300
@@ -144,6 +147,83 @@ def test_each_expert_rank_loads_its_experts(tmp_path):
         if name == "shared.weight":
             want = torch.cat([want, want.new_zeros(param.shape[0] - VOCAB, want.shape[1])])
         assert torch.equal(param.detach(), want), name
+
+
+DENSE = dict(BASE, feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+
+
+def upcycled(tmp_path, dense, *flags):
+    out = tmp_path / "up"
+    assert convert("--load", weights_checkpoint(dense, tmp_path / "dense"), "--to", "megatron",
+                   out, "--num-experts", "4", *flags) == 0
+    config, tensors = read_back(out)
+    model = T5Model(config, 1, attention_backend="eager")
+    load_full_state_dict(model, tensors)
+    return model
+
+
+def scaled_ffn(dense, factor, sparse_steps=(1, 1)):
+    """The dense model with the output projection of the feed-forwards that upcycling makes
+    sparse (every block here) multiplied by `factor`: FFN(x) x factor."""
+    out = T5Model(dense.config, 1, attention_backend="eager")
+    out.load_state_dict(dense.state_dict())
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            if ".DenseReluDense.wo." in name:
+                p.mul_(factor)
+    return out
+
+
+def losses(model, train=False):
+    enc, dec, labels = batch(1)
+    model.train(train)
+    with torch.no_grad():
+        return model(enc, dec, labels=labels)
+
+
+def test_upcycled_topk_is_the_dense_model(tmp_path):
+    dense = model_of(DENSE)
+    moe = upcycled(tmp_path, dense, "--moe-router-topk", "2")
+    assert moe.config.router_type == "topk" and moe.config.num_experts == 4
+    want, got = losses(dense), losses(moe)
+    assert torch.allclose(got.logits, want.logits, rtol=1e-6, atol=1e-6)
+    assert float(got.loss) == pytest.approx(float(want.loss), rel=1e-6)
+    # training mode (no dropout here): the same loss, plus each stack's balancing losses at a
+    # zero router: aux k = 2, z (ln 4)^2, times their coefficients
+    trained = losses(moe, train=True)
+    assert float(trained.loss) == pytest.approx(float(want.loss), rel=1e-6)
+    config = moe.config
+    per_stack = config.router_aux_loss_coef * 2 + config.router_z_loss_coef * math.log(4) ** 2
+    assert float(trained.aux_loss) == pytest.approx(2 * per_stack, rel=1e-5)
+
+
+@pytest.mark.parametrize("router,factor", [("switch", 1 / 4), ("base", 1 / 2)])
+def test_upcycled_switch_and_base_scale_the_feed_forward(tmp_path, router, factor):
+    dense = model_of(DENSE)
+    moe = upcycled(tmp_path, dense, "--moe-router-type", router)
+    want, got = losses(scaled_ffn(dense, factor)), losses(moe)
+    assert torch.allclose(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+    assert float(got.loss) != pytest.approx(float(losses(dense).loss), rel=1e-4)
+
+
+def test_upcycling_sparse_steps_and_refusals(tmp_path, capsys):
+    dense = model_of(DENSE)
+    moe = upcycled(tmp_path, dense, "--moe-router-topk", "2", "--moe-encoder-sparse-step", "2",
+                   "--moe-decoder-sparse-step", "0")
+    assert [b.is_sparse for b in moe.encoder.block] == [False, True, False]
+    assert [b.is_sparse for b in moe.decoder.block] == [False, False]
+    assert torch.allclose(losses(moe).logits, losses(dense).logits, rtol=1e-6, atol=1e-6)
+    w = tmp_path / "dense"  # written by upcycled()
+    assert convert("--load", w, "--to", "megatron", tmp_path / "x", "--moe-router-topk", "2") == 2
+    assert "need --num-experts" in capsys.readouterr().err
+    assert convert("--load", w, "--to", "hf", tmp_path / "x", "--num-experts", "4") == 2
+    assert convert("--load", w, "--to", "megatron", tmp_path / "x", "--num-experts", "4",
+                   "--moe-router-topk", "5") == 2
+    assert "--moe-router-topk" in capsys.readouterr().err
+    moe_w = weights_checkpoint(model_of(SWITCH), tmp_path / "moe")
+    assert convert("--load", moe_w, "--to", "megatron", tmp_path / "x", "--num-experts", "8") == 2
+    assert "experts already" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_the_trainer_names_the_expert_conversion():

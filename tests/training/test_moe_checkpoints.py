@@ -7,7 +7,10 @@ the run that wrote them, uninterrupted (rel 2e-5: another layout sums in another
   group) -> EP 1 (one process), and EP 2 -> EP 2 (a plain resume, rel 1e-6);
 - EP 2 (ZeRO-0: DeepSpeed's per-expert-rank optimizer files) -> EP 4 (DP 4, ZeRO-1);
 - EP 2 x TP 2 (ZeRO-2) -> EP 1 x TP 1 (one process);
-- EP 2 with expert biases (a buffer, not in the optimizer) -> one process."""
+- EP 2 with expert biases (a buffer, not in the optimizer) -> one process.
+
+And an upcycled checkpoint (`--num-experts 4 --moe-router-topk 2` on a dense one) starts with the
+dense model's first loss."""
 
 import pytest
 import torch
@@ -174,3 +177,19 @@ def test_fp32_is_the_checkpoint_s_weights_bit_for_bit(runs, tmp_path):
             want = want[:got[name].shape[0]]
         assert torch.equal(got[name], want), name
 
+
+def test_upcycled_checkpoint_starts_with_the_dense_loss(train_data, tmp_path):
+    """A dense run's checkpoint upcycled to 4 experts, top-2 (renormalised), zero routers: the
+    trainer's first loss and its evaluations are the dense model's (megatron/checkpoint/formats/
+    upcycle.py); both start from the same weights with --finetune on the same batch."""
+    dense, moe = tmp_path / "dense", tmp_path / "moe"
+    run_workers(1, run_pretrain, [base_argv(train_data, "--save", str(dense), iters=1)],
+                timeout=600)
+    convert(dense, moe, "--num-experts", "4", "--moe-router-topk", "2")
+    start = run_workers(1, run_pretrain, [
+        base_argv(train_data, "--load", str(dense), "--finetune", iters=1),
+        base_argv(train_data, *MOE, "--load", str(moe), "--finetune", iters=1),
+    ], timeout=600)[0]
+    assert start[1]["losses"][1] == pytest.approx(start[0]["losses"][1], rel=1e-6)
+    assert [e[2] for e in start[1]["evals"]] == pytest.approx(
+        [e[2] for e in start[0]["evals"]], rel=1e-6)
