@@ -1,6 +1,6 @@
 """Convert checkpoints: ours <-> Hugging Face, ours -> one fp32 state dict, any layout -> any
-layout (weights), and inspect. A thin command line over megatron/checkpoint/; no process groups
-or GPUs: it runs on a login node, one tensor at a time.
+layout (weights), dense -> Mixture-of-Experts (upcycling), and inspect. A thin command line over
+megatron/checkpoint/; no process groups or GPUs: it runs on a login node, one tensor at a time.
 
     # a Hugging Face folder (config, safetensors, tokenizer) from any checkpoint of ours
     python data_tools/convert_checkpoint.py --load ckpt/run --to hf out/t5-hf \\
@@ -15,15 +15,29 @@ or GPUs: it runs on a login node, one tensor at a time.
     # one consolidated fp32 state dict (safetensors, our names) from any layout and ZeRO stage
     python data_tools/convert_checkpoint.py --load ckpt/run --to fp32 out/fp32
     python data_tools/convert_checkpoint.py --inspect ckpt/run
+    # Mixture-of-Experts: the experts resharded as TP and PP are, with the optimizer states
+    # (then: --load out/ckpt-ep4 --expert-model-parallel-size 4)
+    python data_tools/convert_checkpoint.py --load ckpt/moe --to megatron out/ckpt-ep4 \\
+        --target-expert-parallel-size 4
+    # ... as a SwitchTransformersForConditionalGeneration folder (switch routing, one wi; top-k,
+    # BASE, expert bias or an evaluation capacity factor only with --allow-inexact-hf)
+    python data_tools/convert_checkpoint.py --load ckpt/moe --to hf out/switch-hf
+    # upcycle a dense checkpoint (ours or --from hf): each expert a copy of its block's
+    # feed-forward, the routers zero; with top-k it computes the dense model at step 0
+    # (then: --load out/moe --finetune --model-config out/moe/model_config.json)
+    python data_tools/convert_checkpoint.py --load ckpt/dense --to megatron out/moe \\
+        --num-experts 8 --moe-router-topk 2
     # a CPM-2 checkpoint (CPM-2-Pretrain / -Finetune, any model-parallel size), with the run's
     # --model-config (CPM-2's JSON or ours) and, for --to hf, its vocab.txt folder
     python data_tools/convert_checkpoint.py --from cpm2 cpm2-ckpt/ --model-config \
         enc_dec_xlarge_config.json --tokenizer-path bpe_cn/ --to hf out/cpm2-hf
 
 Weights come from the fp32 master copy where the checkpoint has one (ZeRO 1-3, bf16 and fp16
-runs; fp16 without ZeRO gives its fp16 weights, with a warning). `--to megatron` from one of our
-checkpoints carries Adam's states too, so that the run resumes in the new layout. Output is
-written to OUT.tmp and renamed; an existing OUT is refused without --force. Exit status: 0 done, 2 bad command line, 1 a checkpoint that cannot be read or written (one
+runs; fp16 without ZeRO gives its fp16 weights, with a warning); experts split over ranks are
+read whole. `--to megatron` from one of our checkpoints carries Adam's states too, so that the
+run resumes in the new layout (any TP, PP, EP, DP and ZeRO stage; an upcycled model is weights
+only). Output is written to OUT.tmp and renamed; an existing OUT is refused without --force.
+Exit status: 0 done, 2 bad command line, 1 a checkpoint that cannot be read or written (one
 message naming the file and the tensor).
 """
 
