@@ -152,17 +152,20 @@ def test_each_expert_rank_loads_its_experts(tmp_path):
 DENSE = dict(BASE, feed_forward_proj="gated-gelu", tie_word_embeddings=False)
 
 
-def upcycled(tmp_path, dense, *flags):
-    out = tmp_path / "up"
-    assert convert("--load", weights_checkpoint(dense, tmp_path / "dense"), "--to", "megatron",
-                   out, "--num-experts", "4", *flags) == 0
+def upcycled(tmp_path, dense, *flags, via_hf=False):
+    """The dense model upcycled by the tool, from our weights checkpoint or its HF folder."""
+    out, source = tmp_path / "up", ["--load", weights_checkpoint(dense, tmp_path / "dense")]
+    if via_hf:
+        assert convert(*source, "--to", "hf", tmp_path / "dense_hf") == 0
+        source = ["--from", "hf", tmp_path / "dense_hf"]
+    assert convert(*source, "--to", "megatron", out, "--num-experts", "4", *flags) == 0
     config, tensors = read_back(out)
     model = T5Model(config, 1, attention_backend="eager")
     load_full_state_dict(model, tensors)
     return model
 
 
-def scaled_ffn(dense, factor, sparse_steps=(1, 1)):
+def scaled_ffn(dense, factor):
     """The dense model with the output projection of the feed-forwards that upcycling makes
     sparse (every block here) multiplied by `factor`: FFN(x) x factor."""
     out = T5Model(dense.config, 1, attention_backend="eager")
@@ -181,9 +184,10 @@ def losses(model, train=False):
         return model(enc, dec, labels=labels)
 
 
-def test_upcycled_topk_is_the_dense_model(tmp_path):
+@pytest.mark.parametrize("via_hf", [False, True], ids=["ours", "from_hf"])
+def test_upcycled_topk_is_the_dense_model(tmp_path, via_hf):
     dense = model_of(DENSE)
-    moe = upcycled(tmp_path, dense, "--moe-router-topk", "2")
+    moe = upcycled(tmp_path, dense, "--moe-router-topk", "2", via_hf=via_hf)
     assert moe.config.router_type == "topk" and moe.config.num_experts == 4
     want, got = losses(dense), losses(moe)
     assert torch.allclose(got.logits, want.logits, rtol=1e-6, atol=1e-6)
