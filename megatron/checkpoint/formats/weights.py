@@ -12,9 +12,9 @@ The tensors are whole, so the checkpoint fits any layout: every rank reads only 
 parallel slice of the tensors its pipeline stage holds, and of each expert weight ([experts,
 ...]) its expert rank's experts (safetensors reads slices from the mapped file); ZeRO-3 ranks
 load through DeepSpeed's gathered parameters. Persistent buffers (the expert biases of
-`moe_expert_bias`) are stored beside the weights, whole, without optimizer states. The target sizes given to
-the tool are recorded in meta.json and checked nowhere: any TP x PP x DP and ZeRO stage can load
-it.
+`moe_expert_bias`) are stored beside the weights, whole, without optimizer states. The target
+sizes given to the tool are recorded in meta.json and checked nowhere (but that the experts
+divide by the expert-parallel size): any TP x PP x EP x DP and ZeRO stage can load it.
 
 Without optimizer states the trainer takes it with `--load OUT --finetune` (weights only: a
 fresh optimizer, LR schedule and data position). With them (converted from one of our
