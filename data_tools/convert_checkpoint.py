@@ -1,6 +1,6 @@
 """Convert checkpoints: ours <-> Hugging Face, ours -> one fp32 state dict, any layout -> any
-layout (weights), and inspect. A thin command line over megatron/checkpoint/; no process groups
-or GPUs: it runs on a login node, one tensor at a time.
+layout (weights), dense -> Mixture-of-Experts (upcycling), and inspect. A thin command line over
+megatron/checkpoint/; no process groups or GPUs: it runs on a login node, one tensor at a time.
 
     # a Hugging Face folder (config, safetensors, tokenizer) from any checkpoint of ours
     python data_tools/convert_checkpoint.py --load ckpt/run --to hf out/t5-hf \\
@@ -15,15 +15,29 @@ or GPUs: it runs on a login node, one tensor at a time.
     # one consolidated fp32 state dict (safetensors, our names) from any layout and ZeRO stage
     python data_tools/convert_checkpoint.py --load ckpt/run --to fp32 out/fp32
     python data_tools/convert_checkpoint.py --inspect ckpt/run
+    # Mixture-of-Experts: the experts resharded as TP and PP are, with the optimizer states
+    # (then: --load out/ckpt-ep4 --expert-model-parallel-size 4)
+    python data_tools/convert_checkpoint.py --load ckpt/moe --to megatron out/ckpt-ep4 \\
+        --target-expert-parallel-size 4
+    # ... as a SwitchTransformersForConditionalGeneration folder (switch routing, one wi; top-k,
+    # BASE, expert bias or an evaluation capacity factor only with --allow-inexact-hf)
+    python data_tools/convert_checkpoint.py --load ckpt/moe --to hf out/switch-hf
+    # upcycle a dense checkpoint (ours or --from hf): each expert a copy of its block's
+    # feed-forward, the routers zero; with top-k it computes the dense model at step 0
+    # (then: --load out/moe --finetune --model-config out/moe/model_config.json)
+    python data_tools/convert_checkpoint.py --load ckpt/dense --to megatron out/moe \\
+        --num-experts 8 --moe-router-topk 2
     # a CPM-2 checkpoint (CPM-2-Pretrain / -Finetune, any model-parallel size), with the run's
     # --model-config (CPM-2's JSON or ours) and, for --to hf, its vocab.txt folder
     python data_tools/convert_checkpoint.py --from cpm2 cpm2-ckpt/ --model-config \
         enc_dec_xlarge_config.json --tokenizer-path bpe_cn/ --to hf out/cpm2-hf
 
 Weights come from the fp32 master copy where the checkpoint has one (ZeRO 1-3, bf16 and fp16
-runs; fp16 without ZeRO gives its fp16 weights, with a warning). `--to megatron` from one of our
-checkpoints carries Adam's states too, so that the run resumes in the new layout. Output is
-written to OUT.tmp and renamed; an existing OUT is refused without --force. Exit status: 0 done, 2 bad command line, 1 a checkpoint that cannot be read or written (one
+runs; fp16 without ZeRO gives its fp16 weights, with a warning); experts split over ranks are
+read whole. `--to megatron` from one of our checkpoints carries Adam's states too, so that the
+run resumes in the new layout (any TP, PP, EP, DP and ZeRO stage; an upcycled model is weights
+only). Output is written to OUT.tmp and renamed; an existing OUT is refused without --force.
+Exit status: 0 done, 2 bad command line, 1 a checkpoint that cannot be read or written (one
 message naming the file and the tensor).
 """
 
@@ -63,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the checkpoint to read (default: the tracker's)")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--target-expert-parallel-size", type=int, default=1,
+                   help="--to megatron: the expert-model-parallel size the checkpoint is for "
+                        "(recorded and checked against the experts; the trainer's "
+                        "--expert-model-parallel-size)")
     p.add_argument("--model-config", default=None, metavar="FILE",
                    help="--from cpm2: the run's model config (CPM-2's enc_dec JSON or ours); "
                         "CPM-2 checkpoints do not record it")
@@ -79,6 +97,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--to megatron: leave the optimizer states out (default: carried "
                         "where the source has them, so that --load resumes the run)")
     p.add_argument("--force", action="store_true", help="replace an existing OUT")
+    p.add_argument("--allow-inexact-hf", action="store_true",
+                   help="--to hf of a Mixture-of-Experts model that transformers' "
+                        "SwitchTransformers computes differently (top-k or BASE routing, expert "
+                        "bias, an evaluation capacity factor): write it anyway, the differences "
+                        "in its README.md")
+    moe = p.add_argument_group(
+        "upcycling", "--to megatron from a dense model: a Mixture-of-Experts model whose experts "
+        "are copies of each sparse block's feed-forward, its router zero (a weights checkpoint: "
+        "start it with --finetune); the trainer's flags, which set the model config's fields")
+    moe.add_argument("--num-experts", type=int, default=None,
+                     help="experts per sparse feed-forward")
+    moe.add_argument("--moe-router-type", choices=("switch", "topk", "base"), default=None,
+                     help="default: switch; topk with renormalised weights starts as exactly "
+                          "the dense model")
+    moe.add_argument("--moe-router-topk", type=int, default=None,
+                     help="k of the topk router (implies --moe-router-type topk)")
+    moe.add_argument("--moe-encoder-sparse-step", type=int, default=None,
+                     help="sparse encoder blocks: i %% step == 1, every block with 1 (default)")
+    moe.add_argument("--moe-decoder-sparse-step", type=int, default=None,
+                     help="the same for the decoder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -124,7 +162,8 @@ def check(args) -> List[str]:
         problems.append(f"--to {kind}: not one of hf, megatron, fp32")
     if args.from_format == "hf" and kind == "hf":
         problems.append("--from hf --to hf: nothing to convert")
-    for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size"):
+    for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
+                 "target_expert_parallel_size"):
         value = getattr(args, flag)
         if value < 1:
             problems.append(f"--{flag.replace('_', '-')} must be >= 1")
@@ -132,6 +171,9 @@ def check(args) -> List[str]:
             problems.append(f"--{flag.replace('_', '-')} has effect only with --to megatron")
     if args.weights_only and kind != "megatron":
         problems.append("--weights-only has effect only with --to megatron")
+    problems += _upcycle_problems(args, kind)
+    if args.allow_inexact_hf and kind != "hf":
+        problems.append("--allow-inexact-hf has effect only with --to hf")
     if args.dtype is not None and kind != "hf":
         problems.append("--dtype has effect only with --to hf")
     if args.tokenizer_model is not None and kind != "hf":
@@ -142,6 +184,27 @@ def check(args) -> List[str]:
         problems.append("--iteration needs --load (or --from cpm2)")
     if Path(out).exists() and not args.force:
         problems.append(f"{out} exists; pass --force to replace it")
+    return problems
+
+
+def _upcycle_flags(args) -> dict:
+    from megatron.checkpoint.formats.upcycle import UPCYCLE_FLAGS
+
+    return {field: getattr(args, flag[2:].replace("-", "_"))
+            for flag, field in UPCYCLE_FLAGS.items()}
+
+
+def _upcycle_problems(args, kind: str) -> List[str]:
+    given = {k: v for k, v in _upcycle_flags(args).items() if v is not None}
+    if not given:
+        return []
+    if "num_experts" not in given:
+        return ["--moe-* flags upcycle a dense model: they need --num-experts"]
+    problems = []
+    if kind != "megatron":
+        problems.append("--num-experts (upcycling) has effect only with --to megatron")
+    if given["num_experts"] < 1:
+        problems.append("--num-experts must be >= 1")
     return problems
 
 
@@ -195,11 +258,11 @@ def read_source(args) -> Tuple[dict, Iterator, dict, int]:
 
 def _count(model_meta: dict) -> int:
     """The tensors a model has under our names (the progress bar's total)."""
-    from megatron.model.meta import parameter_splits
     from megatron.model.config import T5Config
+    from megatron.model.meta import buffer_shapes, parameter_splits
 
     config = T5Config.from_dict(model_meta["config"], source="the checkpoint's meta.json")
-    return len(parameter_splits(config))
+    return len(parameter_splits(config)) + len(buffer_shapes(config))
 
 
 def tokenizer_of(args, source_meta_path: Optional[Path]):
@@ -256,26 +319,57 @@ def optimizer_states(args, source: dict):
             "resume": {k: meta.get(k) for k in ("consumed_samples", "lr_schedule")}}
 
 
+def upcycled(args, model_meta: dict, tensors, source: dict):
+    """(model meta, tensors, source) of the Mixture-of-Experts model --num-experts asks for, made
+    from the dense source (megatron/checkpoint/formats/upcycle.py)."""
+    from megatron.checkpoint.formats.upcycle import UpcycleError, upcycle, upcycled_config
+    from megatron.model.config import T5Config
+
+    dense = T5Config.from_dict(model_meta["config"], source="the source's config")
+    try:
+        config = upcycled_config(dense, _upcycle_flags(args))
+    except UpcycleError as e:
+        raise CommandLineError(str(e)) from None
+    source = {**source, "upcycled": {"num_experts": config.num_experts,
+                                     "router_type": config.router_type,
+                                     "experts_per_token": config.router_k,
+                                     "router": "zeros"}}
+    return {**model_meta, "config": config.to_dict()}, upcycle(tensors, config), source
+
+
 def to_megatron(args, out: Path, model_meta: dict, tensors, source: dict, progress,
                 optimizer) -> int:
     from megatron.checkpoint.formats.weights import write_weights_checkpoint
+    from megatron.model.config import T5Config
 
+    experts = args.target_expert_parallel_size
+    num_experts = T5Config.from_dict(model_meta["config"]).num_experts
+    if experts > 1 and (num_experts == 0 or num_experts % experts):
+        raise CommandLineError(f"--target-expert-parallel-size {experts}: the model has "
+                               f"{num_experts} experts, which it does not divide")
     layout = {"tensor_model_parallel_size": args.target_tensor_parallel_size,
               "pipeline_model_parallel_size": args.target_pipeline_parallel_size}
+    if experts > 1:
+        layout["expert_model_parallel_size"] = experts
     write_weights_checkpoint(out, tensors, model_meta, iteration=source.get("iteration") or 0,
                              source=source, target_layout=layout,
                              max_shard_size=args.max_shard_size, force=args.force,
                              progress=progress, optimizer=optimizer)
     (out / "model_config.json").write_text(json.dumps(model_meta["config"], indent=1))
     config = f"--model-config {out / 'model_config.json'}"
+    sizes = "tensor, pipeline, expert and data-parallel size" if num_experts \
+        else "tensor, pipeline and data-parallel size"
     if optimizer is not None:
         print(f"wrote {out} with the optimizer states (Adam step {optimizer['step']}): resume "
-              f"with --load {out} at iteration {source.get('iteration')}, in any tensor, "
-              f"pipeline and data-parallel size and ZeRO stage ({config}); or start from its "
-              f"weights with --finetune")
+              f"with --load {out} at iteration {source.get('iteration')}, in any {sizes} and "
+              f"ZeRO stage ({config}); or start from its weights with --finetune")
     else:
-        print(f"wrote {out}: start the trainer with --load {out} --finetune (any tensor, "
-              f"pipeline and data-parallel size; {config}); the optimizer starts fresh")
+        upcycle = source.get("upcycled")
+        what = (f" (upcycled: {num_experts} experts, each a copy of its block's feed-forward, "
+                f"the routers zero; see megatron/checkpoint/formats/upcycle.py for what it "
+                f"computes at step 0)") if upcycle else ""
+        print(f"wrote {out}{what}: start the trainer with --load {out} --finetune (any {sizes}; "
+              f"{config}); the optimizer starts fresh")
     return 0
 
 
@@ -303,7 +397,11 @@ def run(args) -> int:
         return 0
     kind, out = args.to[0], Path(args.to[1])
     model_meta, tensors, source, total = read_source(args)
-    optimizer = optimizer_states(args, source) if kind == "megatron" else None
+    if args.num_experts is not None:  # upcycling: weights only
+        model_meta, tensors, source = upcycled(args, model_meta, tensors, source)
+        total = _count(model_meta)
+    optimizer = optimizer_states(args, source) \
+        if kind == "megatron" and "upcycled" not in source else None
     if optimizer is not None:
         total *= 3  # the weights, then each moment
     progress = _progress(not args.no_progress, total, f"--to {kind}")
@@ -345,9 +443,12 @@ def run(args) -> int:
         (torch.float32 if source.get("format") == "cpm2" else None)  # CPM-2 saved fp16
     write_hf_folder(out, config, tensors, max_shard_size=args.max_shard_size,
                     tokenizer_model=tokenizer, dtype=dtype, force=args.force,
-                    progress=progress, tokenizer_files=tokenizer_files)
+                    progress=progress, tokenizer_files=tokenizer_files,
+                    allow_inexact=args.allow_inexact_hf)
     tokenizer_note = "; tokenizer: see its README.md" if tokenizer_files is not None else ""
-    print(f"wrote {out}: T5ForConditionalGeneration.from_pretrained({str(out)!r}){tokenizer_note}")
+    kind = "SwitchTransformersForConditionalGeneration" if config.is_moe \
+        else "T5ForConditionalGeneration"
+    print(f"wrote {out}: {kind}.from_pretrained({str(out)!r}){tokenizer_note}")
     return 0
 
 
@@ -364,6 +465,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with logs_to_stderr():
             importlib.import_module("deepspeed")
         return run(args)
+    except CommandLineError as e:  # found once the source is read
+        print(f"error: the command line cannot run: {e}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:  # our readers' errors name the file and the tensor
         print(f"error: {e}", file=sys.stderr)
         return 1

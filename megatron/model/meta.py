@@ -108,6 +108,22 @@ def parameter_splits(config: T5Config) -> Dict[str, Tuple[Tuple[int, ...],
     return out
 
 
+def expert_parameters(config: T5Config) -> Tuple[str, ...]:
+    """The names of the experts' stacked weights ([experts, ...], split over expert-parallel
+    ranks along dim 0), in the model's order; empty for a dense model."""
+    return tuple(name for name, param in meta_model(config, 1).named_parameters()
+                 if getattr(param, "expert_parallel", False))
+
+
+def buffer_shapes(config: T5Config) -> Dict[str, Tuple[int, ...]]:
+    """Name -> shape of the persistent buffers (state that is not a parameter: the experts'
+    routing biases of `moe_expert_bias`), whole on every rank; empty for most models."""
+    model = meta_model(config, 1)
+    params = dict(model.named_parameters())
+    return {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()
+            if name not in params}
+
+
 def full_parameter_shapes(config: T5Config) -> Dict[str, Tuple[int, ...]]:
     """Name -> shape of every parameter of the full, unpadded model (our names, which are
     Hugging Face's without the tied copies), in the order the model lists them."""

@@ -230,6 +230,13 @@ def to_hf_state_dict(full: StateDict, config: T5Config) -> StateDict:
     return out
 
 
+def persistent_buffers(module: torch.nn.Module) -> Tuple[str, ...]:
+    """The names of the module's state that is not a parameter (the experts' routing biases of
+    `moe_expert_bias`): in its state_dict, so in checkpoints."""
+    params = {name for name, _ in module.named_parameters()}
+    return tuple(name for name in module.state_dict(keep_vars=True) if name not in params)
+
+
 def load_full_state_dict(model: torch.nn.Module, full: StateDict) -> None:
     """Pad the vocabulary rows, keep the model's tensor-parallel shard (`model.tensor_parallel`),
     load (strict).

@@ -28,6 +28,7 @@ from torch import nn
 
 from megatron.model.config import T5Config
 from megatron.model.dropout import dropout
+from megatron.model.state_dict import persistent_buffers
 from megatron.model.t5 import (
     additive_decoder_mask,
     additive_encoder_mask,
@@ -316,17 +317,22 @@ def tied_names() -> Dict[str, str]:
 def single_process_names(module) -> Dict[str, str]:
     """{this stage's parameter name: the single-process T5Model's name} (Hugging Face names),
     for comparing a pipeline with one process and, later, for converting checkpoints."""
-    out = {}
-    for name, _ in module.named_parameters():
-        head, _, rest = name.partition(".")
-        if head == "tied_modules":
-            out[name] = tied_names()[rest.partition(".")[0]]
-            continue
-        layer = module.layer_names[int(head)]
-        if layer == "lm_head":
-            out[name] = "lm_head.weight"
-        elif ".block." in layer:
-            out[name] = layer + rest[len("block"):]
-        else:  # final norms: 'encoder.final_layer_norm' holds 'final_layer_norm.weight'
-            out[name] = f"{layer.rpartition('.')[0]}.{rest}"
-    return out
+    return {name: _single_process_name(module, name) for name, _ in module.named_parameters()}
+
+
+def single_process_buffer_names(module) -> Dict[str, str]:
+    """The same for this stage's persistent buffers (the experts' routing biases)."""
+    return {name: _single_process_name(module, name) for name in persistent_buffers(module)}
+
+
+def _single_process_name(module, name: str) -> str:
+    head, _, rest = name.partition(".")
+    if head == "tied_modules":
+        return tied_names()[rest.partition(".")[0]]
+    layer = module.layer_names[int(head)]
+    if layer == "lm_head":
+        return "lm_head.weight"
+    if ".block." in layer:
+        return layer + rest[len("block"):]
+    # final norms: 'encoder.final_layer_norm' holds 'final_layer_norm.weight'
+    return f"{layer.rpartition('.')[0]}.{rest}"

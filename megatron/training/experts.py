@@ -36,11 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron import parallel_state
+from megatron.checkpoint.formats.deepspeed_experts import EXPERT_FILE
 from megatron.tensor_parallel.layers import counts_in_norm
-
-EXPERT_FILE = "expert_parallel_rank_{ep:02d}_mp_rank_{mp:02d}_model_states.pt"
-"""This expert-parallel rank's experts, written by its first expert-data-parallel rank beside
-DeepSpeed's files."""
 
 
 def group_name(expert_parallel_size: int) -> str:
@@ -65,6 +62,11 @@ def prepare(model: nn.Module) -> None:
 
     size = model.expert_parallel.size
     name = group_name(size)
+    # ours only: an earlier run in this process (tests) may have left groups, since destroyed,
+    # under another size, and DeepSpeed's checkpoint code takes the largest size it finds
+    for table in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                  groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        table.clear()
     groups._EXPERT_PARALLEL_GROUP[name] = parallel_state.get_expert_model_parallel_group()
     groups._EXPERT_PARALLEL_GROUP_RANKS[name] = parallel_state.get_expert_model_parallel_ranks()
     groups._EXPERT_DATA_PARALLEL_GROUP[name] = parallel_state.get_expert_data_parallel_group()

@@ -26,7 +26,11 @@ import torch
 import torch.distributed as dist
 
 from megatron import parallel_state
-from megatron.pipeline.module import build_pipeline_module, single_process_names
+from megatron.pipeline.module import (
+    build_pipeline_module,
+    single_process_buffer_names,
+    single_process_names,
+)
 from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.tensor_parallel.group import TensorParallel
 from megatron.tensor_parallel.layers import counts_in_norm
@@ -136,6 +140,9 @@ class PipelineStep(EngineStep):
 
     def _weight_names(self):
         return single_process_names(self.engine.module)
+
+    def _buffer_names(self):
+        return single_process_buffer_names(self.engine.module)
 
     # Pieces ----------------------------------------------------------------------------------
     def _feed(self, batches: Iterator[Batch], count: int, inputs: Optional[torch.Tensor]):

@@ -27,6 +27,7 @@ from megatron.checkpoint.io.async_save import Capture
 from megatron.checkpoint.io.checkpointing import rng_state, set_rng_state
 from megatron.checkpoint.io.optimizer_state import load_optimizer_state
 from megatron.model.moe import update_expert_bias
+from megatron.model.state_dict import persistent_buffers
 from megatron.training import experts
 from megatron.training.layer_norms import LayerGradNorms
 from megatron.training.nan_locator import GradientCheck, NonFiniteWatch
@@ -241,10 +242,13 @@ class EngineStep(TrainStep):
 
     def load_weights(self, folder: Path, optimizer_step: Optional[int] = None) -> None:
         module = self.engine.module
+        experts = (parallel_state.get_expert_model_parallel_rank(),
+                   parallel_state.get_expert_model_parallel_world_size())
         problems = load_into(module, self._weight_names(), WeightsReader(folder),
                              module_vocab_size(module),
                              parallel_state.get_tensor_model_parallel_rank(),
-                             parallel_state.get_tensor_model_parallel_world_size())
+                             parallel_state.get_tensor_model_parallel_world_size(),
+                             buffers=self._buffer_names(), experts=experts)
         if problems:
             raise WeightsError("; ".join(problems))
         refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
@@ -254,11 +258,15 @@ class EngineStep(TrainStep):
             load_optimizer_state(self.engine, self._weight_names(), folder, optimizer_step,
                                  module_vocab_size(module),
                                  parallel_state.get_tensor_model_parallel_rank(),
-                                 parallel_state.get_tensor_model_parallel_world_size())
+                                 parallel_state.get_tensor_model_parallel_world_size(), experts)
 
     def _weight_names(self) -> Dict[str, str]:
         """{this rank's parameter name: our full name}."""
         return {name: name for name, _ in self.engine.module.named_parameters()}
+
+    def _buffer_names(self) -> Dict[str, str]:
+        """{this rank's persistent buffer name (expert biases): our full name}."""
+        return {name: name for name in persistent_buffers(self.engine.module)}
 
     def weight_norms(self) -> Optional[torch.Tensor]:
         offload = self.engine.zero_offload_param()

@@ -1,9 +1,12 @@
 """Checkpoint formats and conversion, without process groups (data_tools/convert_checkpoint.py).
 
 One intermediate: full, unpadded tensors under our names (Hugging Face T5's), one at a time.
-- deepspeed.py (with deepspeed_files.py) reads any checkpoint the trainer writes (any TP, PP,
-  DP, ZeRO 0-3): the weights, the fp32 masters, Adam's moments and step.
-- hf.py writes and reads Hugging Face folders (weights, config, tokenizer).
+- deepspeed.py (with deepspeed_files.py, and deepspeed_experts.py for experts split over ranks)
+  reads any checkpoint the trainer writes (any TP, PP, EP, DP, ZeRO 0-3): the weights, the fp32
+  masters, Adam's moments and step.
+- hf.py writes and reads Hugging Face folders (weights, config, tokenizer); switch.py what a
+  Mixture-of-Experts model's (SwitchTransformers) folder holds and cannot hold.
+- upcycle.py makes a dense model's tensors a Mixture-of-Experts model's (experts copied).
 - cpm2.py reads CPM-2-Pretrain / -Finetune checkpoints (any model-parallel size; the fused
   projections un-strided), and gives a Hugging Face export CPM-2's vocab.txt and a README.
 - weights.py writes a checkpoint of full tensors that the trainer loads in any layout: weights

@@ -25,7 +25,9 @@ With a pipeline, M = stage * TP + T (DeepSpeed's model-parallel rank):
                                                starts, the tied modules' parameter names
     mp_rank_MM_model_states.pt, [bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt   as above
 
-The fp32 masters' ZeRO layouts, the safe loader and its allow-list: deepspeed_files.py.
+The fp32 masters' ZeRO layouts, the safe loader and its allow-list: deepspeed_files.py. With
+experts split over ranks (`--expert-model-parallel-size`), the expert files beside these:
+deepspeed_experts.py; every expert weight is read whole ([experts, ...]) whatever the split.
 
 Files are opened with `torch.load(mmap=True, weights_only=True)`: nothing is read until a tensor
 is asked for, so memory holds the tensor being assembled and its shards, whatever the checkpoint
@@ -44,6 +46,14 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
+from megatron.checkpoint.formats.deepspeed_experts import (
+    check_readable,
+    describe_experts,
+    expert_files,
+    expert_size,
+    expert_weights,
+    zero0_expert_moments,
+)
 from megatron.checkpoint.formats.deepspeed_files import (
     ALLOWED_GLOBALS,
     OPTIMIZER_PARAMETERS,
@@ -56,7 +66,7 @@ from megatron.checkpoint.formats.deepspeed_files import (
 )
 from megatron.checkpoint.formats.weights import WeightsError, WeightsReader, full_tensors
 from megatron.model.config import ConfigError, T5Config
-from megatron.model.meta import parameter_splits
+from megatron.model.meta import buffer_shapes, expert_parameters, parameter_splits
 from megatron.model.state_dict import VOCAB_PARAMETERS
 from megatron.pipeline.module import single_process_names, tied_names
 from megatron.tensor_parallel.layers import unshard
@@ -199,7 +209,9 @@ def _precision(meta: Dict[str, Any]) -> str:
 def iter_full_tensors(iter_dir: PathLike, source: str = "master"
                       ) -> Iterator[Tuple[str, torch.Tensor]]:
     """(name, full tensor) for every parameter, one at a time, in the model's order: Hugging Face
-    T5 names, tensor-parallel shards joined, vocabulary rows unpadded, each a new tensor.
+    T5 names, tensor-parallel shards joined, vocabulary rows unpadded, each a new tensor; every
+    expert weight whole ([experts, ...], the expert-parallel ranks' parts joined). Then the
+    persistent buffers (the expert biases of `moe_expert_bias`), except for the moments.
 
     source: 'master' reads the fp32 master copy where the checkpoint has one (ZeRO 1-3, the
         optimizer files), else the weights (fp32 ZeRO-0, where they are the masters);
@@ -222,11 +234,14 @@ def iter_full_tensors(iter_dir: PathLike, source: str = "master"
         yield from _weights_format_tensors(folder, source if source in MOMENTS else "model")
         return
     config = model_config(meta, folder / META)
+    check_readable(meta["layout"], folder)
     divisible = int(meta["model"].get("make_vocab_size_divisible_by", 128))
     tensor_size = meta["layout"]["tensor_model_parallel_size"]
     params = parameter_splits(config)
+    if source not in MOMENTS:  # persistent buffers (expert biases) have no optimizer state
+        params.update((n, (shape, None)) for n, shape in buffer_shapes(config).items())
     files = Files(folder)
-    shards = [_tensor_rank_shards(files, meta, source, t) for t in range(tensor_size)]
+    shards = [_tensor_rank_shards(files, meta, source, t, config) for t in range(tensor_size)]
     for t, found in enumerate(shards):
         _check_names(found, params, folder, t)
     padded = config.padded_vocab_size(divisible, tensor_size)
@@ -268,28 +283,41 @@ def _weights_format_tensors(folder: Path, prefix: str) -> Iterator[Tuple[str, to
 
 
 def _tensor_rank_shards(files: Files, meta: Dict[str, Any], source: str,
-                        tensor_rank: int) -> Dict[str, Shard]:
+                        tensor_rank: int, config: T5Config) -> Dict[str, Shard]:
     """{our name: its shard on `tensor_rank`} from whichever files hold it."""
     layout, precision = meta["layout"], _precision(meta)
     zero = layout["zero_stage"]
+    experts = expert_parameters(config)
     if source in MOMENTS:
-        return _optimizer_shards(files, layout, precision, source, tensor_rank)
+        return _optimizer_shards(files, layout, precision, source, tensor_rank, experts)
     if source == "master" and zero == 0 and precision == "fp16":
         raise CheckpointReadError(
             f"{files.folder}: fp16 with ZeRO-0 keeps its fp32 masters inside DeepSpeed's fp16 "
             f"optimizer state, without parameter names; read source='weights' (fp16) instead")
     if source == "master" and zero > 0:
-        return _optimizer_shards(files, layout, precision, "fp32", tensor_rank)
+        out = _optimizer_shards(files, layout, precision, "fp32", tensor_rank, experts)
+        buffers = buffer_shapes(config)
+        if buffers:  # not the optimizer's: from the weights' files
+            weights = _weights(files, layout, precision, tensor_rank, experts)
+            out.update((n, shard) for n, shard in weights.items() if n in buffers)
+        return out
+    return _weights(files, layout, precision, tensor_rank, experts)
+
+
+def _weights(files: Files, layout: Dict[str, Any], precision: str, tensor_rank: int,
+             experts) -> Dict[str, Shard]:
+    """{our name: its shard on `tensor_rank`} of the module weights (and buffers)."""
     if layout["pipeline_model_parallel_size"] > 1:
         return _pipeline_weights(files, tensor_rank)
-    if zero == 3:  # no weights saved: the masters cast to the training precision
+    if layout["zero_stage"] == 3:  # no weights saved: the masters cast to the training precision
         out = zero_masters(files, layout, tensor_rank, precision == "bf16")
         placeholders = files.field(model_file(tensor_rank, layout), "module")
         dtype = next(iter(placeholders.values())).dtype
         return {n: (lambda s=s: s().to(dtype)) for n, s in out.items()}
     name = model_file(tensor_rank, layout)
     module = files.field(name, "module")
-    return {n: partial(_owned, module, n) for n in module}
+    local = {n: partial(_owned, module, n) for n in module}
+    return expert_weights(files, layout, tensor_rank, local, experts)
 
 
 def _owned(state: Dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -297,12 +325,12 @@ def _owned(state: Dict[str, torch.Tensor], name: str) -> torch.Tensor:
 
 
 def _optimizer_shards(files: Files, layout: Dict[str, int], precision: str, key: str,
-                      tensor_rank: int) -> Dict[str, Shard]:
+                      tensor_rank: int, experts=()) -> Dict[str, Shard]:
     """{our name: the optimizer's `key` ('fp32': the masters, or one of MOMENTS) on
     `tensor_rank`}, from every pipeline stage (a tied parameter from its first): the ZeRO files'
     flat partitions, or under ZeRO-0 (moments only: its masters are the weights) torch's
     optimizer state_dict in the model-states file, named by the trainer's OPTIMIZER_PARAMETERS
-    record."""
+    record (and, for the `experts` with EP > 1, in each expert rank's DeepSpeed file)."""
     zero, bf16 = layout["zero_stage"], precision == "bf16"
     if zero == 0 and precision == "fp16":
         raise CheckpointReadError(f"{files.folder}: fp16 with ZeRO-0 keeps its optimizer inside "
@@ -313,8 +341,13 @@ def _optimizer_shards(files: Files, layout: Dict[str, int], precision: str, key:
     out: Dict[str, Shard] = {}
     for stage in range(stages):
         rank = stage * tensor_size + tensor_rank
-        local = zero_masters(files, layout, rank, bf16, key) if zero > 0 \
-            else _zero0_moments(files, model_file(rank, layout), key)
+        if zero > 0:
+            local = zero_masters(files, layout, rank, bf16, key)
+        else:
+            order = model_file(rank, layout)
+            local = zero0_expert_moments(
+                files, layout, rank, _zero0_moments(files, order, key), experts,
+                lambda name, order=order: _zero0_moments(files, order, key, name))
         if stages > 1:
             local = _single_process(local, layers, tied, files.folder)
         for name, shard in local.items():
@@ -322,10 +355,13 @@ def _optimizer_shards(files: Files, layout: Dict[str, int], precision: str, key:
     return out
 
 
-def _zero0_moments(files: Files, name: str, key: str) -> Dict[str, Shard]:
-    state = files.field(name, "optimizer")
+def _zero0_moments(files: Files, name: str, key: str,
+                   state_file: Optional[str] = None) -> Dict[str, Shard]:
+    """The moment `key` by parameter name from torch's optimizer state_dict in model file `name`
+    (or in `state_file`, an expert rank's, with the same parameters in the same order)."""
+    state = files.field(state_file or name, "optimizer")
     order = files.get(name).get(OPTIMIZER_PARAMETERS)
-    where = files.folder / name
+    where = files.folder / (state_file or name)
     if not order:
         raise CheckpointReadError(f"{where}: no {OPTIMIZER_PARAMETERS!r} record, so the "
                                   f"parameters of its optimizer state are unknown (saved by an "
@@ -360,11 +396,12 @@ def check_optimizer_states(iter_dir: PathLike) -> int:
     if _is_weights_format(meta):
         return step
     config = model_config(meta, folder / META)
+    check_readable(meta["layout"], folder)
     params = parameter_splits(config)
     files = Files(folder)
     for key in MOMENTS:
         for t in range(meta["layout"]["tensor_model_parallel_size"]):
-            _check_names(_tensor_rank_shards(files, meta, key, t), params, folder, t)
+            _check_names(_tensor_rank_shards(files, meta, key, t, config), params, folder, t)
     return step
 
 
@@ -448,7 +485,9 @@ def describe(iter_dir: PathLike) -> Dict[str, Any]:
     unpadded), where the masters are, whether optimizer states are present (and whether the
     conversion tool can carry them to another layout: Adam's step), the files and
     their sizes, and `problems` (missing or unreadable files, an unknown model) rather than an
-    exception where a file is damaged.
+    exception where a file is damaged. A Mixture-of-Experts model adds `experts`: the number,
+    the expert-parallel size (a weights checkpoint's: the target it was converted for), routing
+    and the sparse blocks.
 
     Raises:
         CheckpointReadError: no readable meta.json.
@@ -468,6 +507,12 @@ def describe(iter_dir: PathLike) -> Dict[str, Any]:
                    optimizer_states=optimizer is not None,
                    optimizer_step=(optimizer or {}).get("step"),
                    masters="the weights (fp32, full)" if optimizer else "none (weights only)")
+        try:
+            config = T5Config.from_dict((meta.get("model") or {}).get("config"))
+            if config.is_moe:
+                out["experts"] = describe_experts(config, expert_size(meta.get("layout") or {}))
+        except ConfigError as e:
+            out["problems"].append(f"{folder / META}: {e}")
         return out
     layout, precision = meta["layout"], _precision(meta)
     out.update(format="deepspeed", precision=precision, model=None, parameters=None)
@@ -476,6 +521,8 @@ def describe(iter_dir: PathLike) -> Dict[str, Any]:
         params = parameter_splits(config)
         out["model"] = meta["model"]
         out["parameters"] = sum(math.prod(shape) for shape, _ in params.values())
+        if config.is_moe:
+            out["experts"] = describe_experts(config, expert_size(layout))
     except CheckpointReadError as e:
         out["problems"].append(str(e))
     present = {f["name"] for f in listing}
@@ -529,7 +576,7 @@ def _expected_files(folder: Path, layout: Dict[str, int], precision: str) -> Lis
         except (OSError, ValueError, KeyError):
             keys = []
         names += [f"tied_{k}-model_{t:02d}-model_states.pt" for k in keys for t in range(tp)]
-    return names
+    return names + expert_files(layout)
 
 
 def _weights_dtype(files: Files, layout: Dict[str, int], first: Dict[str, Any]) -> str:

@@ -13,6 +13,10 @@ code, which reads one tensor rank and stage at a time and never joins whole part
   trailing padding ('group_paddings', per rank) is saved.
 - ZeRO-3: every rank holds ceil(numel / D) elements of every parameter (param_shapes order, the
   last rank zero-padded), back to back over its 'fp32_flat_groups'.
+- Experts split over EP ranks (ZeRO-1/2): their groups ('moe' in the base optimizer's
+  param_groups, DeepSpeed's `ep_size_EP` groups) are partitioned over the expert-data-parallel
+  group, so a group's flat copy is the partitions of data ranks e, e + EP, e + 2 EP, ... for
+  expert rank e, each copy laid out by the same param_shapes (the local [E / EP, ...] shapes).
 """
 
 from __future__ import annotations
@@ -157,7 +161,8 @@ def zero_masters(files: Files, layout: Dict[str, int], model_rank: int, bf16: bo
                  key: str = "fp32") -> Dict[str, Shard]:
     """{DeepSpeed's parameter name: its fp32 master on this model rank} from the ZeRO files of
     every data-parallel rank; with `key` 'exp_avg' or 'exp_avg_sq', that Adam moment instead
-    (the optimizer keeps its states in flat partitions laid out as the masters')."""
+    (the optimizer keeps its states in flat partitions laid out as the masters'). With experts
+    split over ranks, an expert weight's master is every expert rank's joined (all experts)."""
     shapes = files.field(model_file(model_rank, layout), "param_shapes")
     names = [files.zero_name(d, model_rank, bf16) for d in range(layout["data_parallel_size"])]
     states = [files.field(n, "optimizer_state_dict") for n in names]
@@ -172,7 +177,7 @@ def zero_masters(files: Files, layout: Dict[str, int], model_rank: int, bf16: bo
         states = [_with_moment(s, key, f"{files.folder / n}") for s, n in zip(states, names)]
     if layout["zero_stage"] == 3:
         return _zero3(shapes, states, where)
-    return _zero12(shapes, states, where)
+    return _zero12(shapes, states, where, layout.get("expert_model_parallel_size", 1) or 1)
 
 
 def _with_moment(state: Dict[str, Any], key: str, where: str) -> Dict[str, Any]:
@@ -194,8 +199,8 @@ def _with_moment(state: Dict[str, Any], key: str, where: str) -> Dict[str, Any]:
     return {**state, masters: [groups[g][key] for g in range(count)]}
 
 
-def _zero12(shapes: List[Dict[str, Any]], states: List[Dict[str, Any]],
-            where: str) -> Dict[str, Shard]:
+def _zero12(shapes: List[Dict[str, Any]], states: List[Dict[str, Any]], where: str,
+            expert_size: int = 1) -> Dict[str, Shard]:
     key = "single_partition_of_fp32_groups"
     first = states[0]
     if key not in first:
@@ -207,9 +212,17 @@ def _zero12(shapes: List[Dict[str, Any]], states: List[Dict[str, Any]],
     if len(first[key]) != len(shapes):
         raise CheckpointReadError(f"{where}: {len(first[key])} parameter groups; the model "
                                   f"file's param_shapes has {len(shapes)}")
+    experts = moe_groups(first, len(shapes))
+    if expert_size > 1 and not any(experts):
+        raise CheckpointReadError(f"{where}: no expert parameter group ('moe'), though "
+                                  f"meta.json's layout splits the experts over {expert_size} "
+                                  f"ranks")
     out = {}
     for g, group in enumerate(shapes):
-        flat = Flat([s[key][g] for s in states])
+        copies = [[states[d] for d in ranks]
+                  for ranks in replica_ranks(len(states), expert_size, experts[g])]
+        _check_partitions(copies[0][0], g, len(copies[0]), where)
+        flats = [Flat([s[key][g] for s in copy]) for copy in copies]
         offset = 0
         pads = paddings[g] or [0] * len(group)
         if len(pads) != len(group):
@@ -217,14 +230,49 @@ def _zero12(shapes: List[Dict[str, Any]], states: List[Dict[str, Any]],
                                       f"{len(group)} parameters of group {g}")
         for (name, shape), pad in zip(group.items(), pads):
             numel = math.prod(shape)
-            out[name] = partial(_read_flat, flat, offset, numel, tuple(shape), name, where)
+            reads = [partial(_read_flat, flat, offset, numel, tuple(shape), name, where)
+                     for flat in flats]
+            # an expert group: each expert rank's experts, joined along the experts dimension
+            out[name] = reads[0] if len(reads) == 1 else partial(joined, reads)
             offset += numel + pad
-        trailing = sum(s["group_paddings"][g] for s in states) if trailing_saved else 0
-        if offset + trailing != len(flat):
-            raise CheckpointReadError(f"{where}: group {g} holds {len(flat)} elements; its "
-                                      f"parameters need {offset} (+{trailing} padding): files "
-                                      f"of different checkpoints or layouts?")
+        for copy, flat in zip(copies, flats):
+            trailing = sum(s["group_paddings"][g] for s in copy) if trailing_saved else 0
+            if offset + trailing != len(flat):
+                raise CheckpointReadError(f"{where}: group {g} holds {len(flat)} elements; its "
+                                          f"parameters need {offset} (+{trailing} padding): "
+                                          f"files of different checkpoints or layouts?")
     return out
+
+
+def moe_groups(state: Dict[str, Any], count: int) -> List[bool]:
+    """Which of a ZeRO-1/2 file's `count` parameter groups hold experts (DeepSpeed's `moe`
+    groups: 'moe' in the base optimizer's param_groups)."""
+    base = state.get("base_optimizer_state")
+    groups = base.get("param_groups") if isinstance(base, dict) else None
+    if not isinstance(groups, list) or len(groups) != count:
+        return [False] * count
+    return [bool(isinstance(g, dict) and g.get("moe")) for g in groups]
+
+
+def replica_ranks(data_size: int, expert_size: int, is_moe: bool) -> List[List[int]]:
+    """The data ranks whose partitions, in order, make up one flat copy of a group: all ranks
+    for a dense group; for an expert group (partitioned over the expert-data-parallel group),
+    each expert rank's: the data ranks equal to it modulo EP, expert rank 0's first."""
+    if not is_moe or expert_size == 1:
+        return [list(range(data_size))]
+    return [list(range(e, data_size, expert_size)) for e in range(expert_size)]
+
+
+def _check_partitions(state: Dict[str, Any], group: int, ranks: int, where: str) -> None:
+    count = state.get("partition_count")
+    if isinstance(count, (list, tuple)) and len(count) > group and count[group] != ranks:
+        raise CheckpointReadError(f"{where}: group {group} is partitioned over {count[group]} "
+                                  f"ranks; meta.json's layout gives it {ranks}")
+
+
+def joined(parts: Sequence[Shard]) -> torch.Tensor:
+    """Each expert rank's [E / EP, ...] part of an expert weight as one [E, ...] tensor."""
+    return torch.cat([part() for part in parts])
 
 
 def _zero3(shapes: List[Dict[str, Any]], states: List[Dict[str, Any]],

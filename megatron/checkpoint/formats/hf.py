@@ -1,4 +1,5 @@
-"""Hugging Face T5 folders, written from and read as a stream of full tensors under our names.
+"""Hugging Face T5 folders, written from and read as a stream of full tensors under our names
+(a Mixture-of-Experts model as a SwitchTransformers folder: switch.py).
 
     config.json                 T5Config.to_hf_dict plus the ids, dtype and tie transformers reads
     generation_config.json      decoder start, eos and pad ids
@@ -54,7 +55,15 @@ from megatron.checkpoint.formats.hf_tokenizer import (
 )
 from megatron.checkpoint.formats.shards import ShardWriter
 from megatron.model.config import T5Config
-from megatron.model.meta import full_parameter_shapes
+from megatron.checkpoint.formats.switch import (
+    ARCHITECTURE as SWITCH_ARCHITECTURE,
+    export_problems,
+    switch_config_dict,
+    switch_config_values,
+    switch_readme,
+    switch_tensors,
+)
+from megatron.model.meta import buffer_shapes, full_parameter_shapes
 from megatron.model.state_dict import (
     HF_IGNORED,
     hf_copies,
@@ -133,9 +142,10 @@ def write_hf_folder(out_dir: PathLike, config: T5Config,
                     dtype: Optional[Union[torch.dtype, str]] = None, extra_ids: int = 100,
                     force: bool = False,
                     progress: Optional[Callable[[str], None]] = None,
-                    tokenizer_files=None) -> Path:
+                    tokenizer_files=None, allow_inexact: bool = False) -> Path:
     """Write a folder that `T5ForConditionalGeneration.from_pretrained` (and AutoTokenizer, with
-    a tokenizer model) loads as the model the tensors describe.
+    a tokenizer model) loads as the model the tensors describe; for a Mixture-of-Experts config,
+    `SwitchTransformersForConditionalGeneration.from_pretrained` (switch.py).
 
     Args:
         out_dir: the folder to create.
@@ -151,15 +161,19 @@ def write_hf_folder(out_dir: PathLike, config: T5Config,
         progress: called with each tensor's name once it is taken.
         tokenizer_files: instead of tokenizer_model, a tokenizer of another kind: an object
             with `vocab_size` and `write(folder)` (megatron.checkpoint.formats.cpm2.CPM2TokenizerFiles).
+        allow_inexact: write a Mixture-of-Experts model that transformers would compute
+            differently (`switch.export_problems`), the differences listed in its README.md.
 
     Raises:
         HFFolderError: `out_dir` exists without `force`, a name that is not the model's, given
-            twice or missing, a shape that does not fit, or a tokenizer model that cannot be
-            converted (all before anything is left behind).
+            twice or missing, a shape that does not fit, a tokenizer model that cannot be
+            converted, or a Mixture-of-Experts model SwitchTransformers cannot hold (or not
+            exactly, without `allow_inexact`) (all before anything is left behind).
     """
     out = Path(out_dir)
     if out.exists() and not force:
         raise HFFolderError(f"{out} exists; pass force=True (--force) to replace it")
+    inexact = _check_switch(config, allow_inexact) if config.is_moe else []
     dtype = _torch_dtype(dtype)
     tokenizer = tokenizer_files
     if tokenizer_model is not None:  # checked before the weights stream in
@@ -169,7 +183,7 @@ def write_hf_folder(out_dir: PathLike, config: T5Config,
                                 f"{extra_ids} sentinels) do not fit the model's vocab_size "
                                 f"{config.vocab_size}")
     with staged_folder(out) as tmp:
-        expected = full_parameter_shapes(config)
+        expected = {**full_parameter_shapes(config), **buffer_shapes(config)}
         writer = ShardWriter(tmp, parse_size(max_shard_size))
         seen = set()
         first_dtype = None
@@ -190,7 +204,9 @@ def write_hf_folder(out_dir: PathLike, config: T5Config,
                 tensor = tensor.to(dtype)
             if first_dtype is None and tensor.is_floating_point():
                 first_dtype = tensor.dtype
-            writer.add(name, tensor)
+            for hf_name, part in (switch_tensors([(name, tensor)], config) if config.is_moe
+                                  else [(name, tensor)]):
+                writer.add(hf_name, part)
             if progress is not None:
                 progress(name)
         missing = [n for n in expected if n not in seen]
@@ -198,7 +214,8 @@ def write_hf_folder(out_dir: PathLike, config: T5Config,
             raise HFFolderError(f"{out}: {len(missing)} tensor(s) of the model not given: "
                                 f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
         writer.close()
-        values = hf_config_dict(config, first_dtype)
+        values = switch_config_dict(config, _dtype_name(first_dtype)) if config.is_moe \
+            else hf_config_dict(config, first_dtype)
         if isinstance(tokenizer, HFTokenizerFiles):  # AutoTokenizer reads it without
             values["tokenizer_class"] = TOKENIZER_CLASS  # tokenizer_config.json's
         write_json(tmp / CONFIG, values)
@@ -207,7 +224,38 @@ def write_hf_folder(out_dir: PathLike, config: T5Config,
             "eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id})
         if tokenizer is not None:
             tokenizer.write(tmp)
+        if config.is_moe:
+            _switch_readme(tmp / "README.md", config, inexact)
     return out
+
+
+def _check_switch(config: T5Config, allow_inexact: bool) -> List[str]:
+    """What transformers would compute differently (empty: nothing); raises HFFolderError for
+    what it cannot hold, and for those differences unless `allow_inexact`."""
+    never, inexact = export_problems(config)
+    if never:
+        raise HFFolderError("a SwitchTransformers folder cannot hold this Mixture-of-Experts "
+                            "model: " + "; ".join(never) + " (--to fp32 writes its tensors "
+                            "under our names)")
+    if inexact and not allow_inexact:
+        raise HFFolderError("transformers' SwitchTransformers would compute another model "
+                            "than this one: " + "; ".join(inexact) + ". Pass --allow-inexact-hf "
+                            "(allow_inexact) to write it anyway: its README.md then lists the "
+                            "differences, and --from hf reads the exact model back")
+    return inexact
+
+
+def _switch_readme(path: Path, config: T5Config, inexact: List[str]) -> None:
+    """The tokenizer's README.md (if any) for SwitchTransformers, with the experts' section."""
+    text = path.read_text(encoding="utf-8") if path.is_file() else \
+        f"# {SWITCH_ARCHITECTURE}\n"
+    text = text.replace("T5ForConditionalGeneration", SWITCH_ARCHITECTURE)
+    path.write_text(text.rstrip("\n") + "\n\n" + switch_readme(config, inexact),
+                    encoding="utf-8")
+
+
+def _dtype_name(dtype: Optional[torch.dtype]) -> Optional[str]:
+    return None if dtype is None else DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def hf_config_dict(config: T5Config, dtype: Optional[torch.dtype] = None) -> Dict:
@@ -263,6 +311,8 @@ def read_hf_config(path: PathLike) -> T5Config:
     if problems:
         raise HFFolderError(f"{path}: " + "; ".join(problems))
     kept = {k: v for k, v in values.items() if k not in GENERIC_HF_KEYS and k not in GENERIC_HF_OFF}
+    if model_type == "switch_transformers":
+        kept = switch_config_values(kept)
     if model_type == "mt5":
         # MT5ForConditionalGeneration never scales the decoder output (transformers 5.x; 4.x
         # scaled when tied, and released mT5 models are untied), though 5.x writes
@@ -331,7 +381,7 @@ def read_hf_folder(directory: PathLike) -> Tuple[T5Config, Iterator[Tuple[str, t
 def _check_names(directory, config, shapes, source, copies, indexed) -> None:
     expected = full_parameter_shapes(config)
     if config.is_moe:  # SwitchTransformers names: one tensor per expert, dense blocks' `mlp`
-        expected = switch_shapes(expected, config)
+        expected = {**switch_shapes(expected, config), **buffer_shapes(config)}
     ours = {("shared.weight" if n == source else n): n for n in shapes
             if n not in HF_IGNORED and (n == source or n not in copies)}
     problems = []

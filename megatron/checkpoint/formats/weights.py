@@ -9,10 +9,12 @@
                                                   named and sharded as the weights
 
 The tensors are whole, so the checkpoint fits any layout: every rank reads only its tensor-
-parallel slice of the tensors its pipeline stage holds (safetensors reads slices from the mapped
-file), and ZeRO-3 ranks load through DeepSpeed's gathered parameters. The target sizes given to
-the tool are recorded in meta.json and checked nowhere: any TP x PP x DP and ZeRO stage can load
-it.
+parallel slice of the tensors its pipeline stage holds, and of each expert weight ([experts,
+...]) its expert rank's experts (safetensors reads slices from the mapped file); ZeRO-3 ranks
+load through DeepSpeed's gathered parameters. Persistent buffers (the expert biases of
+`moe_expert_bias`) are stored beside the weights, whole, without optimizer states. The target
+sizes given to the tool are recorded in meta.json and checked nowhere (but that the experts
+divide by the expert-parallel size): any TP x PP x EP x DP and ZeRO stage can load it.
 
 Without optimizer states the trainer takes it with `--load OUT --finetune` (weights only: a
 fresh optimizer, LR schedule and data position). With them (converted from one of our
@@ -57,8 +59,9 @@ def write_weights_checkpoint(out: Path, tensors: Iterable[Tuple[str, torch.Tenso
     """Write OUT (see the module docstring) from full tensors given one at a time.
 
     optimizer: with optimizer states, {'step': Adam's step count, 'exp_avg' and 'exp_avg_sq':
-        iterables of (name, full fp32 tensor) for the same names as `tensors`, 'resume': the
-        source's iteration, consumed_samples and lr_schedule} (`tensors` are then the masters).
+        iterables of (name, full fp32 tensor) for the same names as `tensors` (but the
+        persistent buffers, which have none), 'resume': the source's iteration,
+        consumed_samples and lr_schedule} (`tensors` are then the masters).
     """
     out = Path(out)
     if out.exists() and not force:
@@ -73,10 +76,11 @@ def write_weights_checkpoint(out: Path, tensors: Iterable[Tuple[str, torch.Tenso
                 "layout": target_layout or {}, "source": source or {},
                 "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
         if optimizer is not None:
+            stateful = [n for n in names if n not in _buffer_names(model_meta)]
             for key in MOMENTS:
                 got, _ = _write_tensors(folder, key, optimizer[key], max_shard_size, progress)
-                if got != names:
-                    missing = sorted(set(names) - set(got)) or sorted(set(got) - set(names))
+                if got != stateful:
+                    missing = sorted(set(stateful) - set(got)) or sorted(set(got) - set(stateful))
                     raise WeightsError(f"{key}: the optimizer state does not name the weights' "
                                        f"tensors ({', '.join(missing[:4])} ...)")
             resume = optimizer.get("resume") or {}
@@ -88,6 +92,14 @@ def write_weights_checkpoint(out: Path, tensors: Iterable[Tuple[str, torch.Tenso
         (tmp / TRACKER).write_text(f"{iteration}\n")
         (tmp / "latest").write_text(tag)
     return out
+
+
+def _buffer_names(model_meta: Dict[str, Any]) -> set:
+    """The model's persistent buffers (expert biases): weights without optimizer states."""
+    from megatron.model.config import T5Config
+    from megatron.model.meta import buffer_shapes
+
+    return set(buffer_shapes(T5Config.from_dict(model_meta["config"])))
 
 
 def _write_tensors(folder: Path, prefix: str, tensors: Iterable[Tuple[str, torch.Tensor]],
@@ -145,15 +157,20 @@ class WeightsReader:
     def slice(self, name: str, dim: Optional[int] = None, start: int = 0,
               stop: Optional[int] = None) -> torch.Tensor:
         """Tensor `name`, or its [start, stop) range along `dim`."""
+        return self.region(name, {} if dim is None else {dim: (start, stop)})
+
+    def region(self, name: str, ranges: Dict[int, Tuple[int, Optional[int]]]) -> torch.Tensor:
+        """Tensor `name` restricted to [start, stop) along each dimension of `ranges`."""
         file = self.single if self.weight_map is None else self.weight_map.get(name)
         if file is None or name not in self._file(file).keys():
             raise WeightsError(f"{self.folder}: no tensor {name!r}")
         try:
             view = self._file(file).get_slice(name)
-            if dim is None:
+            if not ranges:
                 return view[:]
             index = [slice(None)] * len(view.get_shape())
-            index[dim] = slice(start, stop)
+            for dim, (start, stop) in ranges.items():
+                index[dim] = slice(start, stop)
             return view[tuple(index)]
         except WeightsError:
             raise
@@ -163,30 +180,35 @@ class WeightsReader:
 
 
 def load_into(module: torch.nn.Module, names: Dict[str, str], reader: WeightsReader,
-              vocab_size: int, tensor_rank: int, tensor_size: int) -> List[str]:
+              vocab_size: int, tensor_rank: int, tensor_size: int,
+              buffers: Optional[Dict[str, str]] = None,
+              experts: Tuple[int, int] = (0, 1)) -> List[str]:
     """Copy each parameter of `module` (its name -> our full name in `names`) from the reader:
-    this tensor rank's slice, vocabulary rows padded with zeros. Under ZeRO-3 the parameters are
-    gathered around the copy (every data-parallel rank reads the same values). Returns the
-    problems (missing tensors, shapes), all of them; nothing is copied when there are any."""
+    this tensor rank's slice, vocabulary rows padded with zeros, and of an expert weight this
+    expert rank's experts (`experts`: (expert rank, expert-parallel size)). Under ZeRO-3 the
+    parameters are gathered around the copy (every data-parallel rank reads the same values).
+    `buffers` (its name -> our full name) are copied whole. Returns the problems (missing
+    tensors, shapes), all of them; nothing is copied when there are any."""
     plan, problems = [], []
     params = dict(module.named_parameters())
+    state = module.state_dict(keep_vars=True) if buffers else {}
     available = set(reader.names())
-    for local, full in names.items():
+    for local, full in [*names.items(), *(buffers or {}).items()]:
         if full not in available:
             problems.append(f"{reader.folder}: no tensor {full!r} (for {local})")
             continue
-        plan.append((params[local], full))
+        plan.append((params[local] if local in params else state[local], full))
     if problems:
         return problems
     for param, full in plan:
-        problem = _copy(param, full, reader, vocab_size, tensor_rank, tensor_size)
+        problem = _copy(param, full, reader, vocab_size, tensor_rank, tensor_size, experts)
         if problem:
             problems.append(problem)
     return problems
 
 
 def _copy(param, full: str, reader: WeightsReader, vocab_size: int, tensor_rank: int,
-          tensor_size: int) -> Optional[str]:
+          tensor_size: int, experts: Tuple[int, int] = (0, 1)) -> Optional[str]:
     zero3 = hasattr(param, "ds_id")
     if zero3:
         # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
@@ -198,7 +220,8 @@ def _copy(param, full: str, reader: WeightsReader, vocab_size: int, tensor_rank:
     with context:
         if getattr(param, "partition_stride", 1) != 1:
             return f"{full}: strided tensor-parallel shards are not supported"
-        tensor = local_tensor(param, full, reader, vocab_size, tensor_rank, tensor_size)
+        tensor = local_tensor(param, full, reader, vocab_size, tensor_rank, tensor_size,
+                              *experts)
         if tuple(tensor.shape) != tuple(param.shape):
             return (f"{reader.folder}: tensor {full!r} has shape {tuple(tensor.shape)}, this "
                     f"rank's parameter {tuple(param.shape)}: another model")
@@ -208,12 +231,14 @@ def _copy(param, full: str, reader: WeightsReader, vocab_size: int, tensor_rank:
 
 
 def local_tensor(param, full: str, reader: WeightsReader, vocab_size: int, rank: int,
-                  size: int) -> torch.Tensor:
+                  size: int, expert_rank: int = 0, expert_size: int = 1) -> torch.Tensor:
     """This rank's part of tensor `full`: its slice along the partition dimension (all our
-    layers shard with stride 1); vocabulary rows beyond vocab_size are padding, zero."""
+    layers shard with stride 1); vocabulary rows beyond vocab_size are padding, zero. Of an
+    expert weight ([experts, ...], `param.expert_parallel`) also this expert rank's experts."""
     sharded = getattr(param, "tensor_model_parallel", False) and size > 1
     dim = param.partition_dim if sharded else 0
-    length = _shape(param)[dim]
+    shape = _shape(param)
+    length = shape[dim]
     start = rank * length if sharded else 0
     if full in VOCAB_PARAMETERS and dim == 0:
         tensor = reader.slice(full, 0, min(start, vocab_size), min(start + length, vocab_size))
@@ -221,7 +246,10 @@ def local_tensor(param, full: str, reader: WeightsReader, vocab_size: int, rank:
             tensor = torch.cat([tensor, tensor.new_zeros(length - tensor.shape[0],
                                                          *tensor.shape[1:])])
         return tensor
-    return reader.slice(full, dim, start, start + length) if sharded else reader.slice(full)
+    ranges = {dim: (start, start + length)} if sharded else {}
+    if getattr(param, "expert_parallel", False) and expert_size > 1:  # (never split on dim 0
+        ranges[0] = (expert_rank * shape[0], (expert_rank + 1) * shape[0])  # by tensor ranks)
+    return reader.region(full, ranges)
 
 
 def _shape(param) -> Tuple[int, ...]:

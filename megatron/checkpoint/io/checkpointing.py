@@ -14,10 +14,11 @@ A save (megatron/checkpoint/io/saver.py) writes `iter_N.tmp/`, flushes it to dis
 renamed). A process killed at any moment leaves the previous checkpoint and the tracker that
 points to it intact; the stale `.tmp` folder is removed by the next save.
 
-Loading checks the layout first (tensor and pipeline sizes must match; the data-parallel size
-too, unless only weights are loaded from a ZeRO 0-2 checkpoint), then has the training step
-(training/step.py, which owns the engine) read its files and restores our own state from JSON and
-`weights_only` tensor files. This module knows no engine and needs no model to check a folder.
+Loading checks the layout first (tensor, pipeline and expert-parallel sizes must match; the
+data-parallel size too, unless only weights are loaded from a ZeRO 0-2 checkpoint), then has the
+training step (training/step.py, which owns the engine) read its files and restores our own state
+from JSON and `weights_only` tensor files. This module knows no engine and needs no model to
+check a folder.
 """
 
 from __future__ import annotations
@@ -262,6 +263,9 @@ def layout_problems(saved: Dict[str, int], now: Dict[str, int], load: str,
     command = (f"python data_tools/convert_checkpoint.py --load {load} --to megatron OUT "
                f"--target-tensor-parallel-size {now['tensor_model_parallel_size']} "
                f"--target-pipeline-parallel-size {now['pipeline_model_parallel_size']}")
+    experts = now.get("expert_model_parallel_size", 1)
+    if experts > 1 or saved.get("expert_model_parallel_size", 1) > 1:
+        command += f" --target-expert-parallel-size {experts}"
     return [f"--load {load}: the checkpoint was saved with another layout "
             f"({'; '.join(changed)}){hint}; to go on in this layout, convert it: `{command}`, "
             f"then --load OUT (it carries the optimizer states: the run resumes where it "

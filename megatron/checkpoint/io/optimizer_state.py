@@ -8,7 +8,8 @@ the weights), and the optimizer takes the elements it owns:
 - ZeRO-0 (torch's AdamW on the parameters themselves, which are the fp32 masters the weights
   loader has set): the state of each parameter, whole.
 - ZeRO-1/2 (`DeepSpeedZeroOptimizer`) and the BF16 optimizer: each parameter is linked to its
-  fragment of this data-parallel rank's flat fp32 partition (`_hp_mapping`, DeepSpeed's own
+  fragment of this data-parallel rank's flat fp32 partition (for an expert weight, of its
+  expert group's partition over the expert-data-parallel ranks) (`_hp_mapping`, DeepSpeed's own
   link, which its universal-checkpoint loader fills the same way). Adam's state is created lazily
   at the first step, so we create it: zeroed flat moments per group, our fragments copied in,
   then DeepSpeed re-links its fragments to them.
@@ -22,7 +23,7 @@ device when fused or capturable), an int for DeepSpeedCPUAdam.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -34,10 +35,13 @@ MOMENTS; all by default), in its full local shape."""
 
 
 def load_optimizer_state(engine, names: Dict[str, str], folder: Path, step: int,
-                         vocab_size: int, tensor_rank: int, tensor_size: int) -> None:
+                         vocab_size: int, tensor_rank: int, tensor_size: int,
+                         experts: Tuple[int, int] = (0, 1)) -> None:
     """Put the masters and moments of weights checkpoint `folder` into `engine`'s optimizer.
 
     names: {this rank's parameter name: our full name}.
+    experts: (expert rank, expert-parallel size): which experts of an expert weight are this
+        rank's (ZeRO-1/2 keeps them in DeepSpeed's expert groups, reached by the same links).
     Raises:
         WeightsError: missing tensors or files, or an optimizer that cannot take them.
     """
@@ -51,7 +55,7 @@ def load_optimizer_state(engine, names: Dict[str, str], folder: Path, step: int,
 
     def values(param, keys=tuple(readers)) -> Dict[str, torch.Tensor]:
         return {key: local_tensor(param, full[id(param)], readers[key], vocab_size,
-                                   tensor_rank, tensor_size).to(torch.float32)
+                                   tensor_rank, tensor_size, *experts).to(torch.float32)
                 for key in keys}
 
     optimizer = engine.optimizer
