@@ -50,6 +50,7 @@ data-parallel group; the token choices go to the rank of their expert and back b
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import List, NamedTuple, Optional
 
 import torch
@@ -323,7 +324,10 @@ class SparseMLP(nn.Module):
         """Choices an expert takes per sequence of `length` tokens (None: dropless)."""
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if factor is not None:
-            return max(1, math.ceil(factor * self.k * length / self.num_experts))
+            # the factor as written (1.1 is 11/10): in binary floating point 1.1 x 2 x 100 / 4
+            # is 55.00000000000001, one choice more than the formula's 55
+            exact = Fraction(str(factor)) * self.k * length / self.num_experts
+            return max(1, math.ceil(exact))
         return self.expert_capacity
 
     def forward_flops(self, tokens: int) -> int:
