@@ -36,9 +36,9 @@ averaged over a stack's sparse layers before their product, which equals ours wh
 sparse layer.
 
 **Experts** run as one grouped matrix multiply over the local experts
-(`torch.nn.functional.grouped_mm`: on CPU in any float dtype, on CUDA its grouped GEMM kernels for
-bfloat16; other CUDA dtypes use a batched multiply of the experts' rows padded to the busiest
-one). Their d_ff is split over the tensor-parallel ranks as the dense feed-forward's is (each rank
+(`torch.nn.functional.grouped_mm`: on CPU in float32, bfloat16 and float16, on CUDA its grouped
+GEMM kernels for bfloat16, for widths of a multiple of 16 bytes; otherwise a batched multiply of
+the experts' rows padded to the busiest one). Their d_ff is split over the tensor-parallel ranks as the dense feed-forward's is (each rank
 computes its slice for every routed token; one all-reduce after the combination), so an expert's
 weights are divided by TP, not replicated.
 
@@ -50,6 +50,7 @@ data-parallel group; the token choices go to the rank of their expert and back b
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import List, NamedTuple, Optional
 
 import torch
@@ -156,10 +157,25 @@ class _AllToAll(torch.autograd.Function):
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """rows [N, in] sorted by group, `counts` [G] rows per group; weight [G, out, in]:
     rows of group g times weight[g]^T, [N, out] (module docstring: grouped_mm, or a padded
-    batched multiply for CUDA dtypes its kernels lack)."""
-    if rows.device.type != "cuda" or rows.dtype == torch.bfloat16:
+    batched multiply where its kernels do not run)."""
+    if _grouped_mm_runs(rows):
         offsets = counts.cumsum(0).to(torch.int32)
         return F.grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
+    return padded_grouped_linear(rows, weight, counts)
+
+
+def _grouped_mm_runs(rows: torch.Tensor) -> bool:
+    """Whether grouped_mm has a kernel for these rows: on CPU float32, bfloat16 or float16, on
+    CUDA bfloat16; rows of a multiple of 16 bytes (it refuses other strides)."""
+    dtypes = (torch.bfloat16,) if rows.device.type == "cuda" else \
+        (torch.float32, torch.bfloat16, torch.float16)
+    return rows.dtype in dtypes and rows.shape[1] * rows.element_size() % 16 == 0
+
+
+def padded_grouped_linear(rows: torch.Tensor, weight: torch.Tensor,
+                          counts: torch.Tensor) -> torch.Tensor:
+    """grouped_linear as one batched multiply, each group's rows padded to the largest group's
+    count."""
     groups = weight.shape[0]
     starts = counts.cumsum(0) - counts
     group = torch.repeat_interleave(torch.arange(groups, device=rows.device), counts)
@@ -308,7 +324,10 @@ class SparseMLP(nn.Module):
         """Choices an expert takes per sequence of `length` tokens (None: dropless)."""
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if factor is not None:
-            return max(1, math.ceil(factor * self.k * length / self.num_experts))
+            # the factor as written (1.1 is 11/10): in binary floating point 1.1 x 2 x 100 / 4
+            # is 55.00000000000001, one choice more than the formula's 55
+            exact = Fraction(str(factor)) * self.k * length / self.num_experts
+            return max(1, math.ceil(exact))
         return self.expert_capacity
 
     def forward_flops(self, tokens: int) -> int:

@@ -1,0 +1,10 @@
+"""The flag tests take the training tests' small command line (tests/training/train_workers.py)
+and the process harness's free port (tests/distributed/harness.py)."""
+
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+for folder in ("training", "distributed"):
+    if str(TESTS / folder) not in sys.path:
+        sys.path.insert(0, str(TESTS / folder))
