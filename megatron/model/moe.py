@@ -321,7 +321,11 @@ class SparseMLP(nn.Module):
         """Token choices per expert since the last `update_expert_bias` (expert bias only)."""
 
     def capacity(self, length: int) -> Optional[int]:
-        """Choices an expert takes per sequence of `length` tokens (None: dropless)."""
+        """Choices an expert takes per sequence of `length` tokens (None: dropless). BASE
+        routing drops nothing: its assignment is balanced (a Hugging Face folder's
+        `expert_capacity`, always written there, is ignored)."""
+        if self.router_type == "base":
+            return None
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if factor is not None:
             # the factor as written (1.1 is 11/10): in binary floating point 1.1 x 2 x 100 / 4

@@ -218,14 +218,15 @@ def test_evaluation_takes_the_evaluation_capacity_factor():
         mlp.stats.reset()
         with torch.no_grad():
             out, _ = mlp(hidden)
-        assert float(mlp.stats.dropped) == 8 - kept
+        # the log's numbers count training forwards only (evaluation would mix into them)
+        assert float(mlp.stats.dropped) == (8 - kept if training else 0)
         assert (out[0].abs().sum(-1) > 0).tolist() == [True] * kept + [False] * (8 - kept)
     # no evaluation factor and no expert_capacity: evaluation is dropless
     mlp = steer(layer(expert_capacity_factor=1.0))
     assert mlp.eval().capacity(8) is None
     with torch.no_grad():
-        mlp(hidden)
-    assert float(mlp.stats.dropped) == 0
+        out, _ = mlp(hidden)
+    assert bool((out[0].abs().sum(-1) > 0).all())
 
 
 # Expert bias ------------------------------------------------------------------------------------
@@ -418,3 +419,20 @@ def test_a_checkpointed_forward_counts_its_tokens_once():
     assert torch.equal(mlp.step_load, plain.step_load)
     for (name, p), q in zip(mlp.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_base_routing_ignores_a_folders_expert_capacity():
+    """Hugging Face configs always carry expert_capacity; BASE is balanced and drops nothing."""
+    from megatron.model import T5Config
+    from megatron.model.moe import SparseMLP
+    from megatron.model.transformer import InitMethods
+    from megatron.tensor_parallel.group import NO_EXPERT_PARALLEL, SINGLE
+
+    config = T5Config(vocab_size=50, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2,
+                      num_experts=2, router_type="base", expert_capacity=1, dropout_rate=0.0)
+    layer = SparseMLP(config, InitMethods(config, 1), tp=SINGLE, ep=NO_EXPERT_PARALLEL,
+                      sparse_layers=1)
+    layer.train()
+    layer(torch.randn(2, 8, 8))
+    assert layer.capacity(8) is None
+    assert float(layer.stats.dropped) == 0.0 and layer.stats.choices == 16
