@@ -27,7 +27,8 @@ from megatron.model.config import T5Config
 from megatron.model.state_dict import gather_full_state_dict, load_full_state_dict
 from megatron.tensor_parallel.group import ExpertParallel
 
-VOCAB = 300
+from moe_batches import VOCAB, batch
+
 BASE = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_heads=4, num_layers=3,
             num_decoder_layers=2, dropout_rate=0.0)
 SWITCH = dict(BASE, num_experts=4, encoder_sparse_step=2, decoder_sparse_step=1,
@@ -56,14 +57,6 @@ def full_state(model):
 def weights_checkpoint(model, path):
     write_weights_checkpoint(path, full_state(model).items(), {"config": model.config.to_dict()})
     return path
-
-
-def batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    enc = torch.randint(2, VOCAB, (3, 12), generator=g)
-    dec = torch.randint(2, VOCAB, (3, 7), generator=g)
-    labels = torch.randint(2, VOCAB, (3, 7), generator=g)
-    return enc, dec, labels
 
 
 def convert(*argv):

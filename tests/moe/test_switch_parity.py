@@ -12,7 +12,8 @@ from megatron.model import T5Model
 from megatron.model.moe import SparseMLP, load_balancing_loss, router_z_loss
 from megatron.model.state_dict import load_full_state_dict
 
-VOCAB = 300
+from moe_batches import VOCAB, batch
+
 FIELDS = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_heads=4, num_experts=4,
               expert_capacity=1000, router_jitter_noise=0.0, dropout_rate=0.0,
               tie_word_embeddings=False, router_z_loss_coef=0.003, router_aux_loss_coef=0.02)
@@ -39,14 +40,6 @@ def switch_folder(tmp_path, layout, seed=0):
                 p.normal_(0, 0.5)
     hf.save_pretrained(tmp_path)
     return hf.eval()
-
-
-def batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    enc = torch.randint(2, VOCAB, (3, 12), generator=g)
-    dec = torch.randint(2, VOCAB, (3, 7), generator=g)
-    labels = torch.randint(2, VOCAB, (3, 7), generator=g)
-    return enc, dec, labels
 
 
 def ours_from(folder):
