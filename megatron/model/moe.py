@@ -431,20 +431,27 @@ def take_stats(model: nn.Module, device) -> tuple:
     return names, torch.stack(rows).to(device)
 
 
-def update_expert_bias(model: nn.Module, rate: float, group=None) -> None:
+def expert_bias_layers(model: nn.Module) -> List[SparseMLP]:
+    """The sparse layers of `model` that balance by expert bias."""
+    return [layer for layer in sparse_layers(model) if layer.router.expert_bias is not None]
+
+
+def update_expert_bias(layers, rate: float, group=None) -> None:
     """After an optimizer step: move each expert bias toward equal load, by `rate` times the
     sign of (mean load - the expert's load), the load counted over the step's tokens on every
-    rank of `group` (the data-parallel group). Collective over `group` when the model has
-    expert bias."""
-    for layer in sparse_layers(model):
-        bias = layer.router.expert_bias
-        if bias is None:
-            continue
-        load = layer.step_load
-        if load is None:
-            load = torch.zeros(layer.num_experts, dtype=torch.float64, device=bias.device)
-        load = load.to(bias.device)
-        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(load, group=group)
-        bias.add_(rate * torch.sign(load.mean() - load).float())
+    rank of `group` (the data-parallel group). `layers`: `expert_bias_layers` (a module: its
+    own). One all-reduce over `group` for all of them; nothing without expert bias."""
+    if isinstance(layers, nn.Module):
+        layers = expert_bias_layers(layers)
+    if not layers:
+        return
+    device = layers[0].router.expert_bias.device
+    loads = torch.stack([
+        (layer.step_load if layer.step_load is not None else
+         torch.zeros(layer.num_experts, dtype=torch.float64)).to(device, torch.float64)
+        for layer in layers])
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(loads, group=group)
+    for layer, load in zip(layers, loads):
+        layer.router.expert_bias.add_(rate * torch.sign(load.mean() - load).float())
         layer.step_load = None

@@ -26,7 +26,7 @@ from megatron.checkpoint.formats.weights import WeightsError, WeightsReader, loa
 from megatron.checkpoint.io.async_save import Capture
 from megatron.checkpoint.io.checkpointing import rng_state, set_rng_state
 from megatron.checkpoint.io.optimizer_state import load_optimizer_state
-from megatron.model.moe import update_expert_bias
+from megatron.model.moe import expert_bias_layers, update_expert_bias
 from megatron.model.state_dict import persistent_buffers
 from megatron.training import experts
 from megatron.training.layer_norms import LayerGradNorms
@@ -184,12 +184,15 @@ class EngineStep(TrainStep):
         self._clip_experts = engine.zero_optimization_stage() == 0 and \
             experts.uses_deepspeed_experts(module)
         """ZeRO-0 with experts over ranks: the step takes the norm and clips (experts.py)."""
+        self._biased = expert_bias_layers(module)
+        """The layers balancing by expert bias (found once, not on every step)."""
 
     def after_update(self) -> None:
         """After an optimizer step: the expert biases move toward equal load."""
-        update_expert_bias(self.engine.module, self.expert_bias_update_rate,
-                           parallel_state.get_data_parallel_group()
-                           if parallel_state.model_parallel_is_initialized() else None)
+        if self._biased:
+            update_expert_bias(self._biased, self.expert_bias_update_rate,
+                               parallel_state.get_data_parallel_group()
+                               if parallel_state.model_parallel_is_initialized() else None)
 
     def train(self, mode: bool = True) -> None:
         self.engine.train(mode)
