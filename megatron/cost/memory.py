@@ -121,9 +121,10 @@ class MemoryEstimate:
 
 def stage_parameter_numels(config: T5Config, cut: "Cut", stage: int,
                            tensor_parallel_size: int = 1,
-                           make_vocab_size_divisible_by: int = 128) -> Dict[str, int]:
-    """`parameter_numels` of what pipeline `stage` holds (module docstring); tied weights are
-    counted on every stage that holds a copy."""
+                           make_vocab_size_divisible_by: int = 128,
+                           expert_parallel_size: int = 1) -> Dict[str, int]:
+    """`parameter_numels` of what pipeline `stage` holds (module docstring; its experts over
+    `expert_parallel_size` ranks); tied weights are counted on every stage that holds a copy."""
     enc, dec = cut.stage_blocks(stage)
     last, holds = stage == cut.stages - 1, {"encoder": enc, "decoder": dec}
 
@@ -141,7 +142,8 @@ def stage_parameter_numels(config: T5Config, cut: "Cut", stage: int,
         return int(rest.split(".")[1]) in holds[stack]  # {stack}.block.{i}....
 
     return {name: n for name, n in parameter_numels(
-        config, tensor_parallel_size, make_vocab_size_divisible_by).items() if keep(name)}
+        config, tensor_parallel_size, make_vocab_size_divisible_by,
+        expert_parallel_size).items() if keep(name)}
 
 
 def _validate(tp, dp, zero_stage, precision, offload_optimizer, offload_param, sizes,
@@ -228,13 +230,18 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
     vocab = config.padded_vocab_size(make_vocab_size_divisible_by, tp) // tp
     if pipelined:
         numels = stage_parameter_numels(config, pipeline_cut, pipeline_stage, tp,
-                                        make_vocab_size_divisible_by)
+                                        make_vocab_size_divisible_by, expert_parallel_size)
         activations = _stage_activations(shape, tp, vocab, encoder_seq_length,
                                          decoder_seq_length, pipeline_cut, pipeline_stage,
                                          gradient_accumulation_steps,
                                          checkpoint_num_layers if checkpoint_activations else 0)
-        return _stage_estimate(list(numels.values()), data_parallel_size, zero_stage, precision,
-                               offload_optimizer, buckets, device_type, activations)
+        experts = {n for n in numels if is_expert_parameter(n)} if expert_parallel_size > 1 \
+            else set()
+        return _stage_estimate([n for name, n in numels.items() if name not in experts],
+                               data_parallel_size, zero_stage, precision, offload_optimizer,
+                               buckets, device_type, activations,
+                               [numels[name] for name in experts],
+                               data_parallel_size // expert_parallel_size)
     numels = parameter_numels(config, tensor_parallel_size, make_vocab_size_divisible_by,
                               expert_parallel_size)
     params, grads, optimizer, buffers, step, offloaded = _model_states(
@@ -434,20 +441,32 @@ def _stage_activations(s: ActivationShape, tp: int, vocab: int, e: int, d: int, 
     """A rank of pipeline `stage` under 1F1B (module docstring); chunk 0: no recompute."""
     a, b, D, P = s.a, s.b, s.D, cut.stages
     layers = _stage_layers(cut, stage)
+    indices = [layer.index for layer in cut.stage_layers(stage)]
+    sparse = {"E": set(s.config.sparse_blocks(False)), "D": set(s.config.sparse_blocks(True))}
+
+    def block(kind: str, index: int) -> int:  # a sparse block saves its experts' terms
+        if kind == "E":
+            return s.encoder_block(e, index in sparse["E"])
+        return s.decoder_block(d, e, index in sparse["D"])
+
     has = {k: k in layers for k in ("embed_encoder", "finish_encoder", "embed_decoder", "head")}
-    whole, runs = {"E": 0, "D": 0}, {"E": [], "D": []}
+    # per kind: the blocks run whole (their saved bytes), the checkpointed runs (each run's
+    # blocks' bytes, recomputed at once in backward)
+    whole, whole_saved, runs = {"E": 0, "D": 0}, 0, {"E": [], "D": []}
     for i in range(0, len(layers), chunk or len(layers)):  # DeepSpeed's checkpointed runs
         run = layers[i:i + chunk] if chunk else layers
+        at = indices[i:i + chunk] if chunk else indices
         if chunk and set(run) <= {"E", "D"}:
-            runs[run[0]].append(len(run))
+            runs[run[0]].append(sum(block(k, j) for k, j in zip(run, at)))
         else:
             whole = {k: n + run.count(k) for k, n in whole.items()}
+            whole_saved += sum(block(k, j) for k, j in zip(run, at) if k in ("E", "D"))
     cross_entropy, head, logits, logits_grad = s.head(d, vocab, tp)
     saved = b * (8 if tp == 1 else 9) * (e * has["embed_encoder"] + d * has["embed_decoder"])
     saved += s.dropout * b * D * (e * (has["embed_encoder"] + has["finish_encoder"])
                                   + d * (has["embed_decoder"] + has["head"]))
     saved += s.norm(b * e) * has["finish_encoder"] + (s.norm(b * d) + cross_entropy) * has["head"]
-    saved += whole["E"] * s.encoder_block(e) + whole["D"] * s.decoder_block(d, e)
+    saved += whole_saved
     recompute = 0
     for kind, n in (("E", e), ("D", d)):
         if whole[kind] or runs[kind]:  # the stage's bias layer: buckets, 16-bit cast, the bias
@@ -455,8 +474,7 @@ def _stage_activations(s: ActivationShape, tp: int, vocab: int, e: int, d: int, 
             saved += (s.kernel == "fused" or len(runs[kind]) > 0) * (4 if a == 4 else a) * \
                 b * s.heads * n * n
         saved += a * b * D * n * len(runs[kind])  # each checkpointed run's input
-        block = s.encoder_block(e) if kind == "E" else s.decoder_block(d, e)
-        recompute = max([recompute] + [k * block - a * b * D * n for k in runs[kind]])
+        recompute = max([recompute] + [run - a * b * D * n for run in runs[kind]])
     # DeepSpeed keeps per micro-batch the received tuple (stage 0: the batch), of the clone the
     # layers run on what they do not save (encoder output, ints passed on), the output or labels
     first, last = stage == 0, stage == P - 1
@@ -474,25 +492,35 @@ def _stage_activations(s: ActivationShape, tp: int, vocab: int, e: int, d: int, 
 
 
 def _stage_estimate(numels, dp, stage, precision, offload_optimizer, buckets, device_type,
-                    act: _StageActivations) -> MemoryEstimate:
-    """estimate_memory for a rank of a pipeline stage holding `numels`."""
+                    act: _StageActivations, expert_numels=(), expert_dp: int = 1
+                    ) -> MemoryEstimate:
+    """estimate_memory for a rank of a pipeline stage holding `numels` (and `expert_numels`,
+    this rank's experts, whose optimizer states ZeRO partitions over the `expert_dp` ranks
+    holding the same experts)."""
     pipe = act.pipeline_buffers
     extra = dict(pipeline_buffers=pipe, in_flight=act.in_flight)
     if device_type == "cpu":
-        est = _host_estimate(numels, dp, stage, precision, offload_optimizer, "none", buckets,
-                             act.saved, act.peak, act.m)
+        est = _host_estimate(list(numels) + list(expert_numels), dp, stage, precision,
+                             offload_optimizer, "none", buckets, act.saved, act.peak, act.m)
         return replace(est, total=est.total + pipe, between_steps=est.between_steps + pipe,
                        **extra)
     if precision == "bf16" and stage == 1 and offload_optimizer == "none":
         # DeepSpeed's BF16 optimizer: whole 16-bit gradients and an fp32 accumulation buffer;
         # its step reads the fp32 partition in place; the all-reduce flattens fp32 buckets
-        psi = sum(numels)
+        everything = list(numels) + list(expert_numels)
+        psi = sum(everything)
         params, grads, step, offloaded = 2 * psi, 6 * psi, 0, 0
-        optimizer = optimizer_bytes(1, precision, math.ceil(psi / dp))
-        buffers = 4 * min(PIPELINE_ALLREDUCE_ELEMENTS + max(numels), psi)
+        optimizer = optimizer_bytes(1, precision, math.ceil(sum(numels) / dp)) + \
+            optimizer_bytes(1, precision, math.ceil(sum(expert_numels) / expert_dp))
+        buffers = 4 * min(PIPELINE_ALLREDUCE_ELEMENTS + max(everything), psi)
     else:
-        params, grads, optimizer, buffers, step, offloaded = _model_states(
-            numels, dp, stage, precision, offload_optimizer, "none", buckets)
+        parts = [_model_states(numels, dp, stage, precision, offload_optimizer, "none", buckets)]
+        if expert_numels:
+            parts.append(_model_states(list(expert_numels), expert_dp, stage, precision,
+                                       offload_optimizer, "none", buckets))
+        params, grads, optimizer, _, step, offloaded = (sum(values) for values in zip(*parts))
+        buffers = _model_states(list(numels) + list(expert_numels), dp, stage, precision,
+                                offload_optimizer, "none", buckets)[3]  # buckets: all of them
     states = params + grads + optimizer + buffers + pipe
     return MemoryEstimate(parameters=params, gradients=grads, optimizer_states=optimizer,
                           activations=act.peak, activations_saved=act.saved, buffers=buffers,

@@ -51,16 +51,18 @@ def _print_pipeline(config: RunConfig, device: str) -> None:
     print(f"pipeline bubble: {100 * bubble_fraction(p, m):.1f}% of a step idle under 1F1B "
           f"((P - 1) / (m + P - 1) = {p - 1} / {m + p - 1}; m = {m} micro-batches per step)")
     print(f"memory per rank, estimated for {device} (--dry-run-device), by pipeline stage "
-          f"(GiB; parameters per tensor rank, tied copies on each stage holding one):")
+          f"(GiB; parameters per tensor rank, with its share of the experts; tied copies on "
+          f"each stage holding one):")
     print(f"  {'stage':>5} {'parameters':>15} {'in flight':>9} {'params':>8} {'grads':>8} "
           f"{'optimizer':>9} {'activations':>11} {'buffers':>8} {'send/recv':>9} {'total':>8} "
           f"{'offloaded':>9}")
     stages = estimate_stages(config.layout(), device)
     gib = 2 ** 30
     for s, est in enumerate(stages):
-        count = sum(stage_parameter_numels(model.t5, cut, s, config.parallel.
-                                           tensor_model_parallel_size,
-                                           model.make_vocab_size_divisible_by).values())
+        count = sum(stage_parameter_numels(
+            model.t5, cut, s, config.parallel.tensor_model_parallel_size,
+            model.make_vocab_size_divisible_by,
+            config.parallel.expert_model_parallel_size).values())
         print(f"  {s:>5} {count:>15,} {est.in_flight:>9} {est.parameters / gib:>8.3f} "
               f"{est.gradients / gib:>8.3f} {est.optimizer_states / gib:>9.3f} "
               f"{est.activations / gib:>11.3f} {est.buffers / gib:>8.3f} "

@@ -83,13 +83,18 @@ class ActivationShape:
 
     def sparse_feed_forward(self, tokens: int) -> int:
         """A Mixture-of-Experts feed-forward (model/moe.py): k expert rows per token through the
-        expert FFN (feed_forward's terms, k times), the gathered input rows and the weighted
-        output rows, the router's fp32 input, logits and probabilities, and the choices'
-        int64 indices (expert, order, token)."""
+        expert FFN (feed_forward's terms, k times), the gathered input rows, the expert output
+        rows (for their weighting) and the weighted rows (index_add keeps its source), the
+        router's fp32 input (in 16-bit training a copy of the norm's output, in fp32 that output
+        itself), logits and probabilities, the choices' int64 indices (expert, order, token),
+        and per token the top-k values, gate weights and kept flags and the balancing losses'
+        normaliser and logsumexp (the per-sequence means of the balancing loss, batch x experts,
+        are left out)."""
         c = self.config
         k = c.router_k
-        return k * self.feed_forward(tokens) + 2 * tokens * k * self.D * self.a \
-            + tokens * 4 * (self.D + 2 * c.num_experts) + 3 * 8 * tokens * k
+        return k * self.feed_forward(tokens) + 3 * tokens * k * self.D * self.a \
+            + tokens * 4 * (self.D * (self.a != 4) + 2 * c.num_experts) + 3 * 8 * tokens * k \
+            + tokens * (9 * k + 8)
 
     def encoder_block(self, e: int, sparse: bool = False) -> int:
         ff = self.sparse_feed_forward if sparse else self.feed_forward

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Tuple
 
 from megatron.model.config import T5Config
 from megatron.model.meta import meta_model
@@ -68,6 +68,21 @@ def _parts(config_json: str, enc_len: int, dec_len: int, vocab_size: int):
             ("cross_kv", sum(b.layer[1].EncDecAttention.key_value_flops(enc_len)
                              for b in decoder)),
             ("lm_head", head_flops(head, dec_len)))
+
+
+def block_flops_per_sample(config: T5Config, enc_len: int, dec_len: int
+                           ) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """(each encoder block's, each decoder block's forward FLOPs of one sample; a decoder
+    block's with its cross-attention K/V projections): a sparse block counts its router and
+    the k experts each token runs, so blocks of one stack may differ."""
+    return _blocks(json.dumps(config.to_dict(), sort_keys=True), enc_len, dec_len)
+
+
+@functools.lru_cache(maxsize=64)
+def _blocks(config_json: str, enc_len: int, dec_len: int):
+    model = meta_model(T5Config.from_dict(json.loads(config_json)), 1)
+    return (tuple(b.forward_flops(enc_len) for b in model.encoder.block),
+            tuple(b.forward_flops(dec_len, enc_len) for b in model.decoder.block))
 
 
 def training_step_flops(config: T5Config, samples: int, enc_len: int, dec_len: int,

@@ -118,13 +118,6 @@ def moe_layout_problems(t5: T5Config, parallel, zero_stage: int, precision: str)
                    f"{t5.num_experts}): ZeRO-3 would partition each expert over ranks that do "
                    "not run it; use --zero-stage 1 or 2 (optimizer states and gradients "
                    "partitioned over the ranks holding the same experts)")
-    if parallel.pipeline_model_parallel_size > 1:
-        out.append(f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size} "
-                   f"cannot train a Mixture-of-Experts model (num_experts {t5.num_experts}) "
-                   "yet: the balancing losses do not cross pipeline stages, and DeepSpeed "
-                   "0.19.8's pipeline engine would not read its checkpoints back (with experts "
-                   "its load_module_state_dict skips the stages' layer files); use tensor and "
-                   "expert parallelism")
     if zero_stage == 0 and precision != "fp32":
         out.append(f"--zero-stage 0 with {precision} cannot train a Mixture-of-Experts model "
                    f"(num_experts {t5.num_experts}): DeepSpeed's {precision} optimizer "

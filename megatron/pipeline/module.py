@@ -45,7 +45,7 @@ from megatron.model.transformer import (
     stack_position_bias,
 )
 from megatron.pipeline.partition import Cut, PipeLayer
-from megatron.tensor_parallel.group import TensorParallel
+from megatron.tensor_parallel.group import NO_EXPERT_PARALLEL, ExpertParallel, TensorParallel
 from megatron.tensor_parallel.layers import parallel_lm_logits
 from megatron.tensor_parallel.random import checkpoint
 
@@ -128,18 +128,38 @@ class BlockPipe(_Fields):
     computes the bias)."""
 
     def __init__(self, config: T5Config, layer: PipeLayer, backend: str, tp: TensorParallel,
-                 device=None, dtype=None) -> None:
+                 device=None, dtype=None, ep: ExpertParallel = NO_EXPERT_PARALLEL) -> None:
         super().__init__(layer)
         self.is_decoder = layer.stack == "decoder"
         self.block = build_block(config, self.is_decoder, layer.index, backend, tp,
-                                 has_relative_attention_bias=False, device=device, dtype=dtype)
+                                 has_relative_attention_bias=False, device=device, dtype=dtype,
+                                 ep=ep)
 
     def apply_fields(self, fields: Fields) -> None:
         encoder_mask = additive_encoder_mask(fields["enc_mask"]) if self.is_decoder else None
+        aux = fields.get("aux_loss")
         carry = Carry(hidden=fields["hidden"], encoder_output=fields.get("encoder_output"),
                       encoder_mask=encoder_mask, decoder_mask=None,
-                      position_bias=fields["position_bias"], decoder_input_ids=None)
-        fields["hidden"] = self.block(carry).hidden
+                      position_bias=fields["position_bias"], decoder_input_ids=None,
+                      aux_loss=None if aux is None else aux.reshape(()))
+        carry = self.block(carry)
+        fields["hidden"] = carry.hidden
+        if "aux_loss" in self.layer_fields.fields_out:
+            fields["aux_loss"] = wire_aux(carry.aux_loss, carry.hidden.device)
+
+
+def wire_aux(aux: Optional[torch.Tensor], device) -> torch.Tensor:
+    """The balancing losses as they travel (`WIRE_ORDER`): float32 [1]; zero in evaluation,
+    where the experts add none."""
+    if aux is None:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    return aux.float().reshape(1)
+
+
+def _with_aux(logits: torch.Tensor, fields: Fields):
+    """The head's output: the logits, and the balancing losses where the model has them."""
+    aux = fields.get("aux_loss")
+    return logits if aux is None else (logits, aux)
 
 
 class FinalNormPipe(_Fields):
@@ -172,7 +192,8 @@ class LMHeadPipe(nn.Module):
         self.layer_fields = layer
 
     def forward(self, inputs):
-        return self.lm_head(_read(self.layer_fields, inputs)["hidden"])
+        fields = _read(self.layer_fields, inputs)
+        return _with_aux(self.lm_head(fields["hidden"]), fields)
 
 
 # Tied forward functions ----------------------------------------------------------------------
@@ -194,16 +215,18 @@ def _bias(module: RelativeBiasPipe, fields: Fields) -> None:
         hidden)
 
 
-def _tied_logits(module: SharedEmbeddingPipe, fields: Fields) -> torch.Tensor:
-    return parallel_lm_logits(fields["hidden"], module.embedding)
+def _tied_logits(module: SharedEmbeddingPipe, fields: Fields):
+    return _with_aux(parallel_lm_logits(fields["hidden"], module.embedding), fields)
 
 
 # The layer list ------------------------------------------------------------------------------
 def pipeline_specs(config: T5Config, cut: Cut, padded_vocab_size: int, attention_backend: str,
-                   tp: TensorParallel, device=None, dtype=None
+                   tp: TensorParallel, device=None, dtype=None,
+                   ep: ExpertParallel = NO_EXPERT_PARALLEL
                    ) -> Tuple[list, List[int], List[str]]:
     """(DeepSpeed layer specs, stage boundaries in that list, each spec's name): one spec per
-    layer of `cut.layers`, built for the tensor-parallel share `tp`.
+    layer of `cut.layers`, built for the tensor-parallel share `tp` (and the sparse blocks for
+    the expert-parallel share `ep`).
 
     Names say what a layer is in the single-process model ('shared', 'encoder.block.3', ...)."""
     # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
@@ -224,7 +247,7 @@ def pipeline_specs(config: T5Config, cut: Cut, padded_vocab_size: int, attention
                                      forward_fn=_TiedCall(layer, _bias),
                                      tied_weight_attr=["table.weight"], **kw)
             elif layer.kind == "block":
-                spec = LayerSpec(BlockPipe, config, layer, attention_backend, **kw)
+                spec = LayerSpec(BlockPipe, config, layer, attention_backend, ep=ep, **kw)
             elif layer.kind == "final_norm":
                 spec = LayerSpec(FinalNormPipe, config, layer, device=device, dtype=dtype)
             elif config.tie_word_embeddings:  # the head
@@ -242,17 +265,20 @@ def pipeline_specs(config: T5Config, cut: Cut, padded_vocab_size: int, attention
 def build_pipeline_module(config: T5Config, cut: Cut, topology, padded_vocab_size: int,
                           attention_backend: str, loss_fn, checkpoint_activations: bool,
                           checkpoint_num_layers: int, device=None, dtype=None,
-                          tensor_parallel: Optional[TensorParallel] = None):
+                          tensor_parallel: Optional[TensorParallel] = None,
+                          expert_parallel: Optional[ExpertParallel] = None):
     """This stage's part of the model as a DeepSpeed PipelineModule (collective: it creates
-    the tied-weight groups and broadcasts the tied weights). tensor_parallel: as T5Model's
-    (default: this process's, read here and nowhere below)."""
+    the tied-weight groups and broadcasts the tied weights). tensor_parallel, expert_parallel:
+    as T5Model's (default: this process's, read here and nowhere below); the module carries
+    `config` and `expert_parallel` as T5Model does (training/experts.py reads them)."""
     from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
     from deepspeed.pipe import PipelineModule
 
 
     tp = tensor_parallel or TensorParallel.of_this_process()
+    ep = expert_parallel or ExpertParallel.of_this_process()
     specs, parts, names = pipeline_specs(config, cut, padded_vocab_size, attention_backend, tp,
-                                         device, dtype)
+                                         device, dtype, ep)
 
     class T5PipelineModule(PipelineModule):
         """PipelineModule with our cut (DeepSpeed's own partition methods know no encoder and
@@ -281,10 +307,18 @@ def build_pipeline_module(config: T5Config, cut: Cut, topology, padded_vocab_siz
                     # a view into ZeRO's flat buffer would save the whole buffer: clone
                     state = clone_tensors_for_torch_save(tied.state_dict())
                     checkpoint_engine.save(state_dict=state, path=self._tied_path(save_dir, key))
+            self.write_layers_file(save_dir)
+
+        def write_layers_file(self, save_dir) -> None:
+            """LAYERS_FILE, on global rank 0 (the conversion tool reads stage files by it)."""
             if self.global_rank == 0:
                 with open(os.path.join(save_dir, LAYERS_FILE), "w", encoding="utf-8") as f:
                     json.dump({"layers": names, "stage_starts": parts,
                                "tied": tied_names()}, f, indent=1)
+
+        def single_process_names(self) -> Dict[str, str]:
+            """{parameter name here: the single-process T5Model's} (module function below)."""
+            return single_process_names(self)
 
         def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
             for key, tied in self.tied_modules.items():  # one file per tensor rank
@@ -304,6 +338,7 @@ def build_pipeline_module(config: T5Config, cut: Cut, topology, padded_vocab_siz
         # ours replays the tensor-parallel RNG tracker too (DeepSpeed's tracks its own)
         activation_checkpoint_func=checkpoint, checkpointable_layers=["BlockPipe"])
     module.layer_names = names
+    module.config, module.expert_parallel = config, ep
     return module
 
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from megatron.model.config import T5Config
-from megatron.model.flops import forward_flops_per_sample
+from megatron.model.flops import block_flops_per_sample, forward_flops_per_sample
 
-WIRE_ORDER = ("hidden", "encoder_output", "position_bias", "enc_ids", "dec_ids", "enc_mask",
-              "dec_mask")
+WIRE_ORDER = ("hidden", "encoder_output", "position_bias", "aux_loss", "enc_ids", "dec_ids",
+              "enc_mask", "dec_mask")
 """What travels between a pipeline's layers, in this order (DeepSpeed sends tuples, not dicts
 or None: a field absent from a tuple is not there):
 
@@ -39,6 +39,10 @@ or None: a field absent from a tuple is not there):
     hidden                  the current stack's activations
     encoder_output          from the encoder's final norm to the last decoder block
     position_bias           the stack's bias, made on each stage by its bias layer: never sent
+    aux_loss                float32 [1]: the weighted balancing losses of the sparse blocks run
+                            so far (Mixture-of-Experts, `Cut.aux_blocks`), from the first such
+                            block to the head, which hands it to the loss with the logits; its
+                            gradient flows back through the stages like the hidden state's
 
 DeepSpeed makes every received floating tensor require a gradient and sends one back for each,
 so a floating field leaves the tuple as soon as no later layer reads it: `encoder_output` after
@@ -89,6 +93,9 @@ class Cut:
     split_rank: Optional[int]
     stage_costs: Tuple[float, ...]
     """Forward FLOPs per sample of each stage (embeddings, blocks, norms, head)."""
+    aux_blocks: Tuple[int, ...] = ()
+    """The blocks (flat order) whose experts add balancing losses in training: the sparse
+    blocks of a Mixture-of-Experts model that does not route by BASE layers."""
 
     @property
     def stages(self) -> int:
@@ -110,12 +117,17 @@ class Cut:
             plan = self._stage_plan(stage)
             for n, (kind, stack, index) in enumerate(plan):
                 after = _after(kind, stack, index, fields, self.decoder_layers)
+                if kind == "block" and self._flat(stack, index) in self.aux_blocks:
+                    after = after | {"aux_loss"}
                 if n == len(plan) - 1:  # the bias is made again on the next stage
                     after = after - {"position_bias"}
                 out.append(PipeLayer(kind, stack, index, _ordered(fields), _ordered(after)))
                 fields = after
             stages.append(tuple(out))
         return tuple(stages)
+
+    def _flat(self, stack: str, index: int) -> int:
+        return index + (self.encoder_layers if stack == "decoder" else 0)
 
     def stage_layers(self, stage: int) -> Tuple[PipeLayer, ...]:
         return self.layers[stage]
@@ -189,7 +201,7 @@ def _after(kind: str, stack: Optional[str], index: Optional[int], fields: set,
     if kind == "final_norm":
         after = fields - {"position_bias"}
         return after - {"hidden"} | {"encoder_output"} if stack == "encoder" else after
-    return set()  # the head: its logits alone
+    return set()  # the head: its logits alone (with the balancing losses where they come)
 
 
 def cut_problems(config: T5Config, pipeline_size: int, split_rank: Optional[int]) -> List[str]:
@@ -223,11 +235,9 @@ def layer_costs(config: T5Config, enc_len: int, dec_len: int, vocab_size: int
     """(forward FLOPs per sample of each block in flat order, of the first stage's extras, of
     the last stage's extras)."""
     parts = forward_flops_per_sample(config, enc_len, dec_len, vocab_size)
-    e, d = config.num_layers, config.num_decoder_layers
-    encoder_block = parts["encoder"] / max(e, 1)
-    decoder_block = (parts["decoder"] + parts["cross_kv"]) / max(d, 1)
+    encoder, decoder = block_flops_per_sample(config, enc_len, dec_len)
     embed = (enc_len + dec_len) * config.d_model  # lookups: memory-bound, counted lightly
-    return [encoder_block] * e + [decoder_block] * d, embed, parts["lm_head"]
+    return [float(f) for f in encoder + decoder], embed, parts["lm_head"]
 
 
 def _balanced(costs: Sequence[float], parts: int, first_extra: float = 0.0,
@@ -289,7 +299,16 @@ def cut_model(config: T5Config, pipeline_size: int, split_rank: Optional[int] = 
         cost += first if s == 0 else 0.0
         cost += last if s == pipeline_size - 1 else 0.0
         stage_costs.append(cost)
-    return Cut(e, config.num_decoder_layers, tuple(blocks), split_rank, tuple(stage_costs))
+    return Cut(e, config.num_decoder_layers, tuple(blocks), split_rank, tuple(stage_costs),
+               aux_blocks(config))
+
+
+def aux_blocks(config: T5Config) -> Tuple[int, ...]:
+    """`Cut.aux_blocks` of `config`."""
+    if not config.is_moe or config.router_type == "base":
+        return ()
+    e = config.num_layers
+    return tuple(config.sparse_blocks(False)) + tuple(e + i for i in config.sparse_blocks(True))
 
 
 def bubble_fraction(pipeline_size: int, micro_batches: int) -> float:

@@ -258,7 +258,8 @@ class Evaluator:
         if key not in self._parameters:  # (per stage, each tensor's): one tp x pp layout
             numels = parameter_numels(t5, tp, mvd, ep)
             self._parameters[key] = (
-                [sum(stage_parameter_numels(t5, cut, s, tp, mvd).values()) for s in range(pp)]
+                [sum(stage_parameter_numels(t5, cut, s, tp, mvd, ep).values())
+                 for s in range(pp)]
                 if cut is not None else [sum(numels.values())], list(numels.values()))
         params, numels = self._parameters[key]
         buckets = ZeroBuckets.from_zero_config(layout.deepspeed.get("zero_optimization", {}))

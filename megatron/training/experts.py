@@ -23,6 +23,14 @@ So, for EP > 1:
   (`runtime.utils.clip_grad_norm_`) averages the ranks' norms, and the ranks hold different
   experts: that norm is neither the model's nor the same on every rank, so under ZeRO-0 the step
   takes `global_grad_norm` and clips itself (DeepSpeed's clipping set to 0).
+- a pipeline (DeepSpeed's PipelineEngine): with the marker its checkpoint takes the MoE path
+  too. `_save_moe_checkpoint` writes the stage's whole state dict through the base engine's
+  `module_state_dict` into the model file of the stage's model-parallel rank (mp_rank_MM,
+  M = stage x TP + tensor rank), not into the layer files, and `PipelineEngine.
+  load_module_state_dict` hands a model with experts the whole checkpoint for the base loader:
+  the two agree, so a pipeline resumes from that file (pipeline_step.py adds the layer map,
+  pipeline_layers.json, for the conversion tool). Expert gradients are reduced by the engine's
+  `_reduce_expert_gradients` as without a pipeline.
 With EP = 1 the experts are ordinary parameters, replicated over the data-parallel ranks.
 """
 
@@ -142,9 +150,12 @@ def clip_gradients(model: nn.Module, norm: float, max_norm: float) -> None:
 
 
 def expert_state(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """This rank's experts, by name (the expert biases are the same on every rank: they are in
-    DeepSpeed's model file)."""
-    return {name: p.detach() for name, p in model.named_parameters()
+    """This rank's experts, by the single-process model's names (a pipeline stage's are mapped
+    from its numbered layers); the expert biases are the same on every rank: they are in
+    DeepSpeed's model file."""
+    names = getattr(model, "single_process_names", None)
+    names = names() if names is not None else {}
+    return {names.get(name, name): p.detach() for name, p in model.named_parameters()
             if getattr(p, "expert_parallel", False)}
 
 

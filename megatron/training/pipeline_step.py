@@ -20,6 +20,7 @@ optimizer step, with the norm taken as the other paths take it, and DeepSpeed's 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
@@ -33,7 +34,7 @@ from megatron.pipeline.module import (
 )
 from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.tensor_parallel.group import TensorParallel
-from megatron.tensor_parallel.layers import counts_in_norm
+from megatron.training import experts
 from megatron.training.engine import build_optimizer
 from megatron.training.profiling import PIPELINE_BATCH, PIPELINE_SUMS
 from megatron.training.step import Batch, EngineStep, EvalResult, StepResult
@@ -50,7 +51,9 @@ class PipelineLoss:
         """Training: [sum of micro-batch mean losses, target tokens]; evaluation: [sum of token
         losses, target tokens]."""
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+        # the head's logits, with the balancing losses of a Mixture-of-Experts model
+        logits, aux = outputs if isinstance(outputs, tuple) else (outputs, None)
         token_losses = vocab_parallel_cross_entropy(logits, labels, self.vocab_size,
                                                     label_smoothing=self.label_smoothing,
                                                     tp=self.tp)
@@ -62,35 +65,16 @@ class PipelineLoss:
         loss = token_losses.sum() / count.clamp(min=1)
         self.sums[0] += loss.detach().double()
         self.sums[1] += count
-        return loss
-
-
-def stage_grad_norm(parameters) -> torch.Tensor:
-    """The global gradient norm from this stage's parameters: squares summed over the tensor and
-    pipeline ranks of this data-parallel replica, tensor shards on every tensor rank, replicated
-    weights on tensor rank 0, tied copies once (DeepSpeed marks the extra ones)."""
-    tensor_rank = parallel_state.get_tensor_model_parallel_rank()
-    squares = []
-    device = None
-    for p in parameters:
-        if p.grad is None:
-            continue
-        device = p.grad.device
-        if counts_in_norm(p, tensor_rank):
-            squares.append(p.grad.detach().double().pow(2).sum())
-    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64,
-                                                                   device=device)
-    total = total.reshape(1)
-    dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
-    return total.sqrt()[0]
+        # what training minimises (T5Output.objective); the loss reported is the LM loss
+        return loss if aux is None else loss + aux.reshape(())
 
 
 class PipelineStep(EngineStep):
     """DeepSpeed's PipelineEngine with tensor and data parallelism (ZeRO 0 or 1)."""
 
     def __init__(self, engine, loss: PipelineLoss, device: torch.device,
-                 clip_grad: float = 0.0) -> None:
-        super().__init__(engine, device)
+                 clip_grad: float = 0.0, expert_bias_update_rate: float = 1e-3) -> None:
+        super().__init__(engine, device, expert_bias_update_rate=expert_bias_update_rate)
         self.loss = loss
         self.first, self.last = engine.is_first_stage(), engine.is_last_stage()
         if engine.zero_optimization_stage() == 0 and \
@@ -118,6 +102,7 @@ class PipelineStep(EngineStep):
             if self.first or self.last else None
         with self.ranges(PIPELINE_BATCH):  # the whole schedule: see training/profiling.py
             engine.train_batch(data_iter=feed)
+        self.after_update()
         sums = torch.stack([self.loss.sums[0] if self.last else self.loss.sums[0] * 0,
                             inputs if self.first else inputs * 0,
                             self.loss.sums[1] if self.last else self.loss.sums[1] * 0])
@@ -138,6 +123,13 @@ class PipelineStep(EngineStep):
         self.loss.evaluating = False
         return EvalResult(sums[0], sums[1])
 
+    def save(self, root: Path, tag: str, iteration: int) -> None:
+        super().save(root, tag, iteration)
+        if experts.uses_deepspeed_experts(self.engine.module):
+            # DeepSpeed's MoE checkpoint writes each stage's weights into its model file
+            # (mp_rank_MM), not the layer files; the stage layout still goes beside them
+            self.engine.module.write_layers_file(str(root / tag))
+
     def _weight_names(self):
         return single_process_names(self.engine.module)
 
@@ -155,15 +147,13 @@ class PipelineStep(EngineStep):
             yield (batch["encoder_input_ids"], batch["decoder_input_ids"], *masks), batch["labels"]
 
     def _clip(self, optimizer, args, kwargs) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        norm = stage_grad_norm(params)
-        self._norm = float(norm)
-        if self.clip_grad > 0 and math.isfinite(self._norm):
-            coefficient = self.clip_grad / (self._norm + 1e-6)
-            if coefficient < 1.0:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.detach().mul_(coefficient)
+        # this stage's squares summed over the tensor and pipeline ranks of this data-parallel
+        # replica (and the expert-parallel ranks for the experts): tensor shards on every tensor
+        # rank, replicated weights on tensor rank 0, tied copies once (DeepSpeed marks the
+        # extra ones `ds_pipe_replicated`)
+        self._norm = experts.global_grad_norm(self.engine.module)
+        if math.isfinite(self._norm):
+            experts.clip_gradients(self.engine.module, self._norm, self.clip_grad)
 
 
 def build_pipeline_step(config, watchdog, writer) -> PipelineStep:
@@ -191,6 +181,7 @@ def build_pipeline_step(config, watchdog, writer) -> PipelineStep:
                                        loss, model.checkpoint_activations,
                                        model.checkpoint_num_layers, device=device,
                                        tensor_parallel=tp)
+    experts.prepare(module)  # expert parallelism on DeepSpeed's conventions
     counts = torch.zeros(parallel.pipeline_model_parallel_size, dtype=torch.int64,
                          device=device)
     counts[parallel_state.get_pipeline_model_parallel_rank()] = sum(
@@ -208,4 +199,5 @@ def build_pipeline_step(config, watchdog, writer) -> PipelineStep:
     with watchdog.watch("pipeline engine setup (DeepSpeed connects the stages)", collective_s):
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=adamw, config=ds_json,
                                                dist_init_required=False)
-    return PipelineStep(engine, loss, device, clip if own_norm else 0.0)
+    return PipelineStep(engine, loss, device, clip if own_norm else 0.0,
+                        model.expert_bias_update_rate)

@@ -1,11 +1,14 @@
 """Mixture-of-Experts training is independent of the layout: losses and gradient norms of 4 steps
 with experts split over ranks (EP 2; ZeRO 0, 1 and 2; with data parallelism beside it; with
-TP 2) equal one process that reaches the same global batch by accumulation; and a run that
-stops and resumes under EP 2 equals the straight run."""
+TP 2; with a pipeline of 2 stages, the balancing losses crossing them) equal one process that
+reaches the same global batch by accumulation; and a run that stops and resumes under EP 2, with
+and without a pipeline, equals the straight run."""
 
 import pytest
 
 from harness import run_workers
+
+from data_tools import convert_checkpoint
 from train_workers import assert_same_run, base_argv, losses, run_pretrain
 
 pytestmark = pytest.mark.slow
@@ -96,3 +99,62 @@ def test_expert_parallel_resume_is_exact(train_data, tmp_path, stage):
     files = sorted(p.name for p in (tmp_path / "ckpt" / "iter_0000003").glob("expert_*"))
     assert files == ["expert_parallel_rank_00_mp_rank_00_model_states.pt",
                      "expert_parallel_rank_01_mp_rank_00_model_states.pt"]
+
+
+@pytest.mark.parametrize("zero", ["0", "1"])
+def test_expert_parallel_with_a_pipeline_matches_one_process(train_data, single, tmp_path, zero):
+    """PP 2 x EP 2 (DP 2): the encoder's balancing losses travel to the last stage with the
+    hidden state and their gradients come back; the per-layer numbers gathered from both
+    stages carry the single-process names. Its checkpoint (DeepSpeed's MoE layout: each stage's
+    weights in its model file) converts with the optimizer states, and both one process and
+    PP 2 x EP 2 resume from the conversion with the losses of the uninterrupted run."""
+    layout = ("--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--zero-stage", zero)
+    ckpt, converted = tmp_path / "ckpt", tmp_path / "converted"
+    got = run_workers(4, run_pretrain, [base_argv(train_data, *MOE, *layout, "--save", str(ckpt),
+                                                  "--save-interval", "2")], timeout=900)
+    assert all(g == got[0] for g in got)
+    assert_same_run(got[0][0], single, rtol=2e-5)
+    assert_same_moe_stats(got[0][0]["moe"], single["moe"])
+
+    assert convert_checkpoint.main(["--load", str(ckpt), "--iteration", "2", "--to", "megatron",
+                                    str(converted), "--no-progress"]) == 0
+    resume = ("--load", str(converted))
+    one = run_workers(1, run_pretrain, [base_argv(train_data, *MOE, *resume)], timeout=600)
+    again = run_workers(4, run_pretrain, [base_argv(train_data, *MOE, *layout, *resume)],
+                        timeout=900)
+    for result in (one[0][0], again[0][0]):
+        assert sorted(result["losses"]) == [3, 4]
+        assert [result["losses"][i] for i in (3, 4)] == pytest.approx(
+            [single["losses"][i] for i in (3, 4)], rel=2e-5)
+
+
+def test_expert_parallel_resume_with_a_pipeline_is_exact(train_data, tmp_path):
+    """PP 2 x EP 2: 3 steps, save, load, 3 more give the 6 straight steps bit for bit (dropout
+    and the expert bias on)."""
+    ckpt = str(tmp_path / "ckpt")
+    run = lambda *extra: base_argv(  # noqa: E731
+        train_data, *MOE, "--expert-model-parallel-size", "2",
+        "--pipeline-model-parallel-size", "2", "--moe-router-enable-expert-bias", *extra,
+        model=train_data.tiny_dropout, iters=6)
+    straight, first, second = run_workers(4, run_pretrain, [
+        run(), run("--save", ckpt, "--exit-interval", "3"), run("--save", ckpt, "--load", ckpt),
+    ], timeout=900)[0]
+    assert first["iteration"] == 3 and second["iteration"] == 6
+    for i in range(1, 7):
+        assert (first["losses"] | second["losses"])[i] == straight["losses"][i], i
+    assert first["evals"] + second["evals"] == straight["evals"]
+    files = sorted(p.name for p in (tmp_path / "ckpt" / "iter_0000003").glob("expert_*"))
+    assert files == [f"expert_parallel_rank_{e:02d}_mp_rank_{m:02d}_model_states.pt"
+                     for e in range(2) for m in range(2)]
+
+
+def test_bf16_pipeline_with_expert_parallelism_follows_fp32(train_data, single):
+    """PP 2 x EP 2 in bf16 with ZeRO-1 (DeepSpeed's BF16 optimizer, its expert groups): the
+    losses and gradient norms of the fp32 single-process run, to bf16's precision."""
+    argv = base_argv(train_data, *MOE, "--expert-model-parallel-size", "2",
+                     "--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--bf16")
+    got = run_workers(4, run_pretrain, [argv], timeout=900)[0][0]
+    assert losses(got) == pytest.approx(losses(single), rel=2e-3)
+    assert [got["grad_norms"][i] for i in sorted(got["grad_norms"])] == pytest.approx(
+        [single["grad_norms"][i] for i in sorted(single["grad_norms"])], rel=2e-2)

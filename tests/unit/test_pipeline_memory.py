@@ -1,7 +1,9 @@
 """The memory model's pipeline terms (megatron/cost/memory.py) against the real stages:
 each stage's layers built from pipeline_specs hold the parameters stage_parameter_numels
 counts, and one micro-batch through them, run the way DeepSpeed's pipeline engine runs it,
-keeps the bytes the estimate says; 1F1B multiplies them by min(P - s, m)."""
+keeps the bytes the estimate says (sparse blocks of a Mixture-of-Experts model too, with the
+balancing losses on the wire); 1F1B multiplies them by min(P - s, m); a stage's experts over
+EP ranks have their optimizer states partitioned over the ranks holding the same experts."""
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from megatron.tensor_parallel.random import checkpoint, model_parallel_seed
 from megatron.cost.memory import estimate_memory, stage_parameter_numels
 
 SMALL = dict(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=4, num_heads=4)
+MOE = dict(num_experts=4, router_type="topk", router_topk=2, encoder_sparse_step=2)
 BATCH, ENC_LEN, DEC_LEN = 2, 64, 16
 
 
@@ -87,15 +90,18 @@ def run_stage(layers, params, inputs, chunk, labels, vocab_size):
 CASES = [("relu", 0.0, 0, "fp32", 2, None), ("gated-gelu", 0.1, 0, "fp32", 3, None),
          ("gated-gelu", 0.1, 0, "fp32", 2, 1), ("gated-gelu", 0.1, 1, "fp32", 3, None),
          ("gated-gelu", 0.1, 2, "fp32", 3, None), ("gated-gelu", 0.1, 0, "bf16", 3, None),
-         ("relu", 0.0, 1, "bf16", 2, 1)]
+         ("relu", 0.0, 1, "bf16", 2, 1), ("gated-gelu", 0.0, 0, "fp32", 3, "moe"),
+         ("relu", 0.1, 1, "fp32", 2, "moe")]
 
 
 @pytest.mark.parametrize("ff,dropout,chunk,precision,stages,split", CASES)
 def test_stage_activations_match_the_kept_tensors(ff, dropout, chunk, precision, stages,
                                                   split):
     """Within 1% on every stage (today to the byte, but for a few small masks that recomputed
-    decoder runs keep)."""
-    config = T5Config(**SMALL, feed_forward_proj=ff, dropout_rate=dropout)
+    decoder runs keep). split 'moe': a Mixture-of-Experts model cut by cost."""
+    moe = MOE if split == "moe" else {}
+    split = None if split == "moe" else split
+    config = T5Config(**SMALL, **moe, feed_forward_proj=ff, dropout_rate=dropout)
     cut = cut_model(config, stages, split, ENC_LEN, DEC_LEN, config.padded_vocab_size(128, 1))
     g = torch.Generator().manual_seed(0)
     enc, dec, labels = (torch.randint(2, config.vocab_size, (BATCH, n), generator=g)
@@ -118,6 +124,27 @@ def test_stage_activations_match_the_kept_tensors(ff, dropout, chunk, precision,
         # what the next stage receives (DeepSpeed: a copy that requires a gradient)
         inputs = tuple(t.detach().clone().requires_grad_(t.is_floating_point())
                        for t in (out if isinstance(out, tuple) else (out,)))
+
+
+def test_expert_states_of_a_stage_by_hand():
+    """EP 2 of DP 4, fp32 ZeRO-1: a stage holds half of each of its sparse layers' experts;
+    the dense parameters' master and moments (12 bytes) are partitioned over the 4 data ranks,
+    the experts' over the 2 ranks holding the same experts."""
+    from megatron.model.meta import is_expert_parameter
+
+    config = T5Config(**SMALL, **MOE)
+    cut = cut_model(config, 2)
+    for s in range(2):
+        numels = stage_parameter_numels(config, cut, s, 1, 128, 2)
+        whole = stage_parameter_numels(config, cut, s, 1, 128)
+        experts = sum(n for name, n in numels.items() if is_expert_parameter(name))
+        dense = sum(numels.values()) - experts
+        assert experts > 0 and 2 * experts == sum(n for name, n in whole.items()
+                                                  if is_expert_parameter(name))
+        est = estimate_memory(config, precision="fp32", zero_stage=1, data_parallel_size=4,
+                              pipeline_cut=cut, pipeline_stage=s, expert_parallel_size=2)
+        assert (est.parameters, est.gradients, est.optimizer_states) == \
+            (4 * (dense + experts), 4 * (dense + experts), 12 * (-(-dense // 4) - (-experts // 2)))
 
 
 def test_in_flight_micro_batches_under_1f1b():

@@ -25,6 +25,9 @@ With a pipeline, M = stage * TP + T (DeepSpeed's model-parallel rank):
                                                starts, the tied modules' parameter names
     mp_rank_MM_model_states.pt, [bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt   as above
 
+    (with experts split over ranks, DeepSpeed's MoE checkpoint: no layer or tied files; each
+    stage's whole state dict, by its layers' numbers, is the 'module' of its mp_rank_MM file)
+
 The fp32 masters' ZeRO layouts, the safe loader and its allow-list: deepspeed_files.py. With
 experts split over ranks (`--expert-model-parallel-size`), the expert files beside these:
 deepspeed_experts.py; every expert weight is read whole ([experts, ...]) whatever the split.
@@ -308,7 +311,7 @@ def _weights(files: Files, layout: Dict[str, Any], precision: str, tensor_rank: 
              experts) -> Dict[str, Shard]:
     """{our name: its shard on `tensor_rank`} of the module weights (and buffers)."""
     if layout["pipeline_model_parallel_size"] > 1:
-        return _pipeline_weights(files, tensor_rank)
+        return _pipeline_weights(files, layout, tensor_rank, experts)
     if layout["zero_stage"] == 3:  # no weights saved: the masters cast to the training precision
         out = zero_masters(files, layout, tensor_rank, precision == "bf16")
         placeholders = files.field(model_file(tensor_rank, layout), "module")
@@ -341,15 +344,19 @@ def _optimizer_shards(files: Files, layout: Dict[str, int], precision: str, key:
     out: Dict[str, Shard] = {}
     for stage in range(stages):
         rank = stage * tensor_size + tensor_rank
+        def ours(shards: Dict[str, Shard]) -> Dict[str, Shard]:
+            if stages == 1:
+                return shards
+            return _single_process(shards, layers, tied, files.folder)
+
         if zero > 0:
-            local = zero_masters(files, layout, rank, bf16, key)
+            local = ours(zero_masters(files, layout, rank, bf16, key))
         else:
             order = model_file(rank, layout)
+            local = ours(_zero0_moments(files, order, key))
             local = zero0_expert_moments(
-                files, layout, rank, _zero0_moments(files, order, key), experts,
-                lambda name, order=order: _zero0_moments(files, order, key, name))
-        if stages > 1:
-            local = _single_process(local, layers, tied, files.folder)
+                files, layout, rank, local, [e for e in experts if e in local],
+                lambda name, order=order: ours(_zero0_moments(files, order, key, name)))
         for name, shard in local.items():
             out.setdefault(name, shard)
     return out
@@ -435,9 +442,13 @@ def optimizer_step(iter_dir: PathLike) -> int:
                                   f"state") from None
 
 
-def _pipeline_weights(files: Files, tensor_rank: int) -> Dict[str, Shard]:
-    """A tensor rank's module weights from the pipeline's layer and tied-module files."""
+def _pipeline_weights(files: Files, layout: Dict[str, Any], tensor_rank: int,
+                      experts) -> Dict[str, Shard]:
+    """A tensor rank's module weights from the pipeline's layer and tied-module files; with
+    experts split over ranks, from each stage's model file and expert files instead."""
     layers, tied = _pipeline_layers(files.folder)
+    if expert_size(layout) > 1:
+        return _pipeline_expert_weights(files, layout, tensor_rank, experts, layers, tied)
     local: Dict[str, Shard] = {}
     suffix = f"-model_{tensor_rank:02d}-model_states.pt"
     for path in sorted(files.folder.glob(f"layer_*{suffix}")):
@@ -449,6 +460,24 @@ def _pipeline_weights(files: Files, tensor_rank: int) -> Dict[str, Shard]:
         key = path.name[len("tied_"):-len(suffix)]
         local.update({f"tied_modules.{key}.{k}": partial(_owned, state, k) for k in state})
     return _single_process(local, layers, tied, files.folder)
+
+
+def _pipeline_expert_weights(files: Files, layout: Dict[str, Any], tensor_rank: int, experts,
+                             layers: List[str], tied: Dict[str, str]) -> Dict[str, Shard]:
+    """DeepSpeed's MoE checkpoint of a pipeline: stage s's whole state dict (its layers'
+    numbered names) in model file M = s * TP + T, its experts in our expert files (the
+    single-process names); a tied parameter from its first stage."""
+    out: Dict[str, Shard] = {}
+    experts = set(experts)
+    for stage in range(layout["pipeline_model_parallel_size"]):
+        rank = stage * layout["tensor_model_parallel_size"] + tensor_rank
+        module = files.field(model_file(rank, layout), "module")
+        local = _single_process({n: partial(_owned, module, n) for n in module}, layers, tied,
+                                files.folder)
+        local = expert_weights(files, layout, rank, local, sorted(experts & set(local)))
+        for name, shard in local.items():
+            out.setdefault(name, shard)
+    return out
 
 
 def _pipeline_layers(folder: Path) -> Tuple[List[str], Dict[str, str]]:
@@ -571,7 +600,8 @@ def _expected_files(folder: Path, layout: Dict[str, int], precision: str) -> Lis
             names += [files.zero_name(d, m, precision == "bf16") for d in range(dp)]
     if pp > 1:
         names.append(LAYERS_FILE)
-        try:
+    if pp > 1 and expert_size(layout) == 1:  # with experts over ranks DeepSpeed's MoE layout:
+        try:  # no tied files
             keys = list(json.loads((folder / LAYERS_FILE).read_text())["tied"])
         except (OSError, ValueError, KeyError):
             keys = []
@@ -582,7 +612,7 @@ def _expected_files(folder: Path, layout: Dict[str, int], precision: str) -> Lis
 def _weights_dtype(files: Files, layout: Dict[str, int], first: Dict[str, Any]) -> str:
     if layout["pipeline_model_parallel_size"] > 1:
         layer = next(iter(sorted(files.folder.glob("layer_*-model_states.pt"))), None)
-        state = files.get(layer.name) if layer is not None else {}
+        state = files.get(layer.name) if layer is not None else first.get("module") or {}
     else:
         state = first.get("module") or {}
     tensor = next(iter(state.values()), None)

@@ -22,7 +22,9 @@ d // EP. Beside DeepSpeed's files, as for a dense model (T = DeepSpeed's model-p
                                           first expert-data-parallel rank); the model file's
                                           'optimizer' is expert rank 0's
 
-A pipeline with EP > 1 is not read (its layer files would hold one expert rank's experts).
+With a pipeline (M = stage * TP + T), DeepSpeed's MoE checkpoint writes no layer files: the
+model file of each stage holds that stage's whole state dict, and the expert files hold the
+stage's experts under the single-process names (deepspeed.py reads them).
 ZeRO-3 never holds experts (the trainer refuses it for a Mixture-of-Experts model).
 """
 
@@ -70,9 +72,6 @@ def describe_experts(config, expert_parallel_size: int) -> Dict[str, Any]:
 
 def check_readable(layout: Dict[str, Any], folder) -> None:
     """Raises CheckpointReadError for the expert-parallel layouts this reader does not read."""
-    if expert_size(layout) > 1 and layout["pipeline_model_parallel_size"] > 1:
-        raise CheckpointReadError(f"{folder}: experts split over {expert_size(layout)} ranks "
-                                  f"with a pipeline: not a layout this reader reads")
     if expert_size(layout) > 1 and layout["zero_stage"] == 3:
         raise CheckpointReadError(f"{folder}: experts split over ranks under ZeRO-3: not a "
                                   f"layout the trainer writes")
