@@ -212,21 +212,26 @@ class Experts(nn.Module):
 
     def _weight(self, shape, tp_dim: int, init_method, device, dtype) -> nn.Parameter:
         """This rank's [local, ...] slice of the stacked weight; tp_dim: the dimension split
-        over tensor ranks. Every expert is drawn in turn as a full dense weight from the
-        block's stream and this rank keeps its own (the same weights at any EP and TP)."""
+        over tensor ranks. The block's stream gives one seed per expert (every rank draws them
+        all: a few integers); each local expert is then drawn as a full dense weight from its
+        own seed and this rank keeps its tensor shard. The same weights at any EP and TP, and a
+        rank draws only its E / EP experts (CPM-2-MoE: 32 experts of 3 x 42M weights per
+        layer)."""
         weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         set_tensor_model_parallel_attributes(weight, True, tp_dim, 1)
         weight.expert_parallel = True  # averaged over the expert-data-parallel group only
         if weight.device.type != "meta":
             full = list(shape[1:])
             full[tp_dim - 1] *= self.tp.size
+            seeds = torch.randint(0, 2 ** 62, (self.num_experts,)).tolist()
             with torch.no_grad():
-                for e in range(self.num_experts):
+                for e in range(self.first, self.first + self.local):
                     master = torch.empty(full, dtype=torch.float32)
-                    init_method(master)
-                    if self.first <= e < self.first + self.local:
-                        weight[e - self.first].copy_(
-                            shard(master, tp_dim - 1, 1, self.tp.rank, self.tp.size))
+                    with torch.random.fork_rng(devices=[]):
+                        torch.manual_seed(seeds[e])
+                        init_method(master)
+                    weight[e - self.first].copy_(
+                        shard(master, tp_dim - 1, 1, self.tp.rank, self.tp.size))
         return weight
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -412,8 +417,10 @@ def take_stats(model: nn.Module, device) -> tuple:
     """(names of the sparse layers, float64 [layers, len(STAT_COLUMNS) + experts]: each
     layer's sums since the last take: calls, balancing and z losses, dropped and all token
     choices, token choices per expert), the layers' counters reset; (names, None) without
-    sparse layers. Names are the owning block's ('encoder.block.1')."""
+    sparse layers. Names are the owning block's ('encoder.block.1'; in a pipeline stage, whose
+    modules are numbered, from its `layer_names`)."""
     names, rows = [], []
+    pipeline_names = getattr(model, "layer_names", None)
     for name, module in model.named_modules():
         if not isinstance(module, SparseMLP):
             continue
@@ -424,7 +431,9 @@ def take_stats(model: nn.Module, device) -> tuple:
         values = [torch.as_tensor(v, dtype=torch.float64).reshape(1).cpu()
                   for v in (stats.aux_loss, stats.z_loss, stats.dropped, stats.choices)]
         rows.append(torch.cat([head, *values, load.double().cpu()]))
-        names.append(name.split(".layer.")[0])
+        owner = name.split(".layer.")[0]
+        index = owner.partition(".")[0]
+        names.append(pipeline_names[int(index)] if pipeline_names and index.isdigit() else owner)
         stats.reset()
     if not rows:
         return names, None

@@ -236,3 +236,26 @@ def test_the_trainer_names_the_expert_conversion():
         assert len(problems) == 1
         assert f"--expert-model-parallel-size 2 in the checkpoint, {target} now" in problems[0]
         assert f"--target-expert-parallel-size {target}`" in problems[0]
+
+
+@pytest.mark.parametrize("ep,tp", [(2, 1), (4, 1), (2, 2)])
+def test_every_expert_and_tensor_rank_draws_the_single_process_experts(ep, tp):
+    """Initialization: rank (e, t) of EP x TP draws only its experts, and they are exactly its
+    slice of the single-process model's (each expert drawn from its own seed, which the block's
+    stream gives every rank)."""
+    from megatron.tensor_parallel.group import TensorParallel
+
+    fields = {**SWITCH, "feed_forward_proj": "gated-gelu"}
+    state = full_state(model_of(fields))
+    local = fields["num_experts"] // ep
+    for e in range(ep):
+        for t in range(tp):
+            model = model_of(fields, tensor_parallel=TensorParallel(tp, t),
+                             expert_parallel=ExpertParallel(ep, e))
+            for name, param in model.named_parameters():
+                if not getattr(param, "expert_parallel", False):
+                    continue
+                want = state[name][e * local:(e + 1) * local]
+                dim = param.partition_dim
+                size = want.shape[dim] // tp
+                assert torch.equal(param.detach(), want.narrow(dim, t * size, size)), name
