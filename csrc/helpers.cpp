@@ -180,13 +180,21 @@ class IndexedBin {
   // `sequences_are_documents`: accept an index whose document_indices is just [0] although it
   // holds sequences (builders that never end documents, e.g. CPM-2's) and make every sequence
   // its own document.
+  // `bin_size` >= 0: the data lives elsewhere (an object in S3, read by the Python side): the
+  // index is validated against that size and `bin_path` only names it in messages; tokens are
+  // not served here.
   IndexedBin(const std::string &idx_path, const std::string &bin_path,
-             bool sequences_are_documents)
-      : sequences_are_documents_(sequences_are_documents) {
+             bool sequences_are_documents, int64_t bin_size)
+      : sequences_are_documents_(sequences_are_documents), bin_path_(bin_path) {
     try {
       py::gil_scoped_release release;
       idx_ = std::make_unique<MappedFile>(idx_path);
-      bin_ = std::make_unique<MappedFile>(bin_path);
+      if (bin_size < 0) {
+        bin_ = std::make_unique<MappedFile>(bin_path);
+        bin_size_ = bin_->size();
+      } else {
+        bin_size_ = static_cast<uint64_t>(bin_size);
+      }
       Cursor c(*idx_);
       const uint8_t *magic = c.take(8, "magic");
       if (std::memcmp(magic, kLegacyMagic, 8) == 0) {
@@ -253,7 +261,8 @@ class IndexedBin {
   int dtype_code() const { return static_cast<int>(code_); }
   py::dtype dtype() const { return py::dtype(std::string("<") + dtype_.format); }
   bool legacy() const { return legacy_; }
-  uint64_t bin_size() const { return bin_->size(); }
+  uint64_t bin_size() const { return bin_size_; }
+  bool mapped() const { return bin_ != nullptr; }
   uint64_t num_tokens() const { return total_tokens_; }
 
  private:
@@ -380,7 +389,7 @@ class IndexedBin {
   void check_sequences() {
     const std::string &path = idx_->path();
     const uint64_t item = dtype_.itemsize;
-    const uint64_t bin_size = bin_->size();
+    const uint64_t bin_size = bin_size_;
     uint64_t end_of_previous = 0;
     total_tokens_ = 0;
     for (uint64_t i = 0; i < n_; ++i) {
@@ -397,7 +406,7 @@ class IndexedBin {
       uint64_t nbytes = static_cast<uint64_t>(seq_length(i)) * item;
       if (static_cast<uint64_t>(p) > bin_size || nbytes > bin_size - static_cast<uint64_t>(p)) {
         corrupt(path, "sequence_pointers", "[", i, "]=", p, " with length ", seq_length(i),
-                " ends past the end of ", bin_->path(), " (", bin_size, " bytes; truncated?)");
+                " ends past the end of ", bin_path_, " (", bin_size, " bytes; truncated?)");
       }
       end_of_previous = static_cast<uint64_t>(p) + nbytes;
       total_tokens_ += static_cast<uint64_t>(seq_length(i));
@@ -413,6 +422,9 @@ class IndexedBin {
   }
 
   py::array tokens(py::object self, uint64_t byte_offset, int64_t count) const {
+    if (bin_ == nullptr) {
+      throw std::runtime_error(bin_path_ + " is not mapped here: its tokens are read elsewhere");
+    }
     const uint8_t *base = bin_->data() != nullptr ? bin_->data() + byte_offset : nullptr;
     return view(self, dtype_.format, base, static_cast<uint64_t>(count), true);
   }
@@ -421,6 +433,8 @@ class IndexedBin {
 
   std::unique_ptr<MappedFile> idx_, bin_;
   bool sequences_are_documents_ = false;
+  std::string bin_path_;
+  uint64_t bin_size_ = 0;
   bool legacy_ = false;
   uint64_t code_ = 0;
   DtypeInfo dtype_{};
@@ -441,8 +455,9 @@ PYBIND11_MODULE(_helpers, m) {
 
   py::class_<IndexedBin>(m, "IndexedBin",
                          "A validated, memory-mapped .idx/.bin pair (MMIDIDX v1 or legacy TNTIDX).")
-      .def(py::init<const std::string &, const std::string &, bool>(), py::arg("idx_path"),
-           py::arg("bin_path"), py::arg("sequences_are_documents") = false)
+      .def(py::init<const std::string &, const std::string &, bool, int64_t>(),
+           py::arg("idx_path"), py::arg("bin_path"), py::arg("sequences_are_documents") = false,
+           py::arg("bin_size") = -1)
       .def_property_readonly(
           "sequence_lengths",
           [](py::object self) { return self.cast<const IndexedBin &>().sequence_lengths(self); },
@@ -475,7 +490,8 @@ PYBIND11_MODULE(_helpers, m) {
       .def_property_readonly("dtype", &IndexedBin::dtype)
       .def_property_readonly("legacy", &IndexedBin::legacy,
                              "True for the legacy TNTIDX ('lazy'/'cached') format.")
-      .def_property_readonly("bin_size", &IndexedBin::bin_size);
+      .def_property_readonly("bin_size", &IndexedBin::bin_size)
+      .def_property_readonly("mapped", &IndexedBin::mapped);
 
   register_builders(m);
 }

@@ -89,7 +89,8 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True,
-                   help="writes PREFIX_{key}_{document|sentence}.bin/.idx")
+                   help="writes PREFIX_{key}_{document|sentence}.bin/.idx; an s3://bucket/key "
+                        "prefix is written locally, then uploaded (.bin before .idx)")
     g.add_argument("--dataset-impl", default="mmap", choices=["mmap"],
                    help="only Megatron's mmap format is written (legacy formats are read-only)")
 
@@ -553,8 +554,57 @@ def _summary(args, stats, progress, elapsed: float, files: int, report_path: str
         print(f"wrote {prefix}.bin/.idx", file=sys.stderr)
 
 
+def run_to_object_storage(args: argparse.Namespace) -> int:
+    """--output-prefix s3://...: preprocess into a node-local staging folder (atomic as for
+    local output), then upload each dataset's .bin before its .idx (multipart), so that a reader
+    never finds an index without its data; the staging folder is removed either way, and a
+    failed upload removes what it had put."""
+    import shutil
+    import tempfile
+
+    from megatron.data import object_storage
+
+    remote = args.output_prefix
+    try:
+        object_storage.split_url(remote)
+    except ValueError as e:
+        print(f"error: --output-prefix {e}", file=sys.stderr)
+        return 2
+    root = os.path.join(object_storage.default_cache_path(), "staging")
+    os.makedirs(root, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix="preprocess-", dir=root)
+    try:
+        local = os.path.join(staging, os.path.basename(remote))
+        code = run(argparse.Namespace(**{**vars(args), "output_prefix": local}))
+        if code != 0:
+            return code
+        names = sorted(os.listdir(staging), key=lambda n: (not n.endswith(".bin"), n))
+        uploaded = []
+        try:
+            for name in names:  # every .bin first, then the indices and the report
+                target = remote + name[len(os.path.basename(remote)):]
+                object_storage.upload(os.path.join(staging, name), target)
+                uploaded.append(target)
+                print(f"uploaded {target}", file=sys.stderr)
+        except (object_storage.ObjectStorageError, OSError) as e:
+            for target in reversed(uploaded):
+                try:
+                    bucket, key = object_storage.split_url(target)
+                    object_storage.client().delete_object(Bucket=bucket, Key=key)
+                except Exception:  # noqa: BLE001 - best effort; the error below is the news
+                    pass
+            print(f"error: {e}; nothing was left under {remote}", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return run(get_args(argv))
+    args = get_args(argv)
+    if str(args.output_prefix).startswith("s3://"):
+        return run_to_object_storage(args)
+    return run(args)
 
 
 if __name__ == "__main__":

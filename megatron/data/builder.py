@@ -20,7 +20,8 @@ import numpy as np
 from megatron.data import _helpers
 from megatron.data.index_cache import cached_arrays
 from megatron.data.cpm2_dataset import CPM2Dataset, cpm2_prefixes, is_cpm2_prefix
-from megatron.data.indexed_dataset import IndexedDataset, dataset_exists
+from megatron.data import object_storage
+from megatron.data.indexed_dataset import IndexedDataset, dataset_exists, default_cache_dir
 from megatron.data.megatron_t5_dataset import MegatronT5Dataset
 from megatron.data.t5_dataset import T5DatasetConfig, T5SpanCorruptionDataset, T5SpecialTokens
 
@@ -101,6 +102,8 @@ def data_file_problems(data_path: Sequence[str], impl: str = "infer") -> List[st
         prefixes, _ = parse_data_path(data_path)
     except ValueError as e:
         return [str(e)]
+    except OSError as e:  # object storage: a missing bucket, refused credentials, no answer
+        return [f"--data-path: {e}"]
     problems = []
     for prefix in prefixes:
         try:
@@ -249,7 +252,7 @@ def build_datasets(config: DataConfig, tokens: T5SpecialTokens,
             if end <= start or w == 0:
                 continue
             share = num_samples[s] if len(sources) == 1 else int(np.ceil(num_samples[s] * w * 1.005))
-            cache_dir = config.data_cache_path or f"{d.prefix}_cache"
+            cache_dir = default_cache_dir(d.prefix, config.data_cache_path)
             parts.append(d.make(name, (start, end), share, config, tokens, cache_dir))
             part_weights.append(w)
         if not parts:
@@ -257,8 +260,10 @@ def build_datasets(config: DataConfig, tokens: T5SpecialTokens,
         elif len(parts) == 1:
             out[name] = parts[0]
         else:
-            cache_dir = config.data_cache_path or os.path.join(
-                os.path.dirname(os.path.abspath(prefixes[0])), "blend_cache")
+            cache_dir = config.data_cache_path or (
+                os.path.join(object_storage.default_cache_path(), "blend_cache")
+                if object_storage.is_remote(prefixes[0])
+                else os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "blend_cache"))
             out[name] = BlendedDataset(name, parts, part_weights, num_samples[s], cache_dir,
                                        config.cache_timeout)
     return out

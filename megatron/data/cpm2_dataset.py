@@ -86,13 +86,15 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from megatron.data import _helpers
+from megatron.data import _helpers, object_storage
 from megatron.data.index_cache import cached_arrays, description_hash
 from megatron.data.indexed_dataset import (
     IndexedDataset,
     data_file_path,
     dataset_exists,
+    default_cache_dir,
     index_file_path,
+    index_identity,
 )
 from megatron.data.t5_dataset import IGNORE_INDEX, T5SpecialTokens, make_sample
 
@@ -183,7 +185,8 @@ class CPM2Dataset:
         for p in (ctx_p, tgt_p, off_p):
             if not dataset_exists(p):
                 missing = [f for f in (index_file_path(p), data_file_path(p))
-                           if not os.path.isfile(f)]
+                           if not (object_storage.exists(f) if object_storage.is_remote(f)
+                                   else os.path.isfile(f))]
                 raise FileNotFoundError(f"CPM-2 data {self.prefix}: missing {', '.join(missing)}")
         self.context = _open(ctx_p, impl)
         self.target = _open(tgt_p, impl)
@@ -227,14 +230,12 @@ class CPM2Dataset:
                                  else int(placeholder_base))
 
         description = {
-            "kind": "cpm2_enc_dec", "name": name, "prefix": os.path.abspath(self.prefix),
-            "idx_size": os.path.getsize(index_file_path(ctx_p)),
-            "idx_mtime_ns": os.stat(index_file_path(ctx_p)).st_mtime_ns,
+            "kind": "cpm2_enc_dec", "name": name, **index_identity(ctx_p, self.prefix),
             "documents": [start, end], "num_epochs": self.num_epochs,
             "encoder_length": self.encoder_length, "seed": self.seed,
         }
         self.cache_key = description_hash(description)
-        cache_dir = cache_dir or f"{self.prefix}_cache"
+        cache_dir = default_cache_dir(self.prefix, cache_dir)
         arrays = cached_arrays(cache_dir, f"{os.path.basename(self.prefix)}_{name}_cpm2",
                                description, lambda: self._build(tokens_per_epoch),
                                timeout=cache_timeout)

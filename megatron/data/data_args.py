@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Mapping, Optional, Tuple
 
+from megatron.data import object_storage
 from megatron.data.builder import OBJECTIVES, DataConfig, data_file_problems, split_sample_counts
 from megatron.data.indexed_dataset import IMPLS
+from megatron.data.object_storage import StorageSettings
 from megatron.data.t5_dataset import T5DatasetConfig
 from megatron.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, build_tokenizer, \
     resolve_tokenizer
@@ -35,6 +37,8 @@ class DataSettings:
 
     tokenizer_type: str = "SentencePieceTokenizer"
     """`megatron.data.tokenizer.TOKENIZER_TYPES`: which tokenizer reads `tokenizer_model`."""
+    object_storage: StorageSettings = StorageSettings()
+    """How s3:// prefixes are read (the --object-storage-* flags)."""
 
     @property
     def tokenizer(self) -> TokenizerSpec:
@@ -102,6 +106,7 @@ def add_data_args(parser: argparse.ArgumentParser,
                    help="--t5-objective megatron: probability of a shorter sample")
     g.add_argument("--max-ngram", type=int, default=10,
                    help="--t5-objective megatron: longest masked n-gram")
+    add_object_storage_args(parser)
     if not schedule:
         return parser
     g = parser.add_argument_group("schedule (for sample counts)")
@@ -111,6 +116,67 @@ def add_data_args(parser: argparse.ArgumentParser,
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     return parser
+
+
+def add_object_storage_args(parser: argparse.ArgumentParser) -> None:
+    """How s3:// data is read (megatron/data/object_storage.py)."""
+    d = StorageSettings()
+    g = parser.add_argument_group("data on object storage (s3:// prefixes; endpoint and keys "
+                                  "from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE, ~/.aws)")
+    g.add_argument("--object-storage-cache-path", default=None,
+                   help="node-local folder for the downloaded .idx files (default: "
+                        "--data-cache-path/object-storage, else ~/.cache/t5-pretrain/"
+                        "object-storage)")
+    g.add_argument("--object-storage-read-ahead", type=int, default=d.read_ahead,
+                   help="batches of each loader process whose byte ranges are fetched ahead "
+                        "of use (0: fetch each batch when it is built)")
+    g.add_argument("--object-storage-block-cache-mib", type=int, default=d.block_cache_mib,
+                   help="MiB of fetched ranges kept per data file and loader process (LRU)")
+    g.add_argument("--object-storage-max-connections", type=int, default=d.max_connections,
+                   help="concurrent requests per loader process")
+    g.add_argument("--object-storage-retries", type=int, default=d.retries,
+                   help="attempts of a request (backoff doubling from 0.1 s) before the run "
+                        "stops with an error naming the object and byte range")
+    g.add_argument("--object-storage-timeout", type=float, default=d.timeout_s,
+                   help="seconds a request may wait to connect or for data")
+
+
+def storage_settings_from_args(args) -> StorageSettings:
+    """The --object-storage-* flags (`args`: a namespace or a dict of the flags)."""
+    get = args.get if isinstance(args, Mapping) else lambda k, v=None: getattr(args, k, v)
+    d = StorageSettings()
+    cache = get("object_storage_cache_path")
+    if cache is None and get("data_cache_path"):
+        cache = str(Path(get("data_cache_path")) / "object-storage")
+    return StorageSettings(
+        cache_path=cache, read_ahead=get("object_storage_read_ahead", d.read_ahead),
+        block_cache_mib=get("object_storage_block_cache_mib", d.block_cache_mib),
+        max_connections=get("object_storage_max_connections", d.max_connections),
+        retries=get("object_storage_retries", d.retries),
+        timeout_s=get("object_storage_timeout", d.timeout_s))
+
+
+def object_storage_problems(settings: StorageSettings,
+                            data_timeout_minutes: Optional[float] = None) -> List[str]:
+    """Out-of-range --object-storage-* flags; and retries that could outlast the loader's
+    watchdog (`--data-timeout-minutes`): a failing read must end in its own error, which names
+    the object and the byte range, before the watchdog's."""
+    problems = []
+    worst = object_storage.worst_read_seconds(settings)
+    if data_timeout_minutes is not None and worst >= 60 * data_timeout_minutes:
+        problems.append(
+            f"--object-storage-retries {settings.retries} with --object-storage-timeout "
+            f"{settings.timeout_s:g} can keep a read failing for {worst:.0f} s, past "
+            f"--data-timeout-minutes {data_timeout_minutes:g}: lower them or raise the timeout")
+    for flag, value, low in (("--object-storage-read-ahead", settings.read_ahead, 0),
+                             ("--object-storage-block-cache-mib", settings.block_cache_mib, 1),
+                             ("--object-storage-max-connections", settings.max_connections, 1),
+                             ("--object-storage-retries", settings.retries, 1)):
+        if value < low:
+            problems.append(f"{flag} {value} must be >= {low}")
+    if settings.timeout_s <= 0:
+        problems.append(f"--object-storage-timeout {settings.timeout_s} must be positive")
+    return problems
 
 
 def check_data_args(args: argparse.Namespace) -> List[str]:
@@ -219,7 +285,11 @@ def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
     if tokenizer is not None and vocab_size is not None:
         problems += tokenizer_problems(tokenizer, flags["vocab_extra_ids"], vocab_size,
                                        tokenizer_flag(argparse.Namespace(**flags)))
-    if flags["data_path"] is not None:
+    storage = storage_settings_from_args(flags)
+    storage_problems = object_storage_problems(storage, flags.get("data_timeout_minutes"))
+    problems += storage_problems
+    object_storage.configure(**dataclasses.asdict(storage))  # read below and by the loaders
+    if flags["data_path"] is not None and not storage_problems:
         problems += data_file_problems(flags["data_path"], flags["data_impl"])
     if flags["num_workers"] < 0:
         problems.append("--num-workers must be >= 0")
@@ -237,4 +307,4 @@ def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
     t5 = dataclasses.replace(t5, decoder_seq_length=t5.lengths()[2])
     dataset = dataclasses.replace(data_config_from_args(view), t5=t5)
     return DataSettings(dataset, tokenizer.path, flags["vocab_extra_ids"], flags["num_workers"],
-                        tokenizer.tokenizer_type), problems
+                        tokenizer.tokenizer_type, storage), problems

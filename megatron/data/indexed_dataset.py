@@ -13,6 +13,10 @@ CPM-2-era Megatron (`--data-impl lazy|cached`) is read too. Reading goes through
 which validates the whole index before anything is handed out and returns zero-copy, read-only
 numpy views of the memory-mapped files: a reader holds O(index) memory, never O(data).
 
+A prefix `s3://bucket/key` is read from object storage (megatron/data/object_storage.py): the
+index from a node-local copy, mapped as a local one and checked against the object's size, the
+tokens by ranged reads through a bounded cache (read-only numpy arrays over the fetched bytes).
+
 This module does not import torch: the offline tools use it and must start fast.
 """
 
@@ -25,7 +29,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 
-from megatron.data import _helpers
+from megatron.data import _helpers, object_storage
 
 CorruptIndexError = _helpers.CorruptIndexError
 
@@ -62,15 +66,46 @@ def index_file_path(path_prefix: str) -> str:
 
 
 def dataset_exists(path_prefix: str) -> bool:
-    """True when both PREFIX.idx and PREFIX.bin exist."""
+    """True when both PREFIX.idx and PREFIX.bin exist (objects, for an s3:// prefix: an error
+    other than a missing bucket or key, refused credentials say, raises ObjectStorageError)."""
+    if object_storage.is_remote(path_prefix):
+        return object_storage.exists(index_file_path(path_prefix)) and \
+            object_storage.exists(data_file_path(path_prefix))
     return os.path.isfile(index_file_path(path_prefix)) and os.path.isfile(
         data_file_path(path_prefix)
     )
 
 
+def local_index_path(path_prefix: str) -> str:
+    """PREFIX.idx, or for an s3:// prefix its node-local copy (downloaded once per node)."""
+    path = index_file_path(str(path_prefix))
+    return object_storage.local_copy(path) if object_storage.is_remote(path) else path
+
+
+def index_identity(path_prefix: str, name: Optional[str] = None) -> dict:
+    """What names a dataset's index in the index caches' descriptions: the absolute path, size
+    and modification time of a local index; the URL, size and ETag of an object. name: the
+    prefix to name instead of `path_prefix` (CPM-2's, of its three datasets)."""
+    name = str(path_prefix if name is None else name)
+    if object_storage.is_remote(path_prefix):
+        size, etag = object_storage.head(index_file_path(path_prefix))
+        return {"prefix": name, "idx_size": size, "idx_etag": etag}
+    path = index_file_path(path_prefix)
+    return {"prefix": os.path.abspath(name), "idx_size": os.path.getsize(path),
+            "idx_mtime_ns": os.stat(path).st_mtime_ns}
+
+
+def default_cache_dir(path_prefix: str, data_cache_path: "Optional[str]" = None) -> str:
+    """Where a dataset's index caches go: --data-cache-path, else PREFIX_cache beside local data
+    and a node-local folder for data on object storage."""
+    if object_storage.is_remote(path_prefix):
+        return object_storage.local_cache_dir(str(path_prefix), data_cache_path)
+    return data_cache_path or f"{path_prefix}_cache"
+
+
 def infer_dataset_impl(path_prefix: str) -> str:
     """'mmap' or 'lazy' (legacy TNTIDX), from the magic of PREFIX.idx."""
-    with open(index_file_path(path_prefix), "rb") as f:
+    with open(local_index_path(path_prefix), "rb") as f:
         magic = f.read(9)
     if magic == _MMAP_MAGIC:
         return "mmap"
@@ -106,10 +141,17 @@ class IndexedDataset:
         self.path_prefix = str(path_prefix)
         self._requested_impl = impl
         self._sequences_are_documents = sequences_are_documents
-        self._bin = _helpers.IndexedBin(
-            index_file_path(self.path_prefix), data_file_path(self.path_prefix),
-            sequences_are_documents,
-        )
+        self._remote = None
+        if object_storage.is_remote(self.path_prefix):
+            self._remote = object_storage.RemoteBin.open(data_file_path(self.path_prefix))
+            self._bin = _helpers.IndexedBin(
+                local_index_path(self.path_prefix), data_file_path(self.path_prefix),
+                sequences_are_documents, bin_size=self._remote.size)
+        else:
+            self._bin = _helpers.IndexedBin(
+                index_file_path(self.path_prefix), data_file_path(self.path_prefix),
+                sequences_are_documents,
+            )
         found = "lazy" if self._bin.legacy else "mmap"
         if impl != "infer" and (found == "mmap") != (impl == "mmap"):
             kind = "a legacy TNTIDX ('lazy'/'cached')" if self._bin.legacy else "an MMIDIDX ('mmap')"
@@ -121,6 +163,7 @@ class IndexedDataset:
         # Views keep the mapping alive through their base; cache them for cheap attribute access.
         self._sequence_lengths = self._bin.sequence_lengths
         self._document_indices = self._bin.document_indices
+        self._pointers = self._bin.sequence_pointers
 
     # Pickling reopens the files, so DataLoader workers and spawned processes can receive a dataset.
     def __getstate__(self):
@@ -136,17 +179,69 @@ class IndexedDataset:
     def __getitem__(self, idx: Union[int, np.integer, slice]):
         """Sequence `idx` as a read-only numpy array, or a list of them for a contiguous slice."""
         if isinstance(idx, (int, np.integer)):
+            if self._remote is not None:
+                return self.get(int(idx))
             return self._bin.get(int(idx))
         if isinstance(idx, slice):
             start, stop, step = idx.indices(len(self))
             if step != 1:
                 raise ValueError("slices into an IndexedDataset must be contiguous (step 1)")
+            if self._remote is not None:
+                return self._remote_range(start, max(start, stop))
             return self._bin.get_range(start, max(start, stop))
         raise TypeError(f"unexpected index type {type(idx).__name__}: use an int or a slice")
 
     def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
         """Tokens [offset, offset + length) of sequence `idx` (to its end when length is None)."""
+        if self._remote is not None:
+            return self._remote_get(int(idx), int(offset), length)
         return self._bin.get(int(idx), int(offset), -1 if length is None else int(length))
+
+    # Data on object storage: the byte range of the tokens asked for, then the same checks and
+    # the same read-only arrays as the C++ reader's.
+    def _remote_get(self, idx: int, offset: int, length: Optional[int]) -> np.ndarray:
+        n = len(self)
+        if idx < 0:
+            idx += n
+        if not 0 <= idx < n:
+            raise IndexError(f"sequence index {idx} out of range for {n} sequences in "
+                             f"{index_file_path(self.path_prefix)}")
+        size = int(self._sequence_lengths[idx])
+        length = size - offset if length is None or length < 0 else length
+        if offset < 0 or offset > size or length < 0 or length > size - offset:
+            raise IndexError(f"offset {offset} and length {length} out of range for sequence "
+                             f"{idx} of length {size}")
+        item = self.dtype.itemsize
+        start = int(self._pointers[idx]) + offset * item
+        return self._remote_tokens(start, length)
+
+    def _remote_range(self, start: int, stop: int) -> List[np.ndarray]:
+        if start < 0 or stop < start or stop > len(self):
+            raise IndexError(f"range [{start}, {stop}) out of range for {len(self)} sequences")
+        if stop == start:
+            return []
+        item = self.dtype.itemsize
+        first = int(self._pointers[start])
+        last = int(self._pointers[stop - 1]) + int(self._sequence_lengths[stop - 1]) * item
+        block = self._remote_tokens(first, (last - first) // item)
+        return [block[(int(self._pointers[i]) - first) // item:
+                      (int(self._pointers[i]) - first) // item + int(self._sequence_lengths[i])]
+                for i in range(start, stop)]
+
+    def _remote_tokens(self, start: int, count: int) -> np.ndarray:
+        from megatron.data import readahead
+
+        end = start + count * self.dtype.itemsize
+        plan = readahead.recorder()
+        if plan is not None:  # planning a read-ahead: note the range, read nothing
+            plan.append((self._remote, start, end))
+            return np.zeros(count, dtype=self.dtype)
+        return np.frombuffer(self._remote.read(start, end), dtype=self.dtype)
+
+    @property
+    def remote(self) -> "Optional[object_storage.RemoteBin]":
+        """The data object's reader for an s3:// prefix (None for local files)."""
+        return self._remote
 
     @property
     def sequence_lengths(self) -> np.ndarray:
@@ -156,7 +251,7 @@ class IndexedDataset:
     @property
     def sequence_pointers(self) -> np.ndarray:
         """int64[N]: byte offset of each sequence in the .bin."""
-        return self._bin.sequence_pointers
+        return self._pointers
 
     @property
     def document_indices(self) -> np.ndarray:
@@ -183,9 +278,7 @@ class IndexedDataset:
         """The sequences (sentences) of document `doc`."""
         if not 0 <= doc < self.num_documents:
             raise IndexError(f"document {doc} out of range for {self.num_documents} documents")
-        return self._bin.get_range(
-            int(self._document_indices[doc]), int(self._document_indices[doc + 1])
-        )
+        return self[int(self._document_indices[doc]):int(self._document_indices[doc + 1])]
 
     @staticmethod
     def exists(path_prefix: str) -> bool:

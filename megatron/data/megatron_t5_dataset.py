@@ -53,7 +53,7 @@ import numpy as np
 
 from megatron.data import _helpers
 from megatron.data.index_cache import cached_arrays, description_hash
-from megatron.data.indexed_dataset import IndexedDataset, index_file_path
+from megatron.data.indexed_dataset import IndexedDataset, default_cache_dir, index_identity
 from megatron.data.span_corruption import corrupt
 from megatron.data.t5_dataset import T5SpecialTokens, make_sample
 
@@ -221,16 +221,14 @@ class MegatronT5Dataset:
 
         prefix = indexed.path_prefix
         description = {
-            "kind": "megatron_t5_mapping", "name": name, "prefix": os.path.abspath(prefix),
-            "idx_size": os.path.getsize(index_file_path(prefix)),
-            "idx_mtime_ns": os.stat(index_file_path(prefix)).st_mtime_ns,
+            "kind": "megatron_t5_mapping", "name": name, **index_identity(prefix),
             "documents": [self.document_range[0], self.document_range[1]],
             "num_samples": self.num_samples, "max_seq_length": self.max_raw_length,
             "short_seq_prob": self.short_seq_prob, "seed": self.seed,
             "min_num_sent": MIN_SENTENCES, "long_sentence_len": LONG_SENTENCE_LEN,
         }
         self.cache_key = description_hash(description)
-        cache_dir = cache_dir or f"{prefix}_cache"
+        cache_dir = default_cache_dir(prefix, cache_dir)
         arrays = cached_arrays(cache_dir, f"{os.path.basename(prefix)}_{name}_megatron_t5",
                                description, self._build_mapping, timeout=cache_timeout)
         self.mapping = arrays["mapping"]

@@ -23,7 +23,12 @@ import numpy as np
 
 from megatron.data import _helpers
 from megatron.data.index_cache import cached_arrays, description_hash
-from megatron.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
+from megatron.data.indexed_dataset import (
+    IndexedDataset,
+    data_file_path,
+    default_cache_dir,
+    index_identity,
+)
 from megatron.data.span_corruption import (
     corrupt,
     expected_lengths,
@@ -95,10 +100,26 @@ def document_token_counts(ds: IndexedDataset) -> np.ndarray:
     return cumulative[bounds[1:]] - cumulative[bounds[:-1]]
 
 
-def documents_end_with(ds: IndexedDataset, token: int) -> np.ndarray:
+def documents_end_with(ds: IndexedDataset, token: int, cache_dir: Optional[str] = None,
+                       cache_timeout: float = 3600.0) -> np.ndarray:
     """bool[documents]: whether each document's last token is `token` (read from the mapped .bin,
-    one token per document)."""
-    data = np.memmap(data_file_path(ds.path_prefix), dtype=ds.dtype, mode="r")
+    one token per document). On object storage the last tokens are read by ranged reads
+    (object_storage.RemoteBin.items) once per node: the answer goes into the index cache."""
+    if ds.remote is not None:
+        description = {"kind": "documents_end_with", "token": int(token),
+                       **index_identity(ds.path_prefix)}
+        return cached_arrays(
+            default_cache_dir(ds.path_prefix, cache_dir),
+            f"{os.path.basename(ds.path_prefix)}_ends_with_{int(token)}", description,
+            lambda: {"ends": _documents_end_with(ds, token)}, timeout=cache_timeout)["ends"]
+    return _documents_end_with(ds, token)
+
+
+def _documents_end_with(ds: IndexedDataset, token: int) -> np.ndarray:
+    if ds.remote is not None:
+        data = _RemoteItems(ds)
+    else:
+        data = np.memmap(data_file_path(ds.path_prefix), dtype=ds.dtype, mode="r")
     bounds = np.asarray(ds.document_indices, dtype=np.int64)
     counts = document_token_counts(ds)
     last_seq = np.maximum(bounds[1:] - 1, 0)
@@ -116,6 +137,18 @@ def documents_end_with(ds: IndexedDataset, token: int) -> np.ndarray:
         sub[ok] = data[pos] == token
         out[has] = sub
     return out
+
+
+class _RemoteItems:
+    """data[positions] of a dataset on object storage: the tokens at those positions."""
+
+    def __init__(self, ds: IndexedDataset) -> None:
+        self.ds = ds
+
+    def __getitem__(self, positions: np.ndarray) -> np.ndarray:
+        item = self.ds.dtype.itemsize
+        raw = self.ds.remote.items(np.asarray(positions, dtype=np.int64) * item, item)
+        return np.frombuffer(raw, dtype=self.ds.dtype)
 
 
 class T5SpanCorruptionDataset:
@@ -148,7 +181,8 @@ class T5SpanCorruptionDataset:
         counts = document_token_counts(indexed)[start:end]
         # Documents that do not end with EOS get one, virtually, so that packed documents are
         # always separated.
-        self._needs_eos = ~documents_end_with(indexed, tokens.eos_id)[start:end]
+        self._needs_eos = ~documents_end_with(indexed, tokens.eos_id, cache_dir,
+                                              cache_timeout)[start:end]
         self._doc_sizes = counts + self._needs_eos
         tokens_per_epoch = int(self._doc_sizes.sum())
         if tokens_per_epoch < self.raw_length:
@@ -157,14 +191,12 @@ class T5SpanCorruptionDataset:
                 f"{tokens_per_epoch} tokens, fewer than one sample ({self.raw_length} raw tokens)")
         num_epochs = max(1, -(-num_samples * self.raw_length // tokens_per_epoch))
         description = {
-            "kind": "t5_span_corruption", "name": name, "prefix": os.path.abspath(indexed.path_prefix),
-            "idx_size": os.path.getsize(index_file_path(indexed.path_prefix)),
-            "idx_mtime_ns": os.stat(index_file_path(indexed.path_prefix)).st_mtime_ns,
+            "kind": "t5_span_corruption", "name": name, **index_identity(indexed.path_prefix),
             "documents": [start, end], "num_samples": num_samples, "num_epochs": num_epochs,
             "raw_length": self.raw_length, "seed": config.seed,
         }
         self.cache_key = description_hash(description)  # names this dataset in blend caches
-        cache_dir = cache_dir or f"{indexed.path_prefix}_cache"
+        cache_dir = default_cache_dir(indexed.path_prefix, cache_dir)
         arrays = cached_arrays(cache_dir, f"{os.path.basename(indexed.path_prefix)}_{name}",
                                description, lambda: self._build(num_epochs, tokens_per_epoch),
                                timeout=cache_timeout)

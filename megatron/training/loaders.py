@@ -4,6 +4,7 @@ batch collated into tensors; a pipeline stage that reads no batch gets placehold
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -15,7 +16,9 @@ import torch
 from megatron import parallel_state
 from megatron.config.training import BatchConfig
 from megatron.data.builder import build_datasets, split_sample_counts
+from megatron.data import object_storage
 from megatron.data.data_args import DataSettings
+from megatron.data.readahead import ReadAheadBatchSampler, ReadAheadDataset
 from megatron.data.samplers import PretrainingSampler
 from megatron.data.t5_dataset import T5SpecialTokens, collate
 from megatron.data.tokenizer import build_tokenizer
@@ -44,7 +47,9 @@ def build_data(data: DataSettings, batch: BatchConfig, device_type: str,
     reads_batches: False on a pipeline stage that reads no batch (neither the first nor the
     last): its loaders hold as many placeholder batches as the others' and load nothing.
     """
+    object_storage.configure(**dataclasses.asdict(data.object_storage))
     datasets = build_run_datasets(data, batch)
+    remote = any(object_storage.is_remote(p) for p in data.dataset.data_path)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     loaders = []
@@ -58,6 +63,10 @@ def build_data(data: DataSettings, batch: BatchConfig, device_type: str,
         if not reads_batches:
             loaders.append(UnreadBatches(len(sampler)))
             continue
+        if remote:  # byte ranges of the next batches fetched ahead (megatron/data/readahead.py)
+            dataset = ReadAheadDataset(dataset)
+            sampler = ReadAheadBatchSampler(sampler, data.object_storage.read_ahead,
+                                            data.num_workers)
         # Its own generator: a loader draws a seed from the default one at every iter(), which
         # would shift the dropout masks after a resume or an evaluation.
         loaders.append(torch.utils.data.DataLoader(
