@@ -6,6 +6,16 @@
 
 Prints the format and dtype, counts of documents, sequences and tokens, length statistics and a
 histogram of sequence lengths; with --tokenizer-model, the given documents as text.
+
+    python data_tools/inspect_dataset.py data/mix_text_document --tokenizer-model spm/t5.model \
+        --t5-objective ul2 --samples 5 [--json] [the trainer's data and schedule flags]
+
+prints the first N training samples as the trainer builds them (the same --encoder-seq-length,
+--decoder-seq-length, --seed, --split, objective flags and, for the same sample order, the same
+--train-iters and --global-batch-size), decoded; with --json one JSON object per sample on
+stdout and nothing else there: denoiser_kind ("R", "S", "X"; T5's span corruption is "R"),
+mean_span and corruption_rate (null where they do not apply), encoder_input_ids, labels and
+decoder_input_ids without padding. A prefix may be s3://bucket/key.
 """
 
 from __future__ import annotations
@@ -40,6 +50,68 @@ def histogram_lines(lengths: np.ndarray, bins: int, width: int = 40) -> List[str
     return lines
 
 
+def print_samples(args, rest: Sequence[str]) -> int:
+    """--samples N: the first N training samples as the trainer builds them (module docstring)."""
+    import json
+
+    from megatron.data.builder import build_datasets
+    from megatron.data.data_args import add_data_args, check_data_args, data_config_from_args
+    from megatron.data.t5_dataset import IGNORE_INDEX, T5SpecialTokens, UL2Dataset
+    from megatron.data.tokenizer import build_tokenizer
+    from megatron.data.ul2 import describe_sample
+
+    parser = add_data_args(argparse.ArgumentParser(prog="inspect_dataset.py --samples"),
+                           schedule=False)
+    parser.add_argument("--train-iters", type=int, default=None)
+    parser.add_argument("--global-batch-size", type=int, default=None)
+    flags = parser.parse_args(["--data-path", args.prefix, "--tokenizer-model",
+                               args.tokenizer_model, *rest])
+    flags.train_iters = flags.train_iters or args.samples
+    flags.global_batch_size = flags.global_batch_size or 1
+    flags.eval_interval, flags.eval_iters = 0, 0
+    out = sys.stdout
+    if args.json:  # stdout carries the samples alone
+        sys.stdout = sys.stderr
+    try:
+        problems = check_data_args(flags)
+        if problems:
+            print("error: " + "; ".join(problems), file=sys.stderr)
+            return 2
+        config = data_config_from_args(flags)
+        tokenizer = build_tokenizer(  # the trainer's tokenizer, as --tokenizer-model names it
+            __import__("megatron.data.data_args", fromlist=["x"]).tokenizer_spec_from_args(flags),
+            extra_ids=flags.vocab_extra_ids)
+        tokens = T5SpecialTokens.from_tokenizer(tokenizer, whole_word=config.t5.whole_word)
+        count = flags.train_iters * flags.global_batch_size
+        dataset = build_datasets(config, tokens, (count, 0, 0))["train"]
+    finally:
+        sys.stdout = out
+    if dataset is None:
+        print("error: no training samples (check --split)", file=sys.stderr)
+        return 1
+    for index in range(min(args.samples, len(dataset))):
+        sample = dataset[index]
+        enc = sample["encoder_input_ids"][sample["encoder_attention_mask"] == 1].tolist()
+        labels = sample["labels"][sample["labels"] != IGNORE_INDEX].tolist()
+        dec = sample["decoder_input_ids"][sample["decoder_attention_mask"] == 1].tolist()
+        if isinstance(dataset, UL2Dataset):
+            info = describe_sample(dataset.config.ul2, dataset.denoised(index)[0])
+        elif config.objective == "span-corruption":
+            info = {"denoiser_kind": "R", "mean_span": config.t5.mean_noise_span_length,
+                    "corruption_rate": config.t5.noise_density}
+        else:
+            info = {"denoiser_kind": None, "mean_span": None, "corruption_rate": None}
+        if args.json:
+            print(json.dumps({"index": index, **info, "encoder_input_ids": enc,
+                              "labels": labels, "decoder_input_ids": dec}))
+            continue
+        what = ", ".join(f"{k} {v}" for k, v in info.items() if v is not None)
+        print(f"--- sample {index} ({what}): {len(enc)} input, {len(labels)} target tokens")
+        print("input:  " + tokenizer.decode(enc, skip_special_tokens=False))
+        print("target: " + tokenizer.decode(labels, skip_special_tokens=False))
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("prefix", help="dataset path without .bin/.idx")
@@ -50,9 +122,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--document", type=int, action="append", default=[],
                    help="print this document decoded (repeatable; needs --tokenizer-model)")
     p.add_argument("--bins", type=int, default=12, help="histogram bins")
-    args = p.parse_args(argv)
-    if args.document and not args.tokenizer_model:
-        p.error("--document needs --tokenizer-model to decode")
+    p.add_argument("--samples", type=int, default=0,
+                   help="print the first N training samples as the trainer builds them (needs "
+                        "--tokenizer-model; takes the trainer's data and schedule flags)")
+    p.add_argument("--json", action="store_true",
+                   help="with --samples: one JSON object per sample on stdout, nothing else")
+    args, rest = p.parse_known_args(argv)
+    if rest and not args.samples:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    if (args.document or args.samples) and not args.tokenizer_model:
+        p.error("--document and --samples need --tokenizer-model")
+    if args.samples:
+        return print_samples(args, rest)
     try:
         ds = IndexedDataset(args.prefix, impl=args.data_impl)
     except (OSError, ValueError) as e:

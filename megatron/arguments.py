@@ -33,7 +33,7 @@ from megatron.config import Layout, ParallelConfig, RunConfig, RuntimeConfig
 from megatron.config.lr_schedule import DECAY_STYLES
 from megatron.config.lr_schedule import from_args as lr_from_args
 from megatron.config.training import BatchConfig, CheckpointConfig, LoggingConfig, OptimizerConfig
-from megatron.data.data_args import add_data_args, resolve_data
+from megatron.data.data_args import add_data_args, resolve_data, t5_config_from_args
 from megatron.data.t5_dataset import T5DatasetConfig
 from megatron.initialize import choose_device
 from megatron.model.settings import ModelConfig, add_moe_args, moe_layout_problems, \
@@ -432,9 +432,12 @@ def layout_from_flags(argv: Sequence[str], world_size: int, device_type: str = "
     problems += more
     if values["model_config"] is None:
         problems.append("--model-config is required")
-    lengths = T5DatasetConfig(values["encoder_seq_length"], values["decoder_seq_length"],
-                              values["noise_density"], values["mean_noise_span_length"])
     try:
+        if values.get("t5_objective") == "ul2":  # its lengths need the tokenizer's mode tokens
+            lengths = t5_config_from_args(argparse.Namespace(**values))
+        else:
+            lengths = T5DatasetConfig(values["encoder_seq_length"], values["decoder_seq_length"],
+                                      values["noise_density"], values["mean_noise_span_length"])
         _, encoder, decoder = lengths.lengths()
     except ValueError as e:
         problems.append(str(e))

@@ -32,6 +32,9 @@ def print_dry_run(config: RunConfig) -> int:
     if model.t5.is_moe:
         for line in moe_lines(config):
             print(line)
+    ul2 = config.data.dataset.t5.ul2
+    if ul2 is not None:
+        print(ul2.describe_budget(config.data.encoder_seq_length, config.data.decoder_seq_length))
     if parallel.pipeline_model_parallel_size == 1:
         print(f"memory per rank, estimated for {device} (--dry-run-device):")
         for line in estimate.table():

@@ -23,7 +23,12 @@ from megatron.data.cpm2_dataset import CPM2Dataset, cpm2_prefixes, is_cpm2_prefi
 from megatron.data import object_storage
 from megatron.data.indexed_dataset import IndexedDataset, dataset_exists, default_cache_dir
 from megatron.data.megatron_t5_dataset import MegatronT5Dataset
-from megatron.data.t5_dataset import T5DatasetConfig, T5SpanCorruptionDataset, T5SpecialTokens
+from megatron.data.t5_dataset import (
+    T5DatasetConfig,
+    T5SpanCorruptionDataset,
+    T5SpecialTokens,
+    UL2Dataset,
+)
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -220,9 +225,18 @@ def _megatron(name: str, indexed: IndexedDataset, documents: Tuple[int, int],
                              cache_timeout=config.cache_timeout)
 
 
+def _ul2(name: str, indexed: IndexedDataset, documents: Tuple[int, int], num_samples: int,
+         config: DataConfig, tokens: T5SpecialTokens, cache_dir: str) -> UL2Dataset:
+    if config.t5.ul2 is None:
+        raise ValueError("--t5-objective ul2 needs its denoisers (T5DatasetConfig.ul2)")
+    return UL2Dataset(name, indexed, documents, num_samples, config.t5, tokens, cache_dir,
+                      config.cache_timeout)
+
+
 OBJECTIVES: Dict[str, Callable[..., object]] = {
     "span-corruption": _span_corruption,
     "megatron": _megatron,
+    "ul2": _ul2,
 }
 """--t5-objective: the dataset of a split of a token dataset, by objective (a new objective is
 one entry here): f(split name, IndexedDataset, (first, end) documents, samples, DataConfig,

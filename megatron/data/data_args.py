@@ -19,6 +19,13 @@ from megatron.data import object_storage
 from megatron.data.builder import OBJECTIVES, DataConfig, data_file_problems, split_sample_counts
 from megatron.data.indexed_dataset import IMPLS
 from megatron.data.object_storage import StorageSettings
+from megatron.data.ul2 import (
+    DEFAULT_MODE_TOKENS,
+    S_PREFIX,
+    UL2Config,
+    mode_token_ids,
+    parse_denoisers,
+)
 from megatron.data.t5_dataset import T5DatasetConfig
 from megatron.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, build_tokenizer, \
     resolve_tokenizer
@@ -100,8 +107,24 @@ def add_data_args(parser: argparse.ArgumentParser,
                    help="seeds the data order, the noise and the weights")
     g.add_argument("--t5-objective", choices=OBJECTIVES, default="span-corruption",
                    help="span-corruption: T5's, on _text_document data; megatron: Megatron's "
-                        "geometric n-gram masking on _text_sentence data (CPM-2 three-file data "
-                        "is recognised by its files)")
+                        "geometric n-gram masking on _text_sentence data; ul2: UL2's mixture of "
+                        "denoisers on _text_document data (CPM-2 three-file data is recognised "
+                        "by its files)")
+    g.add_argument("--ul2-denoisers", default="ul2",
+                   help="--t5-objective ul2: the mixture: a preset (ul2: the paper's seven, "
+                        "equal weights; upalm: 50%% S, 25%% R, 25%% X), a JSON file or inline "
+                        "JSON [{\"kind\": \"R\", \"mean_span\": 3, \"rate\": 0.15, "
+                        "\"weight\": 1}, ...]")
+    g.add_argument("--ul2-s-prefix", choices=S_PREFIX, default="t5",
+                   help="the S denoiser's prefix length: uniform over [1, L-1] (t5: the t5 "
+                        "library's random_prefix_noise_mask) or so that the target is the S "
+                        "rate of the window on average (density)")
+    g.add_argument("--ul2-no-mode-tokens", action="store_true",
+                   help="do not prepend the mode tokens ([NLU], [NLG], [S2S]) to the input")
+    for kind, token in DEFAULT_MODE_TOKENS.items():
+        g.add_argument(f"--ul2-{kind.lower()}-denoiser-token", default=token,
+                       help=f"the {kind} denoisers' mode token: text (tokenized) or ids "
+                            "(\"32099\" or \"5,6\")")
     g.add_argument("--short-seq-prob", type=float, default=0.1,
                    help="--t5-objective megatron: probability of a shorter sample")
     g.add_argument("--max-ngram", type=int, default=10,
@@ -199,7 +222,7 @@ def check_data_args(args: argparse.Namespace) -> List[str]:
         problems.append("--max-ngram must be >= 1")
     if args.t5_objective == "megatron" and args.decoder_seq_length is None:
         problems.append("--t5-objective megatron needs --decoder-seq-length")
-    if not problems and args.t5_objective == "span-corruption":
+    if not problems and args.t5_objective in ("span-corruption", "ul2"):
         try:
             t5_config_from_args(args).lengths()
         except ValueError as e:
@@ -208,11 +231,31 @@ def check_data_args(args: argparse.Namespace) -> List[str]:
 
 
 def t5_config_from_args(args: argparse.Namespace) -> T5DatasetConfig:
+    """Raises ValueError (the flag named) for UL2 settings that cannot make samples."""
+    ul2 = ul2_config_from_args(args) if args.t5_objective == "ul2" else None
     return T5DatasetConfig(encoder_seq_length=args.encoder_seq_length,
                            decoder_seq_length=args.decoder_seq_length,
                            noise_density=args.noise_density,
                            mean_noise_span_length=args.mean_noise_span_length,
-                           whole_word=args.whole_word_masking, seed=args.seed)
+                           whole_word=args.whole_word_masking, seed=args.seed, ul2=ul2)
+
+
+def ul2_config_from_args(args: argparse.Namespace) -> UL2Config:
+    """The --ul2-* flags, the mode tokens tokenized by the run's tokenizer.
+
+    Raises:
+        ValueError: every problem, the flags named."""
+    denoisers = parse_denoisers(args.ul2_denoisers)
+    tokenizer = build_tokenizer(tokenizer_spec_from_args(args), extra_ids=args.vocab_extra_ids)
+    modes = None
+    if not args.ul2_no_mode_tokens:
+        modes = mode_token_ids(tokenizer, {k: getattr(args, f"ul2_{k.lower()}_denoiser_token")
+                                           for k in DEFAULT_MODE_TOKENS})
+    config = UL2Config(denoisers, modes, args.ul2_s_prefix)
+    problems = config.problems(args.encoder_seq_length, len(tokenizer.sentinel_ids))
+    if problems:
+        raise ValueError("; ".join(problems))
+    return config
 
 
 def data_config_from_args(args: argparse.Namespace) -> DataConfig:

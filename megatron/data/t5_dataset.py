@@ -23,6 +23,7 @@ import numpy as np
 
 from megatron.data import _helpers
 from megatron.data.index_cache import cached_arrays, description_hash
+from megatron.data.ul2 import UL2Config, denoise
 from megatron.data.indexed_dataset import (
     IndexedDataset,
     data_file_path,
@@ -78,9 +79,14 @@ class T5DatasetConfig:
     mean_noise_span_length: float = 3.0
     whole_word: bool = False
     seed: int = 1234
+    ul2: Optional["UL2Config"] = None
+    """`--t5-objective ul2`: the mixture of denoisers (megatron/data/ul2.py), which sets the
+    lengths."""
 
     def lengths(self) -> Tuple[int, int, int]:
         """(raw tokens per sample, encoder length, decoder length)."""
+        if self.ul2 is not None:
+            return self.ul2.budget(self.encoder_seq_length, self.decoder_seq_length)
         raw, target = expected_lengths(self.encoder_seq_length, self.noise_density,
                                        self.mean_noise_span_length)
         decoder = self.decoder_seq_length if self.decoder_seq_length is not None else target
@@ -271,6 +277,22 @@ class T5SpanCorruptionDataset:
             mask = random_spans_noise_mask(len(raw), cfg.noise_density,
                                            cfg.mean_noise_span_length, rng)
             inputs, targets = corrupt(raw, mask, self._sentinels, self.tokens.eos_id)
+        return make_sample(inputs, targets, self.encoder_length, self.decoder_length,
+                           self.tokens.pad_id, self.tokens.decoder_start_token_id)
+
+
+class UL2Dataset(T5SpanCorruptionDataset):
+    """`--t5-objective ul2`: the packed windows of T5SpanCorruptionDataset, each denoised by the
+    denoiser its (seed, index) draws (megatron/data/ul2.py); `config.ul2` is set."""
+
+    def denoised(self, index: int):
+        """(index of the denoiser drawn, encoder input, target) of sample `index`."""
+        raw = self.raw_tokens(int(index))
+        rng = np.random.default_rng([self.config.seed, int(index)])
+        return denoise(raw, self.config.ul2, self._sentinels, self.tokens.eos_id, rng)
+
+    def __getitem__(self, index: int) -> Dict[str, np.ndarray]:
+        _, inputs, targets = self.denoised(index)
         return make_sample(inputs, targets, self.encoder_length, self.decoder_length,
                            self.tokens.pad_id, self.tokens.decoder_start_token_id)
 

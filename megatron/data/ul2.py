@@ -1,0 +1,273 @@
+"""UL2's mixture of denoisers (Tay et al. 2022) as `--t5-objective ul2`, with the t5 library's
+masking semantics (t5/data/preprocessors.py, read there; numpy here).
+
+Each sample draws one denoiser, with probability proportional to its weight, from a generator
+seeded by (seed, sample index) only, so a sample is the same in any layout, after a restart and
+with any number of loader workers:
+
+- R and X (kind, mean span, corruption rate): `random_spans_noise_mask` (round(L x rate) noise
+  tokens in round(noise / mean span) spans of a uniformly random segmentation, starting with
+  non-noise), noise spans to unique sentinels in the input, the kept spans to sentinels in the
+  target (`noise_span_to_unique_sentinel` / `nonnoise_span_to_unique_sentinel`): what
+  megatron/data/span_corruption.py does for T5. R is the regular setting, X the extreme one
+  (long spans or a high rate).
+- S: prefix LM (`random_prefix_noise_mask` with `drop_nonnoise_tokens` / `drop_noise_tokens`):
+  the encoder reads a prefix, the decoder predicts the rest, no sentinel. `s_prefix` "t5" (the
+  default, the t5 library's): the prefix length is uniform over [1, L - 1]. "density": uniform
+  over [max(1, round((1 - 2 r)(L - 1))), L - 1] with the S denoiser's rate r, so that the
+  target is r of the window on average (the reading of Megatron-LM PR #268 and of the UL2
+  paper's "S (r = 0.25)"); see the README.
+- Mode tokens: `[NLU]` for R, `[NLG]` for X, `[S2S]` for S (the paper's; strings are tokenized
+  by the run's tokenizer, or given as ids), prepended to the encoder input; off with a flag.
+
+Every sample packs the same number of raw tokens (one packed stream, as T5's span corruption):
+the largest window whose input fits the encoder under every denoiser (S, whose prefix may be the
+whole window but one token, decides it: encoder length - 1 - the mode token's length + 1). The
+decoder length is the longest target any denoiser can make (S again: the window); a shorter
+`--decoder-seq-length` is refused naming the denoiser. `UL2Config.budget` computes both; the
+run prints them at start and in --dry-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megatron.data.span_corruption import corrupt, random_spans_noise_mask
+
+KINDS = ("R", "S", "X")
+DEFAULT_MODE_TOKENS = {"R": "[NLU]", "S": "[S2S]", "X": "[NLG]"}
+S_PREFIX = ("t5", "density")
+
+
+@dataclass(frozen=True)
+class Denoiser:
+    """One denoiser: kind 'R', 'S' or 'X'; mean span and rate of R and X (S's rate is read only
+    with s_prefix 'density'); its weight in the mixture."""
+
+    kind: str
+    mean_span: Optional[float] = None
+    rate: Optional[float] = None
+    weight: float = 1.0
+
+    def describe(self) -> str:
+        if self.kind == "S":
+            return "S (prefix LM)" + (f" rate {self.rate:g}" if self.rate is not None else "")
+        return f"{self.kind} (span {self.mean_span:g}, rate {self.rate:g})"
+
+
+def _r(span, rate, weight=1.0):
+    return Denoiser("R", float(span), float(rate), weight)
+
+
+def _x(span, rate, weight=1.0):
+    return Denoiser("X", float(span), float(rate), weight)
+
+
+PRESETS: Dict[str, Tuple[Denoiser, ...]] = {
+    # the UL2 paper's seven, drawn with equal probability
+    "ul2": (_r(3, 0.15), _r(8, 0.15), Denoiser("S", None, 0.25), _x(3, 0.5), _x(8, 0.5),
+            _x(64, 0.15), _x(64, 0.5)),
+    # U-PaLM's UL2R mixture: 50% S, 25% R (span 3, 15%), 25% X (span 32, 50%)
+    "upalm": (Denoiser("S", None, 0.25, 0.5), _r(3, 0.15, 0.25), _x(32, 0.5, 0.25)),
+}
+
+
+def parse_denoisers(spec: str) -> Tuple[Denoiser, ...]:
+    """`--ul2-denoisers`: a preset name (PRESETS), a JSON file, or inline JSON: a list of
+    {"kind": "R"|"S"|"X", "mean_span": m, "rate": r, "weight": w}.
+
+    Raises:
+        ValueError: naming the flag and the bad entry."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    flag = f"--ul2-denoisers {spec}"
+    try:
+        text = open(spec, encoding="utf-8").read() if os.path.isfile(spec) else spec
+        entries = json.loads(text)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag}: not a preset ({', '.join(PRESETS)}) nor readable JSON ({e})") \
+            from None
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{flag}: a JSON list of denoisers is needed")
+    out = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict) or entry.get("kind") not in KINDS or \
+                set(entry) - {"kind", "mean_span", "rate", "weight"}:
+            raise ValueError(f"{flag}: entry {i} must be {{\"kind\": R|S|X, \"mean_span\", "
+                             f"\"rate\", \"weight\"}}, not {entry!r}")
+        try:
+            out.append(Denoiser(entry["kind"],
+                                None if entry.get("mean_span") is None
+                                else float(entry["mean_span"]),
+                                None if entry.get("rate") is None else float(entry["rate"]),
+                                float(entry.get("weight", 1.0))))
+        except (TypeError, ValueError):
+            raise ValueError(f"{flag}: entry {i} has a non-numeric field: {entry!r}") from None
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class UL2Config:
+    """The mixture, the mode tokens (kind -> ids; None: none) and the S prefix rule."""
+
+    denoisers: Tuple[Denoiser, ...] = PRESETS["ul2"]
+    mode_tokens: Optional[Tuple[Tuple[str, Tuple[int, ...]], ...]] = None
+    s_prefix: str = "t5"
+
+    @property
+    def weights(self) -> np.ndarray:
+        w = np.asarray([d.weight for d in self.denoisers], dtype=np.float64)
+        return w / w.sum()
+
+    def mode(self, kind: str) -> Tuple[int, ...]:
+        return dict(self.mode_tokens or ()).get(kind, ())
+
+    def problems(self, encoder_length: int, num_sentinels: int) -> list:
+        """Why the mixture cannot make samples (the flag named)."""
+        out = []
+        weights = [d.weight for d in self.denoisers]
+        if any(not np.isfinite(w) or w < 0 for w in weights) or not sum(weights) > 0:
+            out.append(f"--ul2-denoisers: weights {weights} must be >= 0 with a positive sum")
+        if self.s_prefix not in S_PREFIX:
+            out.append(f"--ul2-s-prefix {self.s_prefix}: choose one of {', '.join(S_PREFIX)}")
+        for d in self.denoisers:
+            if d.kind == "S":
+                rate = d.rate if self.s_prefix == "density" else None
+                if rate is not None and not 0 < rate <= 0.5:
+                    out.append(f"--ul2-denoisers: {d.describe()}: an S rate must be in (0, 0.5]")
+                continue
+            if d.rate is None or not 0 < d.rate < 1:
+                out.append(f"--ul2-denoisers: {d.kind} rate {d.rate} must be in (0, 1)")
+            if d.mean_span is None or d.mean_span < 1:
+                out.append(f"--ul2-denoisers: {d.kind} mean span {d.mean_span} must be >= 1")
+            elif d.mean_span > encoder_length:
+                out.append(f"--ul2-denoisers: {d.describe()}: the mean span is longer than the "
+                           f"encoder length {encoder_length}")
+        if out:
+            return out
+        raw = self._raw_length(encoder_length)
+        if raw < 2:
+            return [f"--encoder-seq-length {encoder_length} is too short for UL2 with these "
+                    f"mode tokens"]
+        for d in self.denoisers:
+            if d.kind != "S" and _spans(raw, d)[1] > num_sentinels:
+                out.append(f"--ul2-denoisers: {d.describe()} makes {_spans(raw, d)[1]} noise "
+                           f"spans of {raw} tokens but the tokenizer has {num_sentinels} "
+                           f"sentinels (--vocab-extra-ids)")
+        return out
+
+    # Lengths (module docstring) -------------------------------------------------------------
+    def _lengths(self, raw: int, d: Denoiser) -> Tuple[int, int]:
+        """(longest input, longest target) of `raw` tokens under `d`, EOS and mode included."""
+        mode = len(self.mode(d.kind))
+        if d.kind == "S":
+            return raw + mode, raw - self.min_prefix(raw, d) + 1
+        noise, spans = _spans(raw, d)
+        return raw - noise + spans + 1 + mode, noise + spans + 1
+
+    def _raw_length(self, encoder_length: int) -> int:
+        raw = encoder_length
+        while raw > 1 and any(self._lengths(raw, d)[0] > encoder_length
+                              for d in self.denoisers):
+            raw -= 1
+        return raw
+
+    def budget(self, encoder_length: int, decoder_length: Optional[int] = None
+               ) -> Tuple[int, int, int]:
+        """(raw tokens per sample, encoder length, decoder length).
+
+        Raises:
+            ValueError: --decoder-seq-length too short for a denoiser (named)."""
+        raw = self._raw_length(encoder_length)
+        need = {d: self._lengths(raw, d)[1] for d in self.denoisers}
+        longest = max(need.values())
+        if decoder_length is not None:
+            short = [d for d, n in need.items() if n > decoder_length]
+            if short:
+                d = max(short, key=need.get)
+                raise ValueError(f"--decoder-seq-length {decoder_length} is too short for the "
+                                 f"UL2 denoiser {d.describe()}: its targets reach {need[d]} "
+                                 f"tokens of a {raw}-token window (omit the flag to take "
+                                 f"{longest})")
+            return raw, encoder_length, decoder_length
+        return raw, encoder_length, longest
+
+    def describe_budget(self, encoder_length: int, decoder_length: Optional[int] = None) -> str:
+        raw, enc, dec = self.budget(encoder_length, decoder_length)
+        parts = [f"{self.describe_denoiser(d)} weight {w:.3f}: input <= "
+                 f"{self._lengths(raw, d)[0]}, "
+                 f"target <= {self._lengths(raw, d)[1]}"
+                 for d, w in zip(self.denoisers, self.weights)]
+        return (f"UL2: {raw} raw tokens per sample, encoder {enc}, decoder {dec}; "
+                + "; ".join(parts))
+
+    def describe_denoiser(self, d: Denoiser) -> str:
+        if d.kind == "S" and self.s_prefix == "t5":
+            return "S (prefix LM, prefix uniform over [1, L - 1])"
+        return d.describe()
+
+    def min_prefix(self, raw: int, d: Denoiser) -> int:
+        if self.s_prefix == "density" and d.rate is not None:
+            return min(raw - 1, max(1, int(round((1 - 2 * d.rate) * (raw - 1)))))
+        return 1
+
+
+def _spans(raw: int, d: Denoiser) -> Tuple[int, int]:
+    """(noise tokens, noise spans) of random_spans_noise_mask on `raw` tokens."""
+    noise = min(max(int(round(raw * d.rate)), 1), raw - 1)
+    spans = max(int(round(noise / d.mean_span)), 1)
+    return noise, min(spans, noise, raw - noise)
+
+
+def denoise(raw: np.ndarray, config: UL2Config, sentinels: np.ndarray, eos_id: int,
+            rng: np.random.Generator) -> Tuple[int, np.ndarray, np.ndarray]:
+    """(index of the denoiser drawn, encoder input, target) of raw tokens, both ending in EOS."""
+    which = int(rng.choice(len(config.denoisers), p=config.weights))
+    d = config.denoisers[which]
+    eos = np.array([eos_id], dtype=np.int64)
+    if d.kind == "S":  # random_prefix_noise_mask: the prefix is the input, the rest the target
+        prefix = int(rng.integers(config.min_prefix(len(raw), d), len(raw)))
+        inputs = np.concatenate([raw[:prefix], eos])
+        targets = np.concatenate([raw[prefix:], eos])
+    else:
+        mask = random_spans_noise_mask(len(raw), d.rate, d.mean_span, rng)
+        inputs, targets = corrupt(raw, mask, sentinels, eos_id)
+    mode = config.mode(d.kind)
+    if mode:
+        inputs = np.concatenate([np.asarray(mode, dtype=np.int64), inputs])
+    return which, inputs, targets
+
+
+def mode_token_ids(tokenizer, values: Dict[str, str]) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
+    """Each kind's mode token: "12,13" (ids) as given, else the text tokenized (no EOS).
+
+    Raises:
+        ValueError: an empty token."""
+    out = []
+    for kind in KINDS:
+        text = values[kind]
+        if text.replace(",", "").strip().isdigit():
+            ids = tuple(int(t) for t in text.split(",") if t.strip())
+        else:
+            ids = tuple(int(i) for i in tokenizer.encode(text))
+        if not ids:
+            raise ValueError(f"--ul2-{kind.lower()}-denoiser-token {text!r} gives no token")
+        out.append((kind, ids))
+    return tuple(out)
+
+
+def describe_sample(config: UL2Config, which: int) -> Dict[str, object]:
+    """inspect_dataset's fields of a denoiser."""
+    d = config.denoisers[which]
+    return {"denoiser_kind": d.kind,
+            "mean_span": None if d.kind == "S" else d.mean_span,
+            "corruption_rate": d.rate if d.kind != "S" or config.s_prefix == "density" else None}
+
+
+def kinds_of(config: UL2Config, which: Sequence[int]) -> list:
+    return [config.denoisers[i].kind for i in which]

@@ -1,0 +1,228 @@
+"""UL2's mixture of denoisers (megatron/data/ul2.py) against numpy ports of the t5 library's
+masking functions (t5/data/preprocessors.py: random_spans_noise_mask's counts,
+random_prefix_noise_mask, noise_span_to_unique_sentinel, nonnoise_span_to_unique_sentinel),
+statistics over 10^5 samples of the shared corpora, exact reconstruction of every sample (English
+and Chinese, SentencePiece and CPM-2's tokenizer, mode tokens on and off), lengths and refusals."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from megatron.data.builder import DataConfig, build_datasets
+from megatron.data.span_corruption import uncorrupt
+from megatron.data.t5_dataset import IGNORE_INDEX, T5DatasetConfig, T5SpecialTokens
+from megatron.data.tokenizer import TokenizerSpec, build_tokenizer
+from megatron.data.ul2 import PRESETS, Denoiser, UL2Config, denoise, mode_token_ids, \
+    parse_denoisers
+
+CPM2_VOCAB = Path(__file__).resolve().parents[1] / "data" / "cpm2" / "bpe_cn" / "vocab.txt"
+SENTINELS = np.arange(1000, 1100)
+EOS = 1
+
+
+# The t5 library's functions, ported to numpy (the references) ---------------------------------
+def t5_noise_counts(length, noise_density, mean_noise_span_length):
+    """random_spans_noise_mask's counts: round(length x density) noise tokens (at least 1, at
+    most length - 1) in round(noise / mean span) spans (at least 1)."""
+    num_noise = min(max(int(np.round(length * noise_density)), 1), length - 1)
+    return num_noise, max(int(np.round(num_noise / mean_noise_span_length)), 1)
+
+
+def t5_noise_span_to_unique_sentinel(tokens, mask, sentinels):
+    """Each noise span replaced by the next sentinel (t5: vocab - 1 counting down; ours: the
+    tokenizer's <extra_id_i> in order)."""
+    prev = np.concatenate([[False], mask[:-1]])
+    first = mask & ~prev
+    sentinel_of = sentinels[np.cumsum(first) - 1]
+    out = np.where(first, sentinel_of, tokens)
+    return out[~(mask & prev)]
+
+
+def t5_nonnoise_span_to_unique_sentinel(tokens, mask, sentinels):
+    return t5_noise_span_to_unique_sentinel(tokens, ~mask, sentinels)
+
+
+def t5_random_prefix_length(length, rng):
+    """random_prefix_noise_mask: the input (noise) prefix is uniform over [1, length - 1]."""
+    return int(rng.integers(1, length))
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("d", [d for d in PRESETS["ul2"] if d.kind != "S"],
+                         ids=lambda d: d.describe())
+def test_r_and_x_follow_random_spans_noise_mask_and_unique_sentinels(d):
+    single = UL2Config((d,))
+    for seed in range(30):
+        raw = np.random.default_rng(seed).integers(2, 900, size=511)
+        _, inputs, targets = denoise(raw, single, SENTINELS, EOS, np.random.default_rng(seed))
+        # rebuild the mask from the sample: the target lists each noise span after a sentinel
+        restored = uncorrupt(inputs, targets, SENTINELS, EOS)
+        assert np.array_equal(restored, raw)
+        mask = np.zeros(len(raw), dtype=bool)
+        body, pos, k = inputs[:-1], 0, 0
+        for token in body:
+            if token in set(SENTINELS.tolist()):
+                span = targets[:-1]
+                start = int(np.flatnonzero(span == token)[0]) + 1
+                stop = start
+                while stop < len(span) and span[stop] not in set(SENTINELS.tolist()):
+                    stop += 1
+                mask[pos:pos + stop - start] = True
+                pos += stop - start
+                k += 1
+            else:
+                pos += 1
+        noise, spans = t5_noise_counts(len(raw), d.rate, d.mean_span)
+        assert mask.sum() == noise and k == min(spans, noise, len(raw) - noise)
+        assert not mask[0]  # spans alternate, starting with non-noise
+        assert np.array_equal(inputs[:-1], t5_noise_span_to_unique_sentinel(raw, mask, SENTINELS))
+        assert np.array_equal(targets[:-1],
+                              t5_nonnoise_span_to_unique_sentinel(raw, mask, SENTINELS))
+
+
+def test_s_is_the_t5_prefix_lm():
+    config = UL2Config((Denoiser("S"),))
+    for seed in range(50):
+        raw = np.random.default_rng(seed).integers(2, 900, size=100)
+        rng = np.random.default_rng(seed)
+        _, inputs, targets = denoise(raw, config, SENTINELS, EOS, rng)
+        reference = np.random.default_rng(seed)
+        reference.choice(1, p=[1.0])  # the denoiser draw comes first
+        prefix = t5_random_prefix_length(len(raw), reference)
+        assert inputs.tolist() == raw[:prefix].tolist() + [EOS]
+        assert targets.tolist() == raw[prefix:].tolist() + [EOS]
+
+
+@pytest.fixture(scope="module")
+def sample_sets(train_data, tmp_path_factory):
+    """10^5 samples of the default mixture over the shared corpora (English and Chinese), 512
+    encoder tokens, mode tokens off (their lengths differ by tokenizer)."""
+    tokenizer = build_tokenizer(TokenizerSpec("SentencePieceTokenizer", train_data.spm))
+    tokens = T5SpecialTokens.from_tokenizer(tokenizer)
+    ul2 = UL2Config(PRESETS["ul2"])
+    config = DataConfig([train_data.prefix], split="100,0,0",
+                        data_cache_path=str(tmp_path_factory.mktemp("ul2cache")),
+                        t5=T5DatasetConfig(encoder_seq_length=512, seed=3, ul2=ul2),
+                        objective="ul2")
+    dataset = build_datasets(config, tokens, (100_000, 0, 0))["train"]
+    return dataset, tokens
+
+
+def test_statistics_of_ten_to_the_five_samples(sample_sets):
+    dataset, tokens = sample_sets
+    config = dataset.config.ul2
+    counts = np.zeros(len(config.denoisers))
+    rates = [[] for _ in config.denoisers]
+    spans = [[] for _ in config.denoisers]
+    prefixes = []
+    sentinels = set(tokens.sentinel_ids)
+    for index in range(100_000):
+        which, inputs, targets = dataset.denoised(index)
+        counts[which] += 1
+        d = config.denoisers[which]
+        if d.kind == "S":
+            prefixes.append(len(inputs) - 1)
+            continue
+        k = sum(1 for t in targets[:-1].tolist() if t in sentinels)
+        noise = len(targets) - 1 - k
+        rates[which].append(noise / dataset.raw_length)
+        spans[which].append(noise / k)
+    expected = config.weights * counts.sum()
+    assert stats.chisquare(counts, expected).pvalue > 0.001
+    for which, d in enumerate(config.denoisers):
+        if d.kind == "S":
+            continue
+        noise, k = t5_noise_counts(dataset.raw_length, d.rate, d.mean_span)
+        # every sample has the t5 library's counts ...
+        assert set(rates[which]) == {noise / dataset.raw_length}
+        assert np.mean(spans[which]) == pytest.approx(noise / k)
+        # ... so the rate is within 2% of the setting, and the mean span off it by no more
+        # than the rounding of the span count: t5's semantics fix round(noise / mean span)
+        # spans, so R (8, 0.15) has 10 spans of 7.7 tokens in a 511-token window and X (64,
+        # 0.15) one span of 77 tokens
+        assert np.mean(rates[which]) == pytest.approx(d.rate, rel=0.02)
+        rounding = abs(k - noise / d.mean_span) / k
+        assert abs(np.mean(spans[which]) / d.mean_span - 1) <= rounding + 1e-9
+        if rounding <= 0.02:
+            assert np.mean(spans[which]) == pytest.approx(d.mean_span, rel=0.02)
+    # S: the prefix uniform over [1, L - 1] (Kolmogorov-Smirnov on the continuous version)
+    length = dataset.raw_length
+    u = (np.asarray(prefixes) - 1 + np.random.default_rng(0).random(len(prefixes))) / (length - 1)
+    assert stats.kstest(u, "uniform").pvalue > 0.001
+
+
+@pytest.mark.parametrize("mode", [True, False])
+@pytest.mark.parametrize("tokenizer_kind", ["sentencepiece", "cpm2"])
+def test_every_sample_reconstructs_its_raw_tokens(train_data, tmp_path, mode, tokenizer_kind):
+    if tokenizer_kind == "cpm2":
+        pytest.importorskip("jieba")
+        spec = TokenizerSpec("CPM2Tokenizer", str(CPM2_VOCAB))
+    else:
+        spec = TokenizerSpec("SentencePieceTokenizer", train_data.spm)
+    tokenizer = build_tokenizer(spec)
+    tokens = T5SpecialTokens.from_tokenizer(tokenizer)
+    modes = mode_token_ids(tokenizer, {"R": "[NLU]", "S": "[S2S]", "X": "[NLG]"}) if mode \
+        else None
+    ul2 = UL2Config(PRESETS["ul2"], modes)
+    config = DataConfig([train_data.prefix], split="100,0,0", data_cache_path=str(tmp_path),
+                        t5=T5DatasetConfig(encoder_seq_length=128, seed=5, ul2=ul2),
+                        objective="ul2")
+    dataset = build_datasets(config, tokens, (700, 0, 0))["train"]
+    kinds = set()
+    for index in range(700):
+        which, inputs, targets = dataset.denoised(index)
+        d = ul2.denoisers[which]
+        kinds.add(d.kind)
+        raw = dataset.raw_tokens(index)
+        mode_ids = list(ul2.mode(d.kind))
+        assert inputs[:len(mode_ids)].tolist() == mode_ids
+        body = inputs[len(mode_ids):]
+        if d.kind == "S":
+            restored = np.concatenate([body[:-1], targets[:-1]])
+        else:
+            restored = uncorrupt(body, targets, np.asarray(tokens.sentinel_ids), tokens.eos_id)
+        assert np.array_equal(restored, raw), index
+        sample = dataset[index]  # fits the budget, nothing cut
+        assert sample["encoder_attention_mask"].sum() == len(inputs)
+        assert (sample["labels"] != IGNORE_INDEX).sum() == len(targets)
+    assert kinds == {"R", "S", "X"}
+
+
+def test_lengths_fit_every_denoiser_and_a_short_decoder_is_refused():
+    config = UL2Config(PRESETS["ul2"], (("R", (5,)), ("S", (6,)), ("X", (7,))))
+    raw, enc, dec = config.budget(512)
+    assert (raw, enc, dec) == (511, 512, 511)  # S: a 510-token prefix + EOS + [S2S]
+    with pytest.raises(ValueError, match=r"--decoder-seq-length 256 is too short for the UL2 "
+                                         r"denoiser S"):
+        config.budget(512, 256)
+    no_s = UL2Config(PRESETS["ul2"][:2] + PRESETS["ul2"][3:])
+    assert no_s.budget(512)[2] < 512  # without S the decoder needs X (span 3, 50%)'s targets
+
+
+@pytest.mark.parametrize("spec,message", [
+    ('[{"kind": "R", "mean_span": 3, "rate": 0.15, "weight": 0}]', "positive sum"),
+    ('[{"kind": "X", "mean_span": 3, "rate": 1.5}]', "rate 1.5 must be in (0, 1)"),
+    ('[{"kind": "X", "mean_span": 600, "rate": 0.5}]', "longer than the encoder length 512"),
+    ('[{"kind": "Q"}]', "entry 0 must be"),
+    ("nonsense", "not a preset"),
+])
+def test_bad_settings_are_refused_naming_the_flag(spec, message):
+    with pytest.raises(ValueError, match="--ul2-denoisers") as e:
+        problems = UL2Config(parse_denoisers(spec)).problems(512, 100)
+        if problems:
+            raise ValueError("; ".join(problems))
+    assert message in str(e.value)
+
+
+def test_the_presets():
+    ul2 = PRESETS["ul2"]
+    assert [(d.kind, d.mean_span, d.rate) for d in ul2 if d.kind != "S"] == [
+        ("R", 3, 0.15), ("R", 8, 0.15), ("X", 3, 0.5), ("X", 8, 0.5), ("X", 64, 0.15),
+        ("X", 64, 0.5)]
+    assert np.allclose(UL2Config(ul2).weights, 1 / 7)
+    upalm = UL2Config(PRESETS["upalm"])
+    by_kind = {k: sum(w for d, w in zip(upalm.denoisers, upalm.weights) if d.kind == k)
+               for k in "RSX"}
+    assert by_kind == pytest.approx({"S": 0.5, "R": 0.25, "X": 0.25})
