@@ -1,7 +1,7 @@
 # The two commands of the README: `make demo` runs the main job, `make test` runs the tests.
 PYTHON ?= python
 
-.PHONY: demo test test-fast bench install
+.PHONY: demo test test-fast bench install gpu-check gpu-wheels
 
 demo:
 	bash launch/quickstart.sh
@@ -21,3 +21,17 @@ bench:
 install:
 	$(PYTHON) -m pip install torch==2.13.0
 	$(PYTHON) -m pip install -e ".[test]"
+
+# On one CUDA GPU: the tests marked gpu and bench/bench_gpu.py's table (exits 0 without CUDA).
+gpu-check:
+	$(PYTHON) bench/gpu_check.py
+
+# The wheels a GPU machine with CUDA torch, transformers and sentencepiece lacks, for gpu-check
+# without network (under 64 MiB).
+gpu-wheels:
+	rm -rf gpu-wheels && mkdir -p gpu-wheels
+	$(PYTHON) -m pip download --no-deps -d gpu-wheels deepspeed nltk hjson ninja py-cpuinfo \
+		msgpack pydantic pydantic-core annotated-types typing-inspection einops joblib click \
+		regex pybind11 tqdm
+	$(PYTHON) -m pip wheel --no-deps --no-build-isolation -w gpu-wheels .
+	du -sh gpu-wheels

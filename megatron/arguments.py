@@ -82,7 +82,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the embedding to a multiple of this x tensor-parallel size")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="attention kernel: auto picks sdpa on CUDA and for cross-attention")
+                   help="attention kernel: auto picks sdpa on CUDA and for cross-attention; "
+                        "flex computes the relative bias inside FlexAttention (training on "
+                        "CUDA only)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block (the first steps compile; the "
+                        "losses are the uncompiled run's)")
     g.add_argument("--label-smoothing", type=float, default=0.0,
                    help="of the cross entropy, in [0, 1)")
     g.add_argument("--checkpoint-activations", dest="checkpoint_activations",
@@ -410,7 +415,27 @@ def resolve_layout(values: Dict[str, object], parallel: ParallelConfig, device_t
     if model is not None:
         problems += cut_problems(model.t5, parallel.pipeline_model_parallel_size,
                                  parallel.pipeline_split_rank)
+        problems += flex_problems(model, parallel, device_type)
     return resolved, values, model, problems
+
+
+def flex_problems(model: ModelConfig, parallel: ParallelConfig, device_type: str) -> List[str]:
+    """What keeps --attention-backend flex from training here (megatron/model/flex.py)."""
+    if model.attention_backend != "flex":
+        return []
+    out = []
+    alternatives = "use --attention-backend eager, sdpa or auto for training (flex may serve " \
+        "evaluation and inference: T5Model(..., attention_backend='flex'))"
+    if device_type != "cuda":
+        out.append(f"--attention-backend flex cannot train on the {device_type}: torch's "
+                   f"FlexAttention (2.13) has no backward there; " + alternatives)
+    if model.t5.dropout_rate > 0:
+        out.append(f"--attention-backend flex has no attention dropout, and the model's "
+                   f"dropout_rate is {model.t5.dropout_rate}; " + alternatives)
+    if parallel.pipeline_model_parallel_size > 1:
+        out.append("--attention-backend flex with --pipeline-model-parallel-size > 1: the "
+                   "pipeline's stages carry a bias tensor; " + alternatives)
+    return out
 
 
 @functools.lru_cache(maxsize=1)

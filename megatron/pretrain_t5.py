@@ -18,6 +18,7 @@ import json
 import os
 import socket
 import sys
+import time
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -310,6 +311,11 @@ def _take_save_lock(save: str, device):
     return lock
 
 
+SILENT_RANK_GRACE_S = 10.0
+"""How long a silent rank waits before it exits on a command line that cannot run (torchrun
+ends it sooner, when the speaking rank exits)."""
+
+
 def startup_voice(env: Mapping[str, str]) -> Optional[str]:
     """How this rank reports a command line that cannot run, found before any process group
     exists (so no rank can ask another): '' for rank 0, which speaks for the job; None (silent)
@@ -335,6 +341,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             voice = startup_voice(os.environ)
             if voice is not None:
                 print(f"error{voice}: the command line cannot run:\n{e}", file=sys.stderr)
+            elif os.environ.get("WORLD_SIZE", "1") != "1":
+                # a silent rank outlives the speaking one's check: a launcher (torchrun) ends
+                # the others as soon as one rank exits, which could cut the message short
+                time.sleep(SILENT_RANK_GRACE_S)
             return 2
         if config.dry_run:
             return print_dry_run(config)

@@ -25,6 +25,8 @@ class ModelConfig:
     label_smoothing: float = 0.0
     expert_bias_update_rate: float = 1e-3
     """--moe-router-bias-update-rate: the step of the expert bias after each optimizer step."""
+    compile: bool = False
+    """--compile: torch.compile each transformer block (model/t5.py compile_blocks)."""
 
 
 MOE_FLAGS = {
@@ -171,4 +173,4 @@ def resolve_model(flags, tensor_parallel_size: int, pipeline_parallel_size: int,
         problems.append("--moe-router-bias-update-rate must be positive")
     return ModelConfig(t5, flags["make_vocab_size_divisible_by"], flags["attention_backend"],
                        checkpoint_activations, flags["checkpoint_num_layers"],
-                       flags["label_smoothing"], rate), problems
+                       flags["label_smoothing"], rate, bool(flags.get("compile"))), problems

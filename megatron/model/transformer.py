@@ -32,6 +32,7 @@ from megatron.tensor_parallel.layers import (
     normal_init,
     set_tensor_model_parallel_attributes,
 )
+from megatron.model.flex import FlexBias, flex_core_attention, key_valid_from_additive
 from megatron.model.moe import SparseMLP
 from megatron.tensor_parallel.group import NO_EXPERT_PARALLEL, ExpertParallel, TensorParallel
 from megatron.tensor_parallel.random import get_cuda_rng_tracker, init_rng
@@ -229,7 +230,7 @@ def relative_attention_bias(config: T5Config, init: "InitMethods", is_decoder: b
                                      dtype=dtype)
 
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "eager")
+ATTENTION_BACKENDS = ("auto", "sdpa", "eager", "flex")
 """The attention kernels a model can run (T5Attention.forward picks for 'auto'), the one list
 the flags and the model read."""
 
@@ -307,6 +308,15 @@ class T5Attention(nn.Module):
         # bias is only the mask); self-attention on CPU learns its bias, which sends sdpa to a
         # slower math path (bench/bench_model.py). Decided by the layer, never by grad mode, so
         # a checkpointed block recomputes with the same kernel and the same random draws.
+        if self.backend == "flex":  # the bias inside the kernel (model/flex.py)
+            if dropout_p > 0:
+                raise RuntimeError("attention backend 'flex' has no attention dropout: train "
+                                   "with dropout_rate 0 or another backend (eager, sdpa)")
+            if not isinstance(bias, FlexBias):  # cross-attention: the encoder's padding only
+                bias = FlexBias(None, False, 0, 0, key_valid_from_additive(bias), False)
+            context = flex_core_attention(query, key, value, bias)
+            batch, _, length, _ = context.shape
+            return self.o(context.transpose(1, 2).reshape(batch, length, -1))
         use_sdpa = self.backend == "sdpa" or (self.backend == "auto" and (
             query.device.type == "cuda" or key_value is not None))
         with get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
@@ -469,7 +479,15 @@ class T5Block(nn.Module):
                 raise RuntimeError("the first block of a stack must own the relative "
                                    "attention bias")
             mask = carry.decoder_mask if self.is_decoder else carry.encoder_mask
-            position_bias = stack_position_bias(attention.compute_bias, mask, hidden)
+            if attention.backend == "flex":
+                config = attention.config
+                position_bias = FlexBias(attention.relative_attention_bias.weight,
+                                         not self.is_decoder,
+                                         config.relative_attention_num_buckets,
+                                         config.relative_attention_max_distance,
+                                         key_valid_from_additive(mask), self.is_decoder)
+            else:
+                position_bias = stack_position_bias(attention.compute_bias, mask, hidden)
         hidden = _clamp_fp16(self.layer[0](hidden, position_bias))
         if self.is_decoder:
             hidden = _clamp_fp16(self.layer[1](hidden, carry.encoder_output, carry.encoder_mask))

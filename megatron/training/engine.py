@@ -18,7 +18,7 @@ import torch
 from megatron import parallel_state
 from megatron.config.training import OptimizerConfig, ZeroConfig
 from megatron.model.settings import ModelConfig
-from megatron.model.t5 import T5Model
+from megatron.model.t5 import T5Model, compile_blocks
 from megatron.training import experts
 
 NO_DECAY_MARKERS = ("layer_norm", "bias", "relative_attention_bias")
@@ -45,9 +45,12 @@ def build_model(model: ModelConfig, zero: ZeroConfig, device: torch.device,
                                  remote_device=remote, config_dict_or_path=ds_json,
                                  pin_memory=device.type == "cuda",
                                  mpu=parallel_state):
-            return make(device)
-    built = make(device)
-    experts.prepare(built)  # expert parallelism on DeepSpeed's conventions
+            built = make(device)
+    else:
+        built = make(device)
+        experts.prepare(built)  # expert parallelism on DeepSpeed's conventions
+    if model.compile:
+        compile_blocks(built)
     return built
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import parallel_state
+from megatron.model.t5 import compile_blocks
 from megatron.pipeline.module import (
     build_pipeline_module,
     single_process_buffer_names,
@@ -182,6 +183,8 @@ def build_pipeline_step(config, watchdog, writer) -> PipelineStep:
                                        model.checkpoint_num_layers, device=device,
                                        tensor_parallel=tp)
     experts.prepare(module)  # expert parallelism on DeepSpeed's conventions
+    if model.compile:
+        compile_blocks(module)
     counts = torch.zeros(parallel.pipeline_model_parallel_size, dtype=torch.int64,
                          device=device)
     counts[parallel_state.get_pipeline_model_parallel_rank()] = sum(
