@@ -30,6 +30,7 @@ run prints them at start and in --dry-run.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -123,6 +124,19 @@ class UL2Config:
     def weights(self) -> np.ndarray:
         w = np.asarray([d.weight for d in self.denoisers], dtype=np.float64)
         return w / w.sum()
+
+    @functools.cached_property
+    def _cumulative(self) -> np.ndarray:
+        return np.cumsum(self.weights)
+
+    @functools.cached_property
+    def _modes(self) -> Dict[str, np.ndarray]:
+        return {kind: np.asarray(ids, dtype=np.int64) for kind, ids in (self.mode_tokens or ())}
+
+    def draw(self, rng: np.random.Generator) -> int:
+        """The index of a denoiser drawn with probability proportional to its weight."""
+        which = int(np.searchsorted(self._cumulative, rng.random(), side="right"))
+        return min(which, len(self.denoisers) - 1)
 
     def mode(self, kind: str) -> Tuple[int, ...]:
         return dict(self.mode_tokens or ()).get(kind, ())
@@ -227,7 +241,7 @@ def _spans(raw: int, d: Denoiser) -> Tuple[int, int]:
 def denoise(raw: np.ndarray, config: UL2Config, sentinels: np.ndarray, eos_id: int,
             rng: np.random.Generator) -> Tuple[int, np.ndarray, np.ndarray]:
     """(index of the denoiser drawn, encoder input, target) of raw tokens, both ending in EOS."""
-    which = int(rng.choice(len(config.denoisers), p=config.weights))
+    which = config.draw(rng)
     d = config.denoisers[which]
     eos = np.array([eos_id], dtype=np.int64)
     if d.kind == "S":  # random_prefix_noise_mask: the prefix is the input, the rest the target
@@ -237,9 +251,9 @@ def denoise(raw: np.ndarray, config: UL2Config, sentinels: np.ndarray, eos_id: i
     else:
         mask = random_spans_noise_mask(len(raw), d.rate, d.mean_span, rng)
         inputs, targets = corrupt(raw, mask, sentinels, eos_id)
-    mode = config.mode(d.kind)
-    if mode:
-        inputs = np.concatenate([np.asarray(mode, dtype=np.int64), inputs])
+    mode = config._modes.get(d.kind)
+    if mode is not None:
+        inputs = np.concatenate([mode, inputs])
     return which, inputs, targets
 
 

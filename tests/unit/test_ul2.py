@@ -89,7 +89,7 @@ def test_s_is_the_t5_prefix_lm():
         rng = np.random.default_rng(seed)
         _, inputs, targets = denoise(raw, config, SENTINELS, EOS, rng)
         reference = np.random.default_rng(seed)
-        reference.choice(1, p=[1.0])  # the denoiser draw comes first
+        reference.random()  # the denoiser draw comes first
         prefix = t5_random_prefix_length(len(raw), reference)
         assert inputs.tolist() == raw[:prefix].tolist() + [EOS]
         assert targets.tolist() == raw[prefix:].tolist() + [EOS]
