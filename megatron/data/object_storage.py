@@ -425,7 +425,7 @@ class RemoteBin:
             futures.append(future)
         return futures
 
-    def items(self, offsets, itemsize: int, gap: int = 1024) -> bytes:
+    def items(self, offsets, itemsize: int, gap: int = 4 * 1024 * 1024) -> bytes:
         """The `itemsize` bytes at each of the sorted byte `offsets`, concatenated: ranges less
         than `gap` apart are read as one, concurrently, past the cache (a scan, read once)."""
         offsets = [int(o) for o in offsets]

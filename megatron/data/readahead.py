@@ -113,10 +113,12 @@ class ReadAheadDataset:
         return getattr(self.dataset, name)
 
     def __getitems__(self, indices: Sequence[int]) -> list:
-        ahead = [i for i in getattr(indices, "ahead", ()) if i not in self._planned]
-        self._prefetch(ahead)
+        # this batch's ranges first: the pool runs requests in order, and a batch not planned
+        # before (the first, or after a resume) must not wait behind the batches ahead
         now = [i for i in indices if i not in self._planned]
         futures = self._prefetch(now)
+        ahead = [i for i in getattr(indices, "ahead", ()) if i not in self._planned]
+        self._prefetch(ahead)
         for future in futures:  # this batch's bytes, fetched concurrently
             future.exception()
         return [self.dataset[i] for i in indices]

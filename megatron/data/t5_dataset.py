@@ -230,8 +230,12 @@ class T5SpanCorruptionDataset:
         """Tokens [begin, end) of a document, the virtual EOS included."""
         doc = self.document_range[0] + local_doc
         first, last = (int(x) for x in self.indexed.document_indices[doc:doc + 2])
-        if last - first == 1:
-            stored = self.indexed.get(first)
+        if last - first == 1:  # read [begin, end) only (data on object storage: those bytes)
+            size = int(self.indexed.sequence_lengths[first])
+            stored = self.indexed.get(first, min(begin, size), max(0, min(end, size) - begin))
+            if self._needs_eos[local_doc] and end > size:
+                stored = np.concatenate([stored, np.asarray([self.tokens.eos_id], stored.dtype)])
+            return stored
         else:
             stored = np.concatenate(self.indexed[first:last]) if last > first else \
                 np.zeros(0, dtype=self.indexed.dtype)
