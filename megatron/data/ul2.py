@@ -184,11 +184,21 @@ class UL2Config:
         noise, spans = _spans(raw, d)
         return raw - noise + spans + 1 + mode, noise + spans + 1
 
+    @property
+    def _drawn(self) -> Tuple[Denoiser, ...]:
+        """The denoisers that can be drawn (a weight of 0 sets no length)."""
+        return tuple(d for d in self.denoisers if d.weight > 0)
+
     def _raw_length(self, encoder_length: int) -> int:
+        """The largest window whose input fits the encoder under every denoiser (R and X
+        alone fit more raw tokens than the encoder holds, as T5's span corruption does)."""
+        def fits(raw: int) -> bool:
+            return all(self._lengths(raw, d)[0] <= encoder_length for d in self._drawn)
         raw = encoder_length
-        while raw > 1 and any(self._lengths(raw, d)[0] > encoder_length
-                              for d in self.denoisers):
+        while raw > 1 and not fits(raw):
             raw -= 1
+        while fits(raw + 1) and raw < 4 * encoder_length:
+            raw += 1
         return raw
 
     def budget(self, encoder_length: int, decoder_length: Optional[int] = None
@@ -198,7 +208,7 @@ class UL2Config:
         Raises:
             ValueError: --decoder-seq-length too short for a denoiser (named)."""
         raw = self._raw_length(encoder_length)
-        need = {d: self._lengths(raw, d)[1] for d in self.denoisers}
+        need = {d: self._lengths(raw, d)[1] for d in self._drawn}
         longest = max(need.values())
         if decoder_length is not None:
             short = [d for d, n in need.items() if n > decoder_length]

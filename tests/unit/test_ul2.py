@@ -199,6 +199,23 @@ def test_lengths_fit_every_denoiser_and_a_short_decoder_is_refused():
         config.budget(512, 256)
     no_s = UL2Config(PRESETS["ul2"][:2] + PRESETS["ul2"][3:])
     assert no_s.budget(512)[2] < 512  # without S the decoder needs X (span 3, 50%)'s targets
+    # R (3, 0.15) alone packs what T5's span corruption packs: 568 raw tokens, 114 targets
+    r_only = UL2Config((Denoiser("R", 3.0, 0.15),))
+    assert r_only.budget(512) == (568, 512, 114)
+    # a denoiser that is never drawn sets no length
+    assert UL2Config((Denoiser("R", 3.0, 0.15), Denoiser("S", weight=0.0))).budget(512) == \
+        (568, 512, 114)
+
+
+def test_span_corruption_flags_are_refused_with_ul2(train_data):
+    from megatron.arguments import ArgumentsError, parse_args
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+    from train_workers import base_argv
+
+    with pytest.raises(ArgumentsError, match="--noise-density has no effect with "
+                                             "--t5-objective ul2"):
+        parse_args(base_argv(train_data, "--t5-objective", "ul2", "--noise-density", "0.3"))
 
 
 @pytest.mark.parametrize("spec,message", [
