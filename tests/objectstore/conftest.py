@@ -10,9 +10,11 @@ import pytest
 from s3_server import FaultProxy, S3Server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def s3_server():
-    """A running `rclone serve s3` over a temporary folder (S3Server), shared by the session.
+    """A running `rclone serve s3` over a temporary folder (S3Server), shared by this folder's
+    tests and stopped after them (not kept through the rest of the suite: after the fault tests
+    rclone was seen busy on a core for as long as it lived).
 
     Tests share its buckets, so each should use its own bucket or key prefix."""
     try:
