@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import machine_line, write_section  # noqa: E402
+from bench.common import allocated, machine_line, write_section  # noqa: E402
 from megatron.model import T5Config  # noqa: E402
 from megatron.model.flex import FlexBias, flex_core_attention  # noqa: E402
 from megatron.model.t5 import additive_encoder_mask  # noqa: E402
@@ -35,20 +35,6 @@ from megatron.model.transformer import (  # noqa: E402
 from megatron.tensor_parallel.group import SINGLE  # noqa: E402
 
 MIB = 2 ** 20
-
-
-def allocated_peak(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
 
 
 def main(argv=None) -> int:
@@ -92,11 +78,11 @@ def main(argv=None) -> int:
                 start = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - start)
-            peak = allocated_peak(fn)
+            peak = allocated(fn)["peak"]
             rows.append((length, name, statistics.median(times) * 1e3, peak / MIB))
             print(f"length {length:>5} {name:<6} {rows[-1][2]:>9.1f} ms {rows[-1][3]:>9.1f} MiB",
                   flush=True)
-    lines = [f"| length | backend | forward ms | peak allocated MiB |", "| --- | --- | --- | --- |"]
+    lines = ["| length | backend | forward ms | peak allocated MiB |", "| --- | --- | --- | --- |"]
     lines += [f"| {n} | {b} | {t:.1f} | {m:.1f} |" for n, b, t, m in rows]
     body = (f"## attention\n\n`python bench/bench_attention.py` (batch {args.batch}, "
             f"{args.heads} heads of {args.d_kv}, an eighth of the keys padding, fp32, forward "

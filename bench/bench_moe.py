@@ -78,7 +78,7 @@ from bench.bench_training import (  # noqa: E402
     run_torchrun,
     train_flags,
 )
-from bench.common import WORK, machine_line, write_section  # noqa: E402
+from bench.common import WORK, allocated, machine_line, write_section  # noqa: E402
 
 SMALL = dict(vocab_size=8100, d_model=128, d_kv=32, d_ff=512, num_layers=2,
              num_decoder_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
@@ -379,24 +379,6 @@ def forward_backward(layer, hidden: torch.Tensor, grad: torch.Tensor, ours: bool
         out, aux, _ = layer(hidden)
     torch.autograd.backward([out, aux], [grad, torch.ones_like(aux)])
     return out.detach()
-
-
-def allocated(fn) -> Dict[str, int]:
-    """Bytes allocated and not yet freed during `fn()`, counted from its start: 'peak' (the
-    most at any moment), 'held' (at its end) and 'low' (the least: below 0 when `fn` freed
-    blocks older than it, which the profiler counts only now and then, so the caller frees
-    those before), from torch.profiler's allocation events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = low = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak, low = max(peak, live), min(low, live)
-    return {"peak": peak, "held": live, "low": low}
 
 
 def layer_memory(layer, hidden: torch.Tensor, grad: torch.Tensor, ours: bool) -> Dict[str, int]:

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "bench" / "work"
@@ -112,3 +112,21 @@ def write_section(name: str, body: str) -> None:
     pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
     RESULTS.write_text(text)
+
+
+def allocated(fn) -> Dict[str, int]:
+    """Bytes allocated and not yet freed during `fn()`, counted from its start: 'peak' (the
+    most at any moment), 'held' (at its end) and 'low' (the least: below 0 when `fn` freed
+    blocks older than it, which the profiler counts only now and then, so the caller frees
+    those before), from torch.profiler's allocation events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = low = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak, low = max(peak, live), min(low, live)
+    return {"peak": peak, "held": live, "low": low}
