@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional
 
 import torch
 
@@ -55,6 +55,13 @@ class FlexBias:
     key_valid: Optional[torch.Tensor]
     """bool [batch, keys]: False at padding; None: no padding."""
     causal: bool
+    _block_masks: Dict[tuple, object] = field(default_factory=dict, repr=False)
+    """Built once per shape and shared by the stack's layers (they all read one FlexBias)."""
+
+    @classmethod
+    def padding(cls, additive_mask: Optional[torch.Tensor]) -> "FlexBias":
+        """No position bias, only the keys an additive mask hides (cross-attention)."""
+        return cls(None, False, 0, 0, key_valid_from_additive(additive_mask), False)
 
     def score_mod(self):
         if self.table is None:
@@ -82,6 +89,13 @@ class FlexBias:
         return mod
 
     def block_mask(self, batch: int, query_length: int, key_length: int, device):
+        key = (batch, query_length, key_length, str(device))
+        if key not in self._block_masks:
+            self._block_masks[key] = self._build_block_mask(batch, query_length, key_length,
+                                                            device)
+        return self._block_masks[key]
+
+    def _build_block_mask(self, batch: int, query_length: int, key_length: int, device):
         from torch.nn.attention.flex_attention import create_block_mask
 
         if self.key_valid is None and not self.causal:

@@ -312,8 +312,8 @@ class T5Attention(nn.Module):
             if dropout_p > 0:
                 raise RuntimeError("attention backend 'flex' has no attention dropout: train "
                                    "with dropout_rate 0 or another backend (eager, sdpa)")
-            if not isinstance(bias, FlexBias):  # cross-attention: the encoder's padding only
-                bias = FlexBias(None, False, 0, 0, key_valid_from_additive(bias), False)
+            if not isinstance(bias, FlexBias):  # cross-attention outside a stack: its padding
+                bias = FlexBias.padding(bias)
             context = flex_core_attention(query, key, value, bias)
             batch, _, length, _ = context.shape
             return self.o(context.transpose(1, 2).reshape(batch, length, -1))
@@ -486,6 +486,8 @@ class T5Block(nn.Module):
                                          config.relative_attention_num_buckets,
                                          config.relative_attention_max_distance,
                                          key_valid_from_additive(mask), self.is_decoder)
+                if self.is_decoder:  # cross-attention's padding, once for the stack's blocks
+                    carry = carry._replace(encoder_mask=FlexBias.padding(carry.encoder_mask))
             else:
                 position_bias = stack_position_bias(attention.compute_bias, mask, hidden)
         hidden = _clamp_fp16(self.layer[0](hidden, position_bias))
