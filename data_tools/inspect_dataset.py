@@ -55,7 +55,12 @@ def print_samples(args, rest: Sequence[str]) -> int:
     import json
 
     from megatron.data.builder import build_datasets
-    from megatron.data.data_args import add_data_args, check_data_args, data_config_from_args
+    from megatron.data.data_args import (
+        add_data_args,
+        check_data_args,
+        data_config_from_args,
+        tokenizer_spec_from_args,
+    )
     from megatron.data.t5_dataset import IGNORE_INDEX, T5SpecialTokens, UL2Dataset
     from megatron.data.tokenizer import build_tokenizer
     from megatron.data.ul2 import describe_sample
@@ -78,9 +83,8 @@ def print_samples(args, rest: Sequence[str]) -> int:
             print("error: " + "; ".join(problems), file=sys.stderr)
             return 2
         config = data_config_from_args(flags)
-        tokenizer = build_tokenizer(  # the trainer's tokenizer, as --tokenizer-model names it
-            __import__("megatron.data.data_args", fromlist=["x"]).tokenizer_spec_from_args(flags),
-            extra_ids=flags.vocab_extra_ids)
+        tokenizer = build_tokenizer(tokenizer_spec_from_args(flags),  # the trainer's
+                                    extra_ids=flags.vocab_extra_ids)
         tokens = T5SpecialTokens.from_tokenizer(tokenizer, whole_word=config.t5.whole_word)
         count = flags.train_iters * flags.global_batch_size
         dataset = build_datasets(config, tokens, (count, 0, 0))["train"]

@@ -589,9 +589,8 @@ def run_to_object_storage(args: argparse.Namespace) -> int:
         except (object_storage.ObjectStorageError, OSError) as e:
             for target in reversed(uploaded):
                 try:
-                    bucket, key = object_storage.split_url(target)
-                    object_storage.client().delete_object(Bucket=bucket, Key=key)
-                except Exception:  # noqa: BLE001 - best effort; the error below is the news
+                    object_storage.delete(target)
+                except object_storage.ObjectStorageError:  # best effort: the error below
                     pass
             print(f"error: {e}; nothing was left under {remote}", file=sys.stderr)
             return 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Mapping, Optional, Tuple
@@ -164,9 +165,9 @@ def add_object_storage_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds a request may wait to connect or for data")
 
 
-def storage_settings_from_args(args) -> StorageSettings:
-    """The --object-storage-* flags (`args`: a namespace or a dict of the flags)."""
-    get = args.get if isinstance(args, Mapping) else lambda k, v=None: getattr(args, k, v)
+def storage_settings_from_args(flags: Mapping[str, Any]) -> StorageSettings:
+    """The --object-storage-* flags (`vars(namespace)`; a parser without them: the defaults)."""
+    get = flags.get
     d = StorageSettings()
     cache = get("object_storage_cache_path")
     if cache is None and get("data_cache_path"):
@@ -247,13 +248,20 @@ def t5_config_from_args(args: argparse.Namespace) -> T5DatasetConfig:
                            whole_word=args.whole_word_masking, seed=args.seed, ul2=ul2)
 
 
+@functools.lru_cache(maxsize=4)
+def _mode_tokenizer(spec: TokenizerSpec, extra_ids: int):
+    """The tokenizer the mode tokens are tokenized by: loaded once, though validation makes the
+    UL2 config several times."""
+    return build_tokenizer(spec, extra_ids=extra_ids)
+
+
 def ul2_config_from_args(args: argparse.Namespace) -> UL2Config:
     """The --ul2-* flags, the mode tokens tokenized by the run's tokenizer.
 
     Raises:
         ValueError: every problem, the flags named."""
     denoisers = parse_denoisers(args.ul2_denoisers)
-    tokenizer = build_tokenizer(tokenizer_spec_from_args(args), extra_ids=args.vocab_extra_ids)
+    tokenizer = _mode_tokenizer(tokenizer_spec_from_args(args), args.vocab_extra_ids)
     modes = None
     if not args.ul2_no_mode_tokens:
         modes = mode_token_ids(tokenizer, {k: getattr(args, f"ul2_{k.lower()}_denoiser_token")

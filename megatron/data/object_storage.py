@@ -303,6 +303,12 @@ def upload(path: str, url: str) -> None:
                   lambda: client().upload_file(path, bucket, key, Config=config))
 
 
+def delete(url: str) -> None:
+    """Remove the object `url` (retried as reads are)."""
+    bucket, key = split_url(url)
+    _with_retries(f"delete of {url}", lambda: client().delete_object(Bucket=bucket, Key=key))
+
+
 DOWNLOADS: List[str] = []
 """The index copies this process downloaded (for tests and the log)."""
 

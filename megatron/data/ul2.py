@@ -34,7 +34,7 @@ import functools
 import json
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -292,6 +292,3 @@ def describe_sample(config: UL2Config, which: int) -> Dict[str, object]:
             "mean_span": None if d.kind == "S" else d.mean_span,
             "corruption_rate": d.rate if d.kind != "S" or config.s_prefix == "density" else None}
 
-
-def kinds_of(config: UL2Config, which: Sequence[int]) -> list:
-    return [config.denoisers[i].kind for i in which]
