@@ -120,6 +120,11 @@ def add_data_args(parser: argparse.ArgumentParser,
                    help="the S denoiser's prefix length: uniform over [1, L-1] (t5: the t5 "
                         "library's random_prefix_noise_mask) or so that the target is the S "
                         "rate of the window on average (density)")
+    g.add_argument("--ul2-sample-layout", choices=("packed", "megatron"), default="packed",
+                   help="--t5-objective ul2: what a sample's raw tokens are: packed (span "
+                        "corruption's windows over _text_document data, across documents) or "
+                        "megatron (Megatron's T5 rows: whole sentences of one document, "
+                        "_text_sentence data, --short-seq-prob)")
     g.add_argument("--ul2-no-mode-tokens", action="store_true",
                    help="do not prepend the mode tokens ([NLU], [NLG], [S2S]) to the input")
     for kind, token in DEFAULT_MODE_TOKENS.items():
@@ -127,7 +132,8 @@ def add_data_args(parser: argparse.ArgumentParser,
                        help=f"the {kind} denoisers' mode token: text (tokenized) or ids "
                             "(\"32099\" or \"5,6\")")
     g.add_argument("--short-seq-prob", type=float, default=0.1,
-                   help="--t5-objective megatron: probability of a shorter sample")
+                   help="--t5-objective megatron (and ul2 with --ul2-sample-layout megatron): "
+                        "probability of a shorter sample")
     g.add_argument("--max-ngram", type=int, default=10,
                    help="--t5-objective megatron: longest masked n-gram")
     add_object_storage_args(parser)
@@ -163,6 +169,10 @@ def add_object_storage_args(parser: argparse.ArgumentParser) -> None:
                         "stops with an error naming the object and byte range")
     g.add_argument("--object-storage-timeout", type=float, default=d.timeout_s,
                    help="seconds a request may wait to connect or for data")
+    g.add_argument("--object-storage-reader", choices=("sigv4", "boto3"), default=d.reader,
+                   help="what sends the data files' ranged GETs: sigv4 (signed requests over "
+                        "kept-alive connections, a fraction of boto3's CPU per request) or "
+                        "boto3 (endpoint and credentials are boto3's either way)")
 
 
 def storage_settings_from_args(flags: Mapping[str, Any]) -> StorageSettings:
@@ -177,7 +187,8 @@ def storage_settings_from_args(flags: Mapping[str, Any]) -> StorageSettings:
         block_cache_mib=get("object_storage_block_cache_mib", d.block_cache_mib),
         max_connections=get("object_storage_max_connections", d.max_connections),
         retries=get("object_storage_retries", d.retries),
-        timeout_s=get("object_storage_timeout", d.timeout_s))
+        timeout_s=get("object_storage_timeout", d.timeout_s),
+        reader=get("object_storage_reader", d.reader))
 
 
 def object_storage_problems(settings: StorageSettings,
@@ -277,7 +288,8 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
     return DataConfig(data_path=args.data_path, split=args.split, data_impl=args.data_impl,
                       data_cache_path=args.data_cache_path, cache_timeout=args.data_cache_timeout,
                       t5=t5_config_from_args(args), objective=args.t5_objective,
-                      short_seq_prob=args.short_seq_prob, max_ngram=args.max_ngram)
+                      short_seq_prob=args.short_seq_prob, max_ngram=args.max_ngram,
+                      ul2_layout=args.ul2_sample_layout)
 
 
 def sample_counts_from_args(args: argparse.Namespace) -> Tuple[int, int, int]:

@@ -22,9 +22,13 @@ A dataset prefix `s3://bucket/path/name` names the objects `path/name.idx` and `
 - **Client**: boto3 (the optional extra `pip install -e ".[s3]"`), so the endpoint and the
   credentials follow the conventions users have: `AWS_ENDPOINT_URL` (or `AWS_ENDPOINT_URL_S3`),
   `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY`, `AWS_PROFILE` and the `~/.aws` files. Path-style
-  addressing unless `AWS_S3_ADDRESSING_STYLE` says otherwise (Ceph RGW and MinIO want it). Why
-  boto3: bench/RESULTS.md ("object storage"). One client and one thread pool per process (after
-  a fork, DataLoader workers make their own).
+  addressing unless `AWS_S3_ADDRESSING_STYLE` says otherwise (Ceph RGW and MinIO want it). The
+  data files' ranged GETs go by default through `s3_get.RangedGetter`, which takes boto3's
+  endpoint, region and credentials and signs each request itself (SigV4) over kept-alive
+  connections: the loader is bound by the client's CPU per request, and boto3 spends several
+  times more (`--object-storage-reader boto3` sends them through boto3). Why these: bench/
+  RESULTS.md ("object storage"). One client, getter and thread pool per process (after a fork,
+  DataLoader workers make their own).
 
 This module does not import torch.
 """
@@ -79,7 +83,7 @@ class StorageSettings:
     """Batches of this process whose ranges are fetched ahead of use (0: none)."""
     block_cache_mib: int = 256
     """Bytes of fetched ranges kept in memory per process and data file, at most."""
-    max_connections: int = 16
+    max_connections: int = 64
     """Concurrent requests per process."""
     merge_gap: int = 64 * 1024
     """Ranges at most this many bytes apart are fetched as one request."""
@@ -89,6 +93,9 @@ class StorageSettings:
     """Connect and read timeout of one request."""
     backoff_s: float = 0.1
     """First retry delay; doubling, at most 5 s, with jitter."""
+    reader: str = "sigv4"
+    """What sends the data files' ranged GETs: "sigv4" (s3_get.py: signed requests over kept-
+    alive http.client connections, a fraction of boto3's CPU per request) or "boto3"."""
 
 
 _SETTINGS = StorageSettings()
@@ -108,6 +115,7 @@ def reset() -> None:
     environment take effect at the next request)."""
     with _client_lock:
         _clients.clear()
+        _getters.clear()
     with _pool_lock:
         for pool in _pools.values():
             pool.shutdown(wait=False)
@@ -145,6 +153,7 @@ _RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitEx
                 "RequestTimeTooSkewed", "503", "500", "502", "504"}
 _client_lock = threading.Lock()
 _clients: Dict[int, object] = {}
+_getters: Dict[int, object] = {}
 
 
 def client():
@@ -179,9 +188,34 @@ def client():
     return _clients[pid]
 
 
+def getter():
+    """This process's s3_get.RangedGetter (on the boto3 client's endpoint and credentials)."""
+    pid = os.getpid()
+    found = _getters.get(pid)
+    if found is not None:
+        return found
+    boto = client()
+    with _client_lock:
+        if pid not in _getters:
+            from .s3_get import RangedGetter
+
+            _getters.clear()
+            _getters[pid] = RangedGetter(
+                boto, _SETTINGS.timeout_s, os.environ.get("AWS_S3_ADDRESSING_STYLE", "path"))
+    return _getters[pid]
+
+
 def _retryable(error: BaseException) -> bool:
+    import http.client
+
     from botocore.exceptions import BotoCoreError, ClientError
 
+    from .s3_get import HttpError
+
+    if isinstance(error, HttpError):
+        return error.code in _RETRY_CODES or error.status >= 500 or error.status == 429
+    if isinstance(error, http.client.HTTPException):
+        return True
     if isinstance(error, ClientError):
         response = error.response or {}
         code = str(response.get("Error", {}).get("Code", ""))
@@ -194,14 +228,20 @@ def _retryable(error: BaseException) -> bool:
 def _describe(error: BaseException) -> str:
     from botocore.exceptions import ClientError
 
-    if isinstance(error, ClientError):
+    from .s3_get import HttpError
+
+    code = status = None
+    if isinstance(error, HttpError):
+        code, status = error.code, error.status
+    elif isinstance(error, ClientError):
         response = error.response or {}
         code = response.get("Error", {}).get("Code", "")
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")
+    if code is not None:
         hint = {"NoSuchBucket": "no such bucket", "NoSuchKey": "no such key",
                 "404": "no such bucket or key", "403": "access denied (credentials?)",
                 "AccessDenied": "access denied", "InvalidAccessKeyId": "unknown access key",
-                "SignatureDoesNotMatch": "wrong secret key"}.get(str(code), "")
+                "SignatureDoesNotMatch": "wrong secret key"}.get(str(code or status), "")
         return f"{code or status} {hint}".strip()
     return f"{type(error).__name__}: {error}"
 
@@ -259,12 +299,16 @@ def read_range(url: str, start: int, end: int) -> bytes:
     bucket, key = split_url(url)
 
     def get() -> bytes:
-        answer = client().get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
-        body = answer["Body"]
-        try:
-            data = body.read()
-        finally:
-            body.close()
+        if _SETTINGS.reader == "sigv4":
+            data = getter().get(bucket, key, start, end)
+        else:
+            answer = client().get_object(Bucket=bucket, Key=key,
+                                         Range=f"bytes={start}-{end - 1}")
+            body = answer["Body"]
+            try:
+                data = body.read()
+            finally:
+                body.close()
         if len(data) != end - start:
             raise _ShortRead(f"{len(data)} of {end - start} bytes")
         return data

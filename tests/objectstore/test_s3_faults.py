@@ -13,18 +13,19 @@ from megatron.data.indexed_dataset import IndexedDataset
 DATA = bytes(range(256)) * 4096  # 1 MiB
 
 
-@pytest.fixture
-def through_proxy(s3_server, s3_env, fault_proxy, monkeypatch, tmp_path):
+@pytest.fixture(params=["sigv4", "boto3"])
+def through_proxy(request, s3_server, s3_env, fault_proxy, monkeypatch, tmp_path):
     """An object of 1 MiB, and this process's client pointed at the proxy (1 s timeouts, 4
-    attempts, short backoff)."""
+    attempts, short backoff), ranged GETs sent by either reader (--object-storage-reader)."""
     client = s3_server.client()
     s3_server.make_bucket("faults")
     client.put_object(Bucket="faults", Key="blob", Body=DATA)
     monkeypatch.setenv("AWS_ENDPOINT_URL", fault_proxy.endpoint)
     object_storage.configure(cache_path=str(tmp_path / "node"), retries=4, timeout_s=1.0,
-                             backoff_s=0.01)
+                             backoff_s=0.01, reader=request.param)
     yield fault_proxy
-    object_storage.configure(cache_path=None, retries=8, timeout_s=30.0, backoff_s=0.1)
+    object_storage.configure(cache_path=None, retries=8, timeout_s=30.0, backoff_s=0.1,
+                             reader="sigv4")
 
 
 @pytest.mark.parametrize("fault", ["drop", "delay", "503", "truncate"])

@@ -1,0 +1,125 @@
+"""The sigv4 reader (megatron/data/s3_get.py): its signature is botocore's for the same request,
+its bytes are the object's and boto3's for the same ranges on a real S3 server (keys with spaces
+and non-ASCII characters included), refused credentials and a server ignoring `Range` each end
+in one clear ObjectStorageError."""
+
+import datetime
+import http.server
+import threading
+
+import numpy as np
+import pytest
+
+from megatron.data import object_storage
+from megatron.data.s3_get import RangedGetter
+
+
+def _client(endpoint, style="path", token=None):
+    import boto3
+    from botocore.config import Config
+
+    session = boto3.session.Session(aws_access_key_id="AKIAIOSFODNN7EXAMPLE",
+                                    aws_secret_access_key="wJalrXUtnFEMI/K7MDENG/bPxRfiCYEX+KEY",
+                                    aws_session_token=token, region_name="eu-west-3")
+    return session.client("s3", endpoint_url=endpoint,
+                          config=Config(s3={"addressing_style": style}))
+
+
+@pytest.mark.parametrize("style", ["path", "virtual"])
+@pytest.mark.parametrize("token", [None, "FQoGZXIvYXdzE//session+token="])
+@pytest.mark.parametrize("key", ["plain/name.bin", "dir with space/ü+=&~(1).bin"])
+def test_the_signature_is_botocores_for_the_same_request(monkeypatch, style, token, key):
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+
+    when = datetime.datetime(2026, 11, 25, 12, 34, 56, tzinfo=datetime.timezone.utc)
+    boto = _client("http://storage.example:9000", style, token)
+    getter = RangedGetter(boto, 5.0, style)
+    host, path = getter._where("my-bucket", key)
+    ours = getter._sign(host, path, "bytes=10-99", now=when)
+
+    monkeypatch.setattr("botocore.auth.get_current_datetime", lambda: when.replace(tzinfo=None))
+    request = AWSRequest(method="GET", url=f"http://{host}{path}",
+                         headers={"Range": "bytes=10-99"})
+    S3SigV4Auth(boto._request_signer._credentials.get_frozen_credentials(), "s3",
+                "eu-west-3").add_auth(request)
+    theirs = {k.lower(): v for k, v in request.headers.items()}
+    assert ours.pop("Authorization") == theirs.pop("authorization")
+    assert {k.lower(): v for k, v in ours.items() if k != "host"} == theirs
+    assert ours["host"] == ("my-bucket.storage.example:9000" if style == "virtual"
+                            else "storage.example:9000")
+
+
+@pytest.fixture
+def blob(s3_server, s3_env):
+    """An object of 3 MiB with an awkward key, written by boto3 (s3_server.client())."""
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    s3_server.make_bucket("sigv4")
+    key = "dir with space/ü+=&~(1).bin"
+    s3_server.client().put_object(Bucket="sigv4", Key=key, Body=data)
+    yield f"s3://sigv4/{key}", data
+    object_storage.configure(reader="sigv4")
+
+
+def test_ranges_read_by_sigv4_are_the_objects_and_boto3s(blob):
+    url, data = blob
+    rng = np.random.default_rng(1)
+    starts = rng.integers(0, len(data) - 1, 40)
+    ranges = [(int(s), int(min(len(data), s + rng.integers(1, 200_000)))) for s in starts]
+    ranges += [(0, 1), (0, len(data)), (len(data) - 1, len(data))]
+    got = {}
+    for reader in ("sigv4", "boto3"):
+        object_storage.configure(reader=reader)
+        got[reader] = [object_storage.read_range(url, a, b) for a, b in ranges]
+    assert got["sigv4"] == got["boto3"] == [data[a:b] for a, b in ranges]
+    object_storage.configure(reader="sigv4")
+    bin_ = object_storage.RemoteBin.open(url)  # the loader's path: concurrent, pooled
+    futures = bin_.prefetch(ranges[:20])
+    for f in futures:
+        f.result()
+    assert [bytes(bin_.read(a, b)) for a, b in ranges[:20]] == [data[a:b] for a, b in ranges[:20]]
+
+
+def test_a_wrong_secret_is_one_error_naming_the_range(blob, monkeypatch):
+    url, _ = blob
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x" * 40)
+    object_storage.configure(reader="sigv4", retries=3, backoff_s=0.01)
+    try:
+        with pytest.raises(object_storage.ObjectStorageError) as e:
+            object_storage.read_range(url, 5, 50)
+    finally:
+        object_storage.configure(retries=8, backoff_s=0.1)
+    assert str(e.value).startswith(f"{url} bytes [5, 50): ")
+    assert "403" in str(e.value) or "Signature" in str(e.value)
+    assert "attempts" not in str(e.value)  # not retried: retrying cannot fix it
+
+
+class _WholeObject(http.server.BaseHTTPRequestHandler):
+    """A server that ignores Range: 200 and the whole object, no Content-Range."""
+
+    body = bytes(range(256)) * 1024
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_ignoring_the_range_is_refused_not_streamed(s3_env, monkeypatch):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _WholeObject)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_port}")
+        object_storage.configure(reader="sigv4")
+        with pytest.raises(object_storage.ObjectStorageError,
+                           match=r"s3://any/key bytes \[0, 100\): RangeIgnored: the server "
+                                 r"ignored the range: 200 without Content-Range, 262144 bytes"):
+            object_storage.read_range("s3://any/key", 0, 100)
+    finally:
+        server.shutdown()
+        object_storage.reset()
