@@ -61,6 +61,7 @@ def print_samples(args, rest: Sequence[str]) -> int:
         data_config_from_args,
         tokenizer_spec_from_args,
     )
+    from megatron.data.megatron_t5_dataset import MegatronUL2Dataset
     from megatron.data.t5_dataset import IGNORE_INDEX, T5SpecialTokens, UL2Dataset
     from megatron.data.tokenizer import build_tokenizer
     from megatron.data.ul2 import describe_sample
@@ -88,6 +89,9 @@ def print_samples(args, rest: Sequence[str]) -> int:
         tokens = T5SpecialTokens.from_tokenizer(tokenizer, whole_word=config.t5.whole_word)
         count = flags.train_iters * flags.global_batch_size
         dataset = build_datasets(config, tokens, (count, 0, 0))["train"]
+    except (OSError, ValueError) as e:  # a missing or bad dataset, settings it refuses
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     finally:
         sys.stdout = out
     if dataset is None:
@@ -98,8 +102,8 @@ def print_samples(args, rest: Sequence[str]) -> int:
         enc = sample["encoder_input_ids"][sample["encoder_attention_mask"] == 1].tolist()
         labels = sample["labels"][sample["labels"] != IGNORE_INDEX].tolist()
         dec = sample["decoder_input_ids"][sample["decoder_attention_mask"] == 1].tolist()
-        if isinstance(dataset, UL2Dataset):
-            info = describe_sample(dataset.config.ul2, dataset.denoised(index)[0])
+        if isinstance(dataset, (UL2Dataset, MegatronUL2Dataset)):
+            info = describe_sample(config.t5.ul2, dataset.denoised(index)[0])
         elif config.objective == "span-corruption":
             info = {"denoiser_kind": "R", "mean_span": config.t5.mean_noise_span_length,
                     "corruption_rate": config.t5.noise_density}

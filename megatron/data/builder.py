@@ -22,7 +22,7 @@ from megatron.data.index_cache import cached_arrays
 from megatron.data.cpm2_dataset import CPM2Dataset, cpm2_prefixes, is_cpm2_prefix
 from megatron.data import object_storage
 from megatron.data.indexed_dataset import IndexedDataset, dataset_exists, default_cache_dir
-from megatron.data.megatron_t5_dataset import MegatronT5Dataset
+from megatron.data.megatron_t5_dataset import MegatronT5Dataset, MegatronUL2Dataset
 from megatron.data.t5_dataset import (
     T5DatasetConfig,
     T5SpanCorruptionDataset,
@@ -174,6 +174,10 @@ class DataConfig:
     objective: str = "span-corruption"
     short_seq_prob: float = 0.1
     max_ngram: int = 10
+    ul2_layout: str = "packed"
+    """--t5-objective ul2: "packed" (span corruption's windows over `_text_document` data) or
+    "megatron" (Megatron's rows of whole sentences of one document, `_text_sentence` data;
+    `short_seq_prob` applies)."""
 
 
 class _Source:
@@ -229,6 +233,12 @@ def _ul2(name: str, indexed: IndexedDataset, documents: Tuple[int, int], num_sam
          config: DataConfig, tokens: T5SpecialTokens, cache_dir: str) -> UL2Dataset:
     if config.t5.ul2 is None:
         raise ValueError("--t5-objective ul2 needs its denoisers (T5DatasetConfig.ul2)")
+    if config.ul2_layout == "megatron":
+        return MegatronUL2Dataset(name, indexed, documents, num_samples, config.t5, tokens,
+                                  short_seq_prob=config.short_seq_prob, cache_dir=cache_dir,
+                                  cache_timeout=config.cache_timeout)
+    if config.ul2_layout != "packed":
+        raise ValueError(f"--ul2-sample-layout {config.ul2_layout!r}: choose packed or megatron")
     return UL2Dataset(name, indexed, documents, num_samples, config.t5, tokens, cache_dir,
                       config.cache_timeout)
 

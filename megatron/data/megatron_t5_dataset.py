@@ -56,6 +56,7 @@ from megatron.data.index_cache import cached_arrays, description_hash
 from megatron.data.indexed_dataset import IndexedDataset, default_cache_dir, index_identity
 from megatron.data.span_corruption import corrupt
 from megatron.data.t5_dataset import T5SpecialTokens, make_sample
+from megatron.data.ul2 import KINDS, denoise
 
 GEOMETRIC_P = 0.2          # SpanBERT / Megatron n-gram length distribution
 LONG_SENTENCE_LEN = 512    # Megatron skips documents with a longer sentence
@@ -169,6 +170,8 @@ class MegatronT5Dataset:
         seed: the data seed (`--seed`).
         cache_dir: where the mapping cache goes (default: next to the data, `PREFIX_cache/`).
         ngram_distribution: "megatron" (default) or "spanbert" (module docstring).
+        max_raw_length: the longest row, in raw tokens (default `encoder_seq_length - 1`: the
+            masked input never outgrows its raw tokens + EOS; UL2 sets its own budget).
     """
 
     def __init__(self, name: str, indexed: IndexedDataset, document_range: Tuple[int, int],
@@ -176,7 +179,7 @@ class MegatronT5Dataset:
                  tokens: T5SpecialTokens, masked_lm_prob: float = 0.15,
                  short_seq_prob: float = 0.1, max_ngram: int = 10, seed: int = 1234,
                  cache_dir: Optional[str] = None, ngram_distribution: str = "megatron",
-                 cache_timeout: float = 3600.0) -> None:
+                 cache_timeout: float = 3600.0, max_raw_length: Optional[int] = None) -> None:
         if encoder_seq_length < 3:
             raise ValueError(f"--encoder-seq-length {encoder_seq_length} is too short: a sample "
                              "needs at least 2 raw tokens and EOS")
@@ -216,7 +219,8 @@ class MegatronT5Dataset:
         self.seed = int(seed)
         self.ngram_distribution = ngram_distribution
         # Corruption never lengthens the input (a sentinel replaces >= 1 token): raw + EOS fits.
-        self.max_raw_length = self.encoder_length - 1
+        self.max_raw_length = self.encoder_length - 1 if max_raw_length is None \
+            else int(max_raw_length)
         self._sentinels = np.asarray(tokens.sentinel_ids, dtype=np.int64)
 
         prefix = indexed.path_prefix
@@ -292,3 +296,37 @@ class MegatronT5Dataset:
         inputs, targets = corrupt(raw, mask, self._sentinels, self.tokens.eos_id)
         return make_sample(inputs, targets, self.encoder_length, self.decoder_length,
                            self.tokens.pad_id, self.tokens.decoder_start_token_id)
+
+
+class MegatronUL2Dataset(MegatronT5Dataset):
+    """`--t5-objective ul2 --ul2-sample-layout megatron`: the rows of whole sentences of one
+    document that MegatronT5Dataset makes (module docstring, steps 1-2), each denoised by the
+    UL2 denoiser its (seed, index) draws (megatron/data/ul2.py) instead of n-gram masking. Rows
+    are at most the UL2 budget's raw length (`UL2Config.budget`), so every denoiser's input and
+    target fit the encoder and decoder lengths; shorter rows (a document's end, `short_seq_prob`)
+    make shorter samples."""
+
+    def __init__(self, name: str, indexed: IndexedDataset, document_range: Tuple[int, int],
+                 num_samples: int, config, tokens: T5SpecialTokens, short_seq_prob: float = 0.1,
+                 cache_dir: Optional[str] = None, cache_timeout: float = 3600.0) -> None:
+        self.ul2 = config.ul2
+        raw, encoder_length, decoder_length = self.ul2.budget(config.encoder_seq_length,
+                                                              config.decoder_seq_length)
+        super().__init__(name, indexed, document_range, num_samples, encoder_length,
+                         decoder_length, tokens, short_seq_prob=short_seq_prob, seed=config.seed,
+                         cache_dir=cache_dir, cache_timeout=cache_timeout, max_raw_length=raw)
+
+    def denoised(self, index: int):
+        """(index of the denoiser drawn, encoder input, target) of sample `index`."""
+        rng = np.random.default_rng([self.seed, int(index)])
+        return denoise(self.raw_tokens(int(index)), self.ul2, self._sentinels,
+                       self.tokens.eos_id, rng)
+
+    def __getitem__(self, index: int) -> Dict[str, np.ndarray]:
+        """As UL2Dataset's: make_sample's arrays and `denoiser_kind`."""
+        which, inputs, targets = self.denoised(index)
+        sample = make_sample(inputs, targets, self.encoder_length, self.decoder_length,
+                             self.tokens.pad_id, self.tokens.decoder_start_token_id)
+        sample["denoiser_kind"] = np.array(KINDS.index(self.ul2.denoisers[which].kind),
+                                           dtype=np.int64)
+        return sample

@@ -23,7 +23,7 @@ import numpy as np
 
 from megatron.data import _helpers
 from megatron.data.index_cache import cached_arrays, description_hash
-from megatron.data.ul2 import UL2Config, denoise
+from megatron.data.ul2 import KINDS, UL2Config, denoise
 from megatron.data.indexed_dataset import (
     IndexedDataset,
     data_file_path,
@@ -296,9 +296,14 @@ class UL2Dataset(T5SpanCorruptionDataset):
         return denoise(raw, self.config.ul2, self._sentinels, self.tokens.eos_id, rng)
 
     def __getitem__(self, index: int) -> Dict[str, np.ndarray]:
-        _, inputs, targets = self.denoised(index)
-        return make_sample(inputs, targets, self.encoder_length, self.decoder_length,
-                           self.tokens.pad_id, self.tokens.decoder_start_token_id)
+        """make_sample's arrays and `denoiser_kind`, the index in ul2.KINDS of the denoiser's
+        kind (R 0, S 1, X 2), from which the step reports the loss per kind."""
+        which, inputs, targets = self.denoised(index)
+        sample = make_sample(inputs, targets, self.encoder_length, self.decoder_length,
+                             self.tokens.pad_id, self.tokens.decoder_start_token_id)
+        sample["denoiser_kind"] = np.array(KINDS.index(self.config.ul2.denoisers[which].kind),
+                                           dtype=np.int64)
+        return sample
 
 
 def make_sample(inputs: np.ndarray, targets: np.ndarray, encoder_length: int,

@@ -255,7 +255,8 @@ def denoise(raw: np.ndarray, config: UL2Config, sentinels: np.ndarray, eos_id: i
     d = config.denoisers[which]
     eos = np.array([eos_id], dtype=np.int64)
     if d.kind == "S":  # random_prefix_noise_mask: the prefix is the input, the rest the target
-        prefix = int(rng.integers(config.min_prefix(len(raw), d), len(raw)))
+        low = config.min_prefix(len(raw), d)  # a row of Megatron's layout may be 1 token long
+        prefix = int(rng.integers(low, len(raw))) if len(raw) > low else len(raw)
         inputs = np.concatenate([raw[:prefix], eos])
         targets = np.concatenate([raw[prefix:], eos])
     else:

@@ -24,7 +24,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ from megatron.training.metrics import IntervalStats, MetricsWriter, Timer
 from megatron.training.nan_locator import locate
 from megatron.training.profiling import (CHECKPOINT_SAVE, DATA_WAIT, EVALUATION, LOSS_ALL_REDUCE,
                                          STOP_ALL_REDUCE, StepProfiler, no_range)
-from megatron.training.step import TrainStep
+from megatron.training.step import KIND_NAMES, TrainStep
 from megatron.training.watchdog import NoWatchdog
 
 
@@ -57,10 +57,13 @@ class TrainState:
     grad_norms: Dict[int, Optional[float]] = field(default_factory=dict)
     """iteration -> global gradient norm before clipping."""
     layer_grad_norms: Dict[int, Dict[str, float]] = field(default_factory=dict)
-    moe: Dict[int, Dict[str, Dict[str, float]]] = field(default_factory=dict)
-    """Per logged iteration, each sparse layer's numbers (training/moe_metrics.py)."""
     """iteration -> {layer group: gradient norm before clipping} (--log-grad-norms-per-layer;
     logged iterations only)."""
+    moe: Dict[int, Dict[str, Dict[str, float]]] = field(default_factory=dict)
+    """Per logged iteration, each sparse layer's numbers (training/moe_metrics.py)."""
+    denoiser_losses: Dict[int, Dict[str, Tuple[float, int]]] = field(default_factory=dict)
+    """UL2: iteration -> {denoiser kind: (token-weighted loss, labelled tokens)} of that step,
+    over all data-parallel ranks; kinds the step drew none of are absent."""
     evaluations: List[tuple] = field(default_factory=list)
     """(iteration, split, loss)."""
     exit_reason: str = ""
@@ -175,6 +178,7 @@ class _Loop:
         self.collective_s = 60 * parts.runtime.distributed_timeout_minutes
         self.device = parts.runtime.torch_device()
         self.stats, self.timer = IntervalStats(), Timer()
+        self.kind_interval = [[0.0, 0.0] for _ in KIND_NAMES]  # loss sum, tokens per kind
         self.pending: List[tuple] = []  # (iteration, StepResult, step seconds, data wait)
         self.start_time = time.monotonic()
         self.batches = _timed_batches(iter(parts.train_loader), self.timer, self.watchdog,
@@ -242,8 +246,12 @@ class _Loop:
         """The pending steps' global losses (one all-reduce) into the state and the stats."""
         if not self.pending:
             return
-        values = torch.stack([torch.stack([r.loss, r.input_tokens.double(),
-                                           r.target_tokens.double()])
+        kinds = len(KIND_NAMES)
+        values = torch.stack([torch.cat([torch.stack([r.loss, r.input_tokens.double(),
+                                                      r.target_tokens.double()]),
+                                         (r.kind_sums if r.kind_sums is not None else
+                                          torch.zeros(kinds, 2, dtype=torch.float64,
+                                                      device=r.loss.device)).reshape(-1)])
                               for _, r, _, _ in self.pending])
         with self.watchdog.watch("collective: the all-reduce of the step losses",
                                  self.collective_s), self.ranges(LOSS_ALL_REDUCE):
@@ -257,6 +265,13 @@ class _Loop:
                                 skipped=result.skipped, input_tokens=int(row[1]),
                                 target_tokens=int(row[2]), model_flops=self.p.cost.model_flops,
                                 step_time_s=step_s, data_wait_s=wait_s)
+            per_kind = {name: (row[3 + 2 * k] / row[4 + 2 * k], int(row[4 + 2 * k]))
+                        for k, name in enumerate(KIND_NAMES) if row[4 + 2 * k] > 0}
+            if per_kind:
+                self.state.denoiser_losses[iteration] = per_kind
+                for k in range(kinds):
+                    self.kind_interval[k][0] += row[3 + 2 * k]
+                    self.kind_interval[k][1] += row[4 + 2 * k]
         self.pending.clear()
 
     def _log(self) -> None:
@@ -266,6 +281,10 @@ class _Loop:
         summary = self.stats.summary(state.iteration, state.consumed_samples,
                                      p.schedule.lr(state.iteration - 1), self.loss_scale,
                                      dist.get_world_size(), p.cost.peak_tflops)
+        # UL2: the interval's loss per denoiser kind, token-weighted (metrics.format_line)
+        summary.update({f"loss_{name}": total / count for name, (total, count)
+                        in zip(KIND_NAMES, self.kind_interval) if count > 0})
+        self.kind_interval = [[0.0, 0.0] for _ in KIND_NAMES]
         model = p.step.reporting_module()
         experts = moe_metrics.gather(model, self.device) if model is not None else None
         if experts:

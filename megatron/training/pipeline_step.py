@@ -19,6 +19,7 @@ optimizer step, with the norm taken as the other paths take it, and DeepSpeed's 
 
 from __future__ import annotations
 
+import collections
 import math
 from pathlib import Path
 from typing import Iterator, Optional
@@ -38,7 +39,8 @@ from megatron.tensor_parallel.group import TensorParallel
 from megatron.training import experts
 from megatron.training.engine import build_optimizer
 from megatron.training.profiling import PIPELINE_BATCH, PIPELINE_SUMS
-from megatron.training.step import Batch, EngineStep, EvalResult, StepResult
+from megatron.training.step import (KIND_KEY, KIND_NAMES, Batch, EngineStep, EvalResult,
+                                    StepResult, kind_sums)
 
 
 class PipelineLoss:
@@ -51,6 +53,11 @@ class PipelineLoss:
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)
         """Training: [sum of micro-batch mean losses, target tokens]; evaluation: [sum of token
         losses, target tokens]."""
+        self.kind_sums = torch.zeros(len(KIND_NAMES), 2, dtype=torch.float64, device=device)
+        """Training: step.kind_sums of the micro-batches whose kinds `kinds` held."""
+        self.kinds: collections.deque = collections.deque()
+        """The denoiser kinds of the micro-batches fed to this (last) stage and not yet through
+        the loss, in order (DeepSpeed computes their losses in the order it loads them)."""
 
     def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         # the head's logits, with the balancing losses of a Mixture-of-Experts model
@@ -64,6 +71,8 @@ class PipelineLoss:
             self.sums[1] += count
             return token_losses.detach().sum()
         loss = token_losses.sum() / count.clamp(min=1)
+        if self.kinds:
+            self.kind_sums += kind_sums(token_losses, labels, self.kinds.popleft())
         self.sums[0] += loss.detach().double()
         self.sums[1] += count
         # what training minimises (T5Output.objective); the loss reported is the LM loss
@@ -97,6 +106,8 @@ class PipelineStep(EngineStep):
             group["lr"] = lr
         self.loss.evaluating = False
         self.loss.sums.zero_()
+        self.loss.kind_sums.zero_()
+        self.loss.kinds.clear()
         inputs = torch.zeros((), dtype=torch.float64, device=self.device)
         skipped_before = engine.skipped_steps
         feed = self._feed(batches, self.micro_batches, inputs) \
@@ -107,11 +118,14 @@ class PipelineStep(EngineStep):
         sums = torch.stack([self.loss.sums[0] if self.last else self.loss.sums[0] * 0,
                             inputs if self.first else inputs * 0,
                             self.loss.sums[1] if self.last else self.loss.sums[1] * 0])
+        sums = torch.cat([sums, (self.loss.kind_sums if self.last
+                                 else self.loss.kind_sums * 0).reshape(-1)])
         with self.ranges(PIPELINE_SUMS):
             dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
         norm = self._norm if self._own_norm else self._grad_norm()
         return StepResult(sums[0] / self.micro_batches, sums[1], sums[2], norm,
-                          engine.skipped_steps > skipped_before, self._loss_scale())
+                          engine.skipped_steps > skipped_before, self._loss_scale(),
+                          sums[3:].reshape(len(KIND_NAMES), 2))
 
     def eval_step(self, batch: Batch) -> EvalResult:
         self.loss.evaluating = True
@@ -144,6 +158,8 @@ class PipelineStep(EngineStep):
             batch = next(batches)
             if inputs is not None:
                 inputs += batch["encoder_attention_mask"].sum().to(inputs.device)
+                if self.last and KIND_KEY in batch:  # training: the loss reports per kind
+                    self.loss.kinds.append(batch[KIND_KEY])
             masks = batch["encoder_attention_mask"].long(), batch["decoder_attention_mask"].long()
             yield (batch["encoder_input_ids"], batch["decoder_input_ids"], *masks), batch["labels"]
 

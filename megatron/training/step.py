@@ -35,6 +35,9 @@ from megatron.training.profiling import BACKWARD, FORWARD, NO_RANGE, OPTIMIZER_S
 
 BATCH_KEYS = ("encoder_input_ids", "decoder_input_ids", "encoder_attention_mask",
               "decoder_attention_mask", "labels")
+KIND_KEY = "denoiser_kind"
+"""A UL2 batch's [batch] index of each sample's denoiser kind (megatron.data.ul2.KINDS)."""
+KIND_NAMES = ("R", "S", "X")  # megatron.data.ul2.KINDS (not imported: no data code here)
 
 Batch = Dict[str, torch.Tensor]
 
@@ -55,6 +58,9 @@ class StepResult(NamedTuple):
     """The update was skipped (fp16 overflow)."""
     loss_scale: float
     """The loss scale after the step (1.0 without loss scaling)."""
+    kind_sums: Optional[torch.Tensor] = None
+    """float64 [len(KIND_NAMES), 2]: per UL2 denoiser kind, this rank's sum of token losses and
+    its labelled tokens (zeros for data without kinds; None where the engine keeps none)."""
 
 
 class EvalResult(NamedTuple):
@@ -163,6 +169,17 @@ def module_vocab_size(module) -> int:
     if config is not None:
         return config.vocab_size
     return module.loss_fn.vocab_size
+
+
+def kind_sums(token_losses: torch.Tensor, labels: torch.Tensor,
+              kinds: torch.Tensor) -> torch.Tensor:
+    """float64 [len(KIND_NAMES), 2]: per denoiser kind, the sum of `token_losses` ([batch,
+    length], 0 where unlabelled) over the samples of that kind and their labelled tokens."""
+    out = torch.zeros(len(KIND_NAMES), 2, dtype=torch.float64, device=token_losses.device)
+    kinds = kinds.to(token_losses.device).long().reshape(-1)
+    per_sample = torch.stack([token_losses.detach().double().sum(-1),
+                              (labels != -100).sum(-1).double()], dim=-1)
+    return out.index_add_(0, kinds, per_sample)
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -337,6 +354,7 @@ class DataParallelStep(EngineStep):
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        kinds = torch.zeros(len(KIND_NAMES), 2, dtype=torch.float64, device=self.device)
         skipped_before = engine.skipped_steps
         norm = None
         ranges = self.ranges
@@ -347,7 +365,8 @@ class DataParallelStep(EngineStep):
             if watch is not None:
                 watch.reset()
         for micro in range(self.micro_batches):
-            batch = to_device(next(batches), self.device)
+            raw = next(batches)
+            batch = to_device(raw, self.device)
             self.last_batches.append(batch)
             if self._layers is not None:
                 self._layers.new_micro_batch(micro)
@@ -358,6 +377,8 @@ class DataParallelStep(EngineStep):
             totals[0] += out.loss.detach().double()
             totals[1] += batch["encoder_attention_mask"].sum()
             totals[2] += (batch["labels"] != -100).sum()
+            if KIND_KEY in raw:
+                kinds += kind_sums(out.token_losses, batch["labels"], raw[KIND_KEY])
             last = micro == self.micro_batches - 1
             if last:
                 norm = self._unreported_grad_norm()
@@ -366,7 +387,8 @@ class DataParallelStep(EngineStep):
                     bad = (self._gradients is not None and bool(self._gradients.bad)) or (
                         norm is not None and not math.isfinite(norm))
                     return StepResult(totals[0] / self.micro_batches, totals[1], totals[2],
-                                      float("nan") if bad else norm, False, self._loss_scale())
+                                      float("nan") if bad else norm, False, self._loss_scale(),
+                                      kinds)
             if last and self._clip_experts:
                 experts.clip_gradients(engine.module, norm, self.clip_grad)
             with ranges(OPTIMIZER_STEP) if last else NO_RANGE:
@@ -375,7 +397,7 @@ class DataParallelStep(EngineStep):
         if norm is None:
             norm = self._grad_norm()
         return StepResult(totals[0] / self.micro_batches, totals[1], totals[2], norm,
-                          engine.skipped_steps > skipped_before, self._loss_scale())
+                          engine.skipped_steps > skipped_before, self._loss_scale(), kinds)
 
     def eval_step(self, batch: Batch) -> EvalResult:
         batch = to_device(batch, self.device)

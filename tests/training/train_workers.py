@@ -25,7 +25,8 @@ def run_pretrain(rank, world_size, argvs):
                     "evals": list(state.evaluations),
                     "iteration": state.iteration,
                     "layer_grad_norms": dict(state.layer_grad_norms),
-                    "moe": dict(state.moe)})
+                    "moe": dict(state.moe),
+                    "denoiser_losses": dict(state.denoiser_losses)})
     return out
 
 

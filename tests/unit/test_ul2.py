@@ -14,7 +14,7 @@ from megatron.data.builder import DataConfig, build_datasets
 from megatron.data.span_corruption import uncorrupt
 from megatron.data.t5_dataset import IGNORE_INDEX, T5DatasetConfig, T5SpecialTokens
 from megatron.data.tokenizer import TokenizerSpec, build_tokenizer
-from megatron.data.ul2 import PRESETS, Denoiser, UL2Config, denoise, mode_token_ids, \
+from megatron.data.ul2 import KINDS, PRESETS, Denoiser, UL2Config, denoise, mode_token_ids, \
     parse_denoisers
 
 CPM2_VOCAB = Path(__file__).resolve().parents[1] / "data" / "cpm2" / "bpe_cn" / "vocab.txt"
@@ -187,7 +187,27 @@ def test_every_sample_reconstructs_its_raw_tokens(train_data, tmp_path, mode, to
         sample = dataset[index]  # fits the budget, nothing cut
         assert sample["encoder_attention_mask"].sum() == len(inputs)
         assert (sample["labels"] != IGNORE_INDEX).sum() == len(targets)
+        assert sample["denoiser_kind"].shape == () and \
+            ("R", "S", "X")[int(sample["denoiser_kind"])] == d.kind
     assert kinds == {"R", "S", "X"}
+
+
+def test_kind_sums_add_each_samples_token_losses_and_tokens_to_its_kind():
+    import torch
+
+    from megatron.training.metrics import format_line
+    from megatron.training.step import KIND_NAMES, kind_sums
+
+    assert KIND_NAMES == KINDS
+    labels = torch.tensor([[5, 6, -100], [7, -100, -100], [1, 2, 3], [4, 4, -100]])
+    losses = torch.tensor([[1.0, 2.0, 0.0], [4.0, 0.0, 0.0], [0.5, 0.5, 0.5], [3.0, 1.0, 0.0]])
+    got = kind_sums(losses, labels, torch.tensor([2, 0, 2, 2]))
+    # by hand: R = sample 1 (4.0 over 1 token), S none, X = samples 0, 2, 3 (3 + 1.5 + 4 over 7)
+    assert got.tolist() == [[4.0, 1.0], [0.0, 0.0], [8.5, 7.0]]
+    assert got.dtype == torch.float64
+    line = format_line({"iteration": 3, "data_wait_s": 0.0, "step_time_s": 1.0,
+                        "loss_R": 4.0, "loss_X": 8.5 / 7}, None)
+    assert line.endswith("| loss R: 4.0000E+00 | loss X: 1.2143E+00") and "loss S" not in line
 
 
 def test_lengths_fit_every_denoiser_and_a_short_decoder_is_refused():
@@ -243,3 +263,72 @@ def test_the_presets():
     by_kind = {k: sum(w for d, w in zip(upalm.denoisers, upalm.weights) if d.kind == k)
                for k in "RSX"}
     assert by_kind == pytest.approx({"S": 0.5, "R": 0.25, "X": 0.25})
+
+
+@pytest.fixture(scope="module")
+def sentence_data(spm_model, corpora_dir, tmp_path_factory):
+    """English and Chinese text preprocessed with --split-sentences: `_text_sentence` data."""
+    import json
+
+    from data_tools import preprocess_data
+
+    out = tmp_path_factory.mktemp("ul2_sentences")
+    with open(out / "in.jsonl", "w", encoding="utf-8") as f:
+        for name in ("en_shakespeare.jsonl", "zh_cmrc2019_stories.jsonl"):
+            with open(corpora_dir / name, encoding="utf-8") as src:
+                for i, line in zip(range(60), src):
+                    f.write(json.dumps({"text": json.loads(line)["text"][:3000]},
+                                       ensure_ascii=False) + "\n")
+    assert preprocess_data.main(["--input", str(out / "in.jsonl"), "--output-prefix",
+                                 str(out / "mix"), "--tokenizer-model", str(spm_model),
+                                 "--split-sentences", "--workers", "1", "--no-progress"]) == 0
+    return str(out / "mix_text_sentence")
+
+
+def test_megatrons_layout_denoises_rows_of_whole_sentences(sentence_data, spm_model, tmp_path):
+    from megatron.data.indexed_dataset import IndexedDataset
+    from megatron.data.megatron_t5_dataset import MegatronT5Dataset, MegatronUL2Dataset
+
+    tokenizer = build_tokenizer(TokenizerSpec("SentencePieceTokenizer", str(spm_model)))
+    tokens = T5SpecialTokens.from_tokenizer(tokenizer)
+    ul2 = UL2Config(PRESETS["ul2"], mode_token_ids(tokenizer, {"R": "[NLU]", "S": "[S2S]",
+                                                              "X": "[NLG]"}))
+    t5 = T5DatasetConfig(encoder_seq_length=128, seed=3, ul2=ul2)
+    config = DataConfig([sentence_data], split="100,0,0", data_cache_path=str(tmp_path),
+                        t5=t5, objective="ul2", ul2_layout="megatron", short_seq_prob=0.2)
+    dataset = build_datasets(config, tokens, (600, 0, 0))["train"]
+    assert isinstance(dataset, MegatronUL2Dataset)
+    raw_budget, enc, dec = ul2.budget(128)
+    assert (dataset.encoder_length, dataset.decoder_length, dataset.max_raw_length) == \
+        (enc, dec, raw_budget)
+    # the rows are Megatron's, built with the UL2 budget as the longest row
+    rows = MegatronT5Dataset("train", IndexedDataset(sentence_data),
+                             dataset.document_range, 600, enc, dec, tokens, short_seq_prob=0.2,
+                             seed=3, cache_dir=str(tmp_path / "ref"), max_raw_length=raw_budget)
+    indexed = IndexedDataset(sentence_data)
+    kinds, lengths = set(), set()
+    for index in range(600):
+        first, last, target = rows.sample_sentences(index)
+        assert dataset.sample_sentences(index) == (first, last, target)
+        sentences = np.concatenate([indexed[i] for i in range(first, last)]).astype(np.int64)
+        raw = dataset.raw_tokens(index)
+        assert np.array_equal(raw, sentences[:min(target, raw_budget)])  # whole sentences, cut
+        which, inputs, targets = dataset.denoised(index)
+        d = ul2.denoisers[which]
+        kinds.add(d.kind)
+        lengths.add(len(raw))
+        mode_ids = list(ul2.mode(d.kind))
+        body = inputs[len(mode_ids):]
+        if d.kind == "S":
+            restored = np.concatenate([body[:-1], targets[:-1]])
+        else:
+            restored = uncorrupt(body, targets, np.asarray(tokens.sentinel_ids), tokens.eos_id)
+        assert np.array_equal(restored, raw), index
+        sample = dataset[index]  # fits the budget, nothing cut
+        assert sample["encoder_attention_mask"].sum() == len(inputs)
+        assert (sample["labels"] != IGNORE_INDEX).sum() == len(targets)
+        assert ("R", "S", "X")[int(sample["denoiser_kind"])] == d.kind
+    assert kinds == {"R", "S", "X"} and len(lengths) > 10  # rows of many lengths
+    again = build_datasets(config, tokens, (600, 0, 0))["train"]  # (seed, index) only
+    for index in (0, 17, 599):
+        assert all(np.array_equal(again[index][k], v) for k, v in dataset[index].items())
