@@ -55,8 +55,8 @@ from megatron.data import _helpers
 from megatron.data.index_cache import cached_arrays, description_hash
 from megatron.data.indexed_dataset import IndexedDataset, default_cache_dir, index_identity
 from megatron.data.span_corruption import corrupt
-from megatron.data.t5_dataset import T5SpecialTokens, make_sample
-from megatron.data.ul2 import KINDS, denoise
+from megatron.data.t5_dataset import T5SpecialTokens, make_sample, ul2_sample
+from megatron.data.ul2 import denoise
 
 GEOMETRIC_P = 0.2          # SpanBERT / Megatron n-gram length distribution
 LONG_SENTENCE_LEN = 512    # Megatron skips documents with a longer sentence
@@ -323,10 +323,6 @@ class MegatronUL2Dataset(MegatronT5Dataset):
                        self.tokens.eos_id, rng)
 
     def __getitem__(self, index: int) -> Dict[str, np.ndarray]:
-        """As UL2Dataset's: make_sample's arrays and `denoiser_kind`."""
-        which, inputs, targets = self.denoised(index)
-        sample = make_sample(inputs, targets, self.encoder_length, self.decoder_length,
-                             self.tokens.pad_id, self.tokens.decoder_start_token_id)
-        sample["denoiser_kind"] = np.array(KINDS.index(self.ul2.denoisers[which].kind),
-                                           dtype=np.int64)
-        return sample
+        """ul2_sample's arrays (as UL2Dataset's)."""
+        return ul2_sample(self.ul2, *self.denoised(index), self.encoder_length,
+                          self.decoder_length, self.tokens)

@@ -296,14 +296,20 @@ class UL2Dataset(T5SpanCorruptionDataset):
         return denoise(raw, self.config.ul2, self._sentinels, self.tokens.eos_id, rng)
 
     def __getitem__(self, index: int) -> Dict[str, np.ndarray]:
-        """make_sample's arrays and `denoiser_kind`, the index in ul2.KINDS of the denoiser's
-        kind (R 0, S 1, X 2), from which the step reports the loss per kind."""
-        which, inputs, targets = self.denoised(index)
-        sample = make_sample(inputs, targets, self.encoder_length, self.decoder_length,
-                             self.tokens.pad_id, self.tokens.decoder_start_token_id)
-        sample["denoiser_kind"] = np.array(KINDS.index(self.config.ul2.denoisers[which].kind),
-                                           dtype=np.int64)
-        return sample
+        """ul2_sample's arrays."""
+        return ul2_sample(self.config.ul2, *self.denoised(index), self.encoder_length,
+                          self.decoder_length, self.tokens)
+
+
+def ul2_sample(ul2: UL2Config, which: int, inputs: np.ndarray, targets: np.ndarray,
+               encoder_length: int, decoder_length: int,
+               tokens: T5SpecialTokens) -> Dict[str, np.ndarray]:
+    """make_sample's arrays of a UL2 sample, and `denoiser_kind`: the index in ul2.KINDS of the
+    kind of denoiser `which` (R 0, S 1, X 2), from which the step reports the loss per kind."""
+    sample = make_sample(inputs, targets, encoder_length, decoder_length, tokens.pad_id,
+                         tokens.decoder_start_token_id)
+    sample["denoiser_kind"] = np.array(KINDS.index(ul2.denoisers[which].kind), dtype=np.int64)
+    return sample
 
 
 def make_sample(inputs: np.ndarray, targets: np.ndarray, encoder_length: int,

@@ -170,26 +170,30 @@ def test_every_sample_reconstructs_its_raw_tokens(train_data, tmp_path, mode, to
                         t5=T5DatasetConfig(encoder_seq_length=128, seed=5, ul2=ul2),
                         objective="ul2")
     dataset = build_datasets(config, tokens, (700, 0, 0))["train"]
-    kinds = set()
-    for index in range(700):
-        which, inputs, targets = dataset.denoised(index)
-        d = ul2.denoisers[which]
-        kinds.add(d.kind)
-        raw = dataset.raw_tokens(index)
-        mode_ids = list(ul2.mode(d.kind))
-        assert inputs[:len(mode_ids)].tolist() == mode_ids
-        body = inputs[len(mode_ids):]
-        if d.kind == "S":
-            restored = np.concatenate([body[:-1], targets[:-1]])
-        else:
-            restored = uncorrupt(body, targets, np.asarray(tokens.sentinel_ids), tokens.eos_id)
-        assert np.array_equal(restored, raw), index
-        sample = dataset[index]  # fits the budget, nothing cut
-        assert sample["encoder_attention_mask"].sum() == len(inputs)
-        assert (sample["labels"] != IGNORE_INDEX).sum() == len(targets)
-        assert sample["denoiser_kind"].shape == () and \
-            ("R", "S", "X")[int(sample["denoiser_kind"])] == d.kind
+    kinds = {assert_reconstructs(dataset, index, ul2, tokens) for index in range(700)}
     assert kinds == {"R", "S", "X"}
+
+
+def assert_reconstructs(dataset, index, ul2, tokens):
+    """Sample `index` of a UL2 dataset gives back its raw tokens from its input (after the mode
+    token) and target, fits the lengths uncut and carries its kind; returns the kind."""
+    which, inputs, targets = dataset.denoised(index)
+    d = ul2.denoisers[which]
+    raw = dataset.raw_tokens(index)
+    mode_ids = list(ul2.mode(d.kind))
+    assert inputs[:len(mode_ids)].tolist() == mode_ids
+    body = inputs[len(mode_ids):]
+    if d.kind == "S":
+        restored = np.concatenate([body[:-1], targets[:-1]])
+    else:
+        restored = uncorrupt(body, targets, np.asarray(tokens.sentinel_ids), tokens.eos_id)
+    assert np.array_equal(restored, raw), index
+    sample = dataset[index]  # fits the budget, nothing cut
+    assert sample["encoder_attention_mask"].sum() == len(inputs)
+    assert (sample["labels"] != IGNORE_INDEX).sum() == len(targets)
+    assert sample["denoiser_kind"].shape == () and \
+        ("R", "S", "X")[int(sample["denoiser_kind"])] == d.kind
+    return d.kind
 
 
 def test_kind_sums_add_each_samples_token_losses_and_tokens_to_its_kind():
@@ -313,21 +317,8 @@ def test_megatrons_layout_denoises_rows_of_whole_sentences(sentence_data, spm_mo
         sentences = np.concatenate([indexed[i] for i in range(first, last)]).astype(np.int64)
         raw = dataset.raw_tokens(index)
         assert np.array_equal(raw, sentences[:min(target, raw_budget)])  # whole sentences, cut
-        which, inputs, targets = dataset.denoised(index)
-        d = ul2.denoisers[which]
-        kinds.add(d.kind)
+        kinds.add(assert_reconstructs(dataset, index, ul2, tokens))
         lengths.add(len(raw))
-        mode_ids = list(ul2.mode(d.kind))
-        body = inputs[len(mode_ids):]
-        if d.kind == "S":
-            restored = np.concatenate([body[:-1], targets[:-1]])
-        else:
-            restored = uncorrupt(body, targets, np.asarray(tokens.sentinel_ids), tokens.eos_id)
-        assert np.array_equal(restored, raw), index
-        sample = dataset[index]  # fits the budget, nothing cut
-        assert sample["encoder_attention_mask"].sum() == len(inputs)
-        assert (sample["labels"] != IGNORE_INDEX).sum() == len(targets)
-        assert ("R", "S", "X")[int(sample["denoiser_kind"])] == d.kind
     assert kinds == {"R", "S", "X"} and len(lengths) > 10  # rows of many lengths
     again = build_datasets(config, tokens, (600, 0, 0))["train"]  # (seed, index) only
     for index in (0, 17, 599):
