@@ -241,7 +241,11 @@ def _describe(error: BaseException) -> str:
         hint = {"NoSuchBucket": "no such bucket", "NoSuchKey": "no such key",
                 "404": "no such bucket or key", "403": "access denied (credentials?)",
                 "AccessDenied": "access denied", "InvalidAccessKeyId": "unknown access key",
-                "SignatureDoesNotMatch": "wrong secret key"}.get(str(code or status), "")
+                "SignatureDoesNotMatch": "wrong secret key",
+                "PermanentRedirect": "the bucket is in another region: set AWS_REGION to it "
+                                     "(or --object-storage-reader boto3, which follows)",
+                "AuthorizationHeaderMalformed": "wrong region? set AWS_REGION to the "
+                                                "bucket's"}.get(str(code or status), "")
         return f"{code or status} {hint}".strip()
     return f"{type(error).__name__}: {error}"
 

@@ -66,9 +66,14 @@ class RangedGetter:
         if self._credentials is None:
             raise HttpError(403, "NoCredentials", "no AWS credentials found")
         self._context: Optional[ssl.SSLContext] = None
-        if self.scheme == "https":
-            self._context = ssl.create_default_context(
-                cafile=os.environ.get("AWS_CA_BUNDLE") or None)
+        if self.scheme == "https":  # verify as boto3 does: its CA bundle, or not at all
+            verify = getattr(getattr(boto_client, "_endpoint", None), "http_session", None)
+            verify = getattr(verify, "_verify", True)
+            if verify is False:
+                self._context = ssl._create_unverified_context()
+            else:
+                self._context = ssl.create_default_context(cafile=verify if isinstance(
+                    verify, str) else os.environ.get("AWS_CA_BUNDLE") or None)
         self._local = threading.local()
         self._keys: Dict[Tuple[str, str], bytes] = {}
 

@@ -14,7 +14,7 @@ from megatron.data import object_storage
 from megatron.data.s3_get import RangedGetter
 
 
-def _client(endpoint, style="path", token=None):
+def _client(endpoint, style="path", token=None, **kw):
     import boto3
     from botocore.config import Config
 
@@ -22,7 +22,7 @@ def _client(endpoint, style="path", token=None):
                                     aws_secret_access_key="wJalrXUtnFEMI/K7MDENG/bPxRfiCYEX+KEY",
                                     aws_session_token=token, region_name="eu-west-3")
     return session.client("s3", endpoint_url=endpoint,
-                          config=Config(s3={"addressing_style": style}))
+                          config=Config(s3={"addressing_style": style}), **kw)
 
 
 @pytest.mark.parametrize("style", ["path", "virtual"])
@@ -123,3 +123,17 @@ def test_a_server_ignoring_the_range_is_refused_not_streamed(s3_env, monkeypatch
     finally:
         server.shutdown()
         object_storage.reset()
+
+
+@pytest.mark.parametrize("verify", [None, False, "bundle"])
+def test_https_is_verified_as_boto3_verifies(verify, tmp_path):
+    import ssl
+
+    from botocore.httpsession import get_cert_path
+
+    kw = {} if verify is None else {"verify": False} if verify is False else \
+        {"verify": get_cert_path(True)}  # the bundle botocore itself would use
+    boto = _client("https://storage.example", **kw)
+    getter = RangedGetter(boto, 5.0)
+    assert getter._context.verify_mode == (ssl.CERT_NONE if verify is False
+                                           else ssl.CERT_REQUIRED)
