@@ -469,8 +469,8 @@ def _stage_activations(s: ActivationShape, tp: int, vocab: int, e: int, d: int, 
     saved += whole_saved
     recompute = 0
     for kind, n in (("E", e), ("D", d)):
-        if whole[kind] or runs[kind]:  # the stage's bias layer: buckets, 16-bit cast, the bias
-            saved += 8 * n * n + (a != 4) * a * b * s.heads * n * n
+        if whole[kind] or runs[kind]:  # the stage's bias layer: buckets, fp16's clamp, the bias
+            saved += 8 * n * n + s.fp16 * a * b * s.heads * n * n
             saved += (s.kernel == "fused" or len(runs[kind]) > 0) * (4 if a == 4 else a) * \
                 b * s.heads * n * n
         saved += a * b * D * n * len(runs[kind])  # each checkpointed run's input

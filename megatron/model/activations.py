@@ -42,24 +42,24 @@ class ActivationShape:
 
     def attention(self, q: int, k: int, is_self: bool) -> int:
         """q, k, v and the context (eager: reshaped copies; fused: the kernel's inputs/output),
-        plus the score-sized tensors: eager keeps the fp32 softmax and what bmm reads (dropped
-        probabilities + bool mask, or a 16-bit copy); fused keeps the logsumexp. (In 16 bits the
-        self-attention bias is cast once per stack: `bias_cast`.)"""
+        plus the score-sized tensors: eager keeps the probabilities in the scores' dtype and,
+        with dropout, the dropped ones and the bool mask; fused keeps the logsumexp. (In 16 bits
+        the self-attention bias is built once per stack: `bias_cast`.)"""
         out = self.a * self.b * self.inner * 2 * (q + k)
         scores = self.b * self.heads * q * k
-        cast = self.a != 4
         if self.kernel == "eager":
-            out += scores * (4 + (1 + self.a if self.dropout else (self.a if cast else 0)))
+            out += scores * (self.a + (1 + self.a if self.dropout else 0))
         else:
             out += 4 * self.b * self.heads * q
         return out
 
     def bias_cast(self, q: int) -> int:
-        """16 bits: block 0 casts the fp32 bias + mask once per stack; clamp saves its input and,
-        fused, sdpa saves the result that every layer shares."""
+        """16 bits: block 0 adds the cast [1, heads, q, q] bias to the cast mask once per stack;
+        fp16's clamp of the sum saves its input and, fused, sdpa saves the sum that every layer
+        shares (bf16 eager: nothing of that size)."""
         if self.a == 4:
             return 0
-        return (1 if self.kernel == "eager" else 2) * self.a * self.b * self.heads * q * q
+        return (self.fp16 + (self.kernel != "eager")) * self.a * self.b * self.heads * q * q
 
     def feed_forward(self, tokens: int) -> int:
         """The activation's output (and input unless relu), the gate, wo's input (the dropped

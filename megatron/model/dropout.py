@@ -38,9 +38,15 @@ def dropout(tensor: torch.Tensor, p: float, training: bool = True) -> torch.Tens
         return tensor
     if tensor.device.type != "cpu":
         return F.dropout(tensor, p=p, training=True)
+    return _MaskedScale.apply(tensor, keep_mask(tensor.shape, p, tensor.device), 1.0 / (1.0 - p))
+
+
+def keep_mask(shape, p: float, device) -> torch.Tensor:
+    """The CPU path's booleans, True where an element is kept (probability 1 - p, rounded to a
+    multiple of 1/65536), drawn from the current default generator."""
     threshold = round(p * _LEVELS) - _LEVELS // 2
-    draws = torch.randint(-(_LEVELS // 2), _LEVELS // 2, tensor.shape, dtype=torch.int16)
-    return _MaskedScale.apply(tensor, draws >= threshold, 1.0 / (1.0 - p))
+    draws = torch.randint(-(_LEVELS // 2), _LEVELS // 2, shape, dtype=torch.int16, device=device)
+    return draws >= threshold
 
 
 class Dropout(nn.Module):

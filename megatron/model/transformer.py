@@ -22,6 +22,7 @@ from torch import nn
 
 from megatron.model.config import T5Config
 from megatron.model.dropout import Dropout, dropout
+from megatron.model.eager_attention import eager_attention
 from megatron.model.nonlinearity import activation_function
 from megatron.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -216,7 +217,9 @@ def relative_bias(table: RelativeAttentionBias, config: T5Config, is_decoder: bo
         memory - context, bidirectional=not is_decoder,
         num_buckets=config.relative_attention_num_buckets,
         max_distance=config.relative_attention_max_distance)
-    return table(buckets).permute(2, 0, 1).unsqueeze(0)
+    # contiguous: a permuted bias would give the stack's [batch, heads, q, k] sum its layout,
+    # and every layer would copy it to flatten batch and heads
+    return table(buckets).permute(2, 0, 1).unsqueeze(0).contiguous()
 
 
 def relative_attention_bias(config: T5Config, init: "InitMethods", is_decoder: bool,
@@ -246,12 +249,16 @@ def core_attention(query, key, value, bias, dropout_p: float, use_sdpa: bool):
     if use_sdpa:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=bias,
                                               dropout_p=dropout_p, scale=1.0)
+    if query.device.type == "cpu":  # the same math, half the [b * h, q, k] buffers
+        return eager_attention(query, key, value, bias, dropout_p)
     batch, heads, q_len, d_kv = query.shape
     k_len = key.shape[2]
     bias = bias.expand(batch, heads, q_len, k_len).reshape(batch * heads, q_len, k_len)
     scores = torch.baddbmm(bias, query.reshape(batch * heads, q_len, d_kv),
                            key.reshape(batch * heads, k_len, d_kv).transpose(1, 2))
-    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
+    # in the scores' dtype: torch's kernels accumulate half types in fp32 (CPU and CUDA), so
+    # an fp32 round trip would only add two copies of [batch * heads, q, k], forward and back
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
     if dropout_p > 0:
         probs = dropout(probs, dropout_p)
     context = torch.bmm(probs, value.reshape(batch * heads, k_len, d_kv))
@@ -304,10 +311,11 @@ class T5Attention(nn.Module):
         query, key, value = self._heads(self.q(hidden)), self._heads(self.k(source)), \
             self._heads(self.v(source))
         dropout_p = self.config.dropout_rate if self.training else 0.0
-        # 'auto': sdpa where its fused kernels apply, i.e. on CUDA, or for cross-attention (its
-        # bias is only the mask); self-attention on CPU learns its bias, which sends sdpa to a
-        # slower math path (bench/bench_model.py). Decided by the layer, never by grad mode, so
-        # a checkpointed block recomputes with the same kernel and the same random draws.
+        # 'auto': sdpa where its fused kernels apply, i.e. on CUDA; on the CPU the eager kernel
+        # (model/eager_attention.py): self-attention learns its bias, which sends sdpa to its
+        # math path, and for cross-attention over T5's short targets it is also the faster
+        # (bench/bench_model.py). Decided by the layer, never by grad mode, so a checkpointed
+        # block recomputes with the same kernel and the same random draws.
         if self.backend == "flex":  # the bias inside the kernel (model/flex.py)
             if dropout_p > 0:
                 raise RuntimeError("attention backend 'flex' has no attention dropout: train "
@@ -317,8 +325,8 @@ class T5Attention(nn.Module):
             context = flex_core_attention(query, key, value, bias)
             batch, _, length, _ = context.shape
             return self.o(context.transpose(1, 2).reshape(batch, length, -1))
-        use_sdpa = self.backend == "sdpa" or (self.backend == "auto" and (
-            query.device.type == "cuda" or key_value is not None))
+        use_sdpa = self.backend == "sdpa" or (self.backend == "auto"
+                                              and query.device.type == "cuda")
         with get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
             context = core_attention(query, key, value, bias, dropout_p, use_sdpa)
         batch, _, length, _ = context.shape
@@ -426,15 +434,32 @@ def _clamp_fp16(hidden: torch.Tensor) -> torch.Tensor:
     return torch.clamp(hidden, min=-limit, max=limit)
 
 
+def attention_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the attention scores are computed in: autocast's where autocast is on (the
+    projections it feeds run in it), else the activations'."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        return torch.get_autocast_dtype(hidden.device.type)
+    return hidden.dtype
+
+
 def stack_position_bias(compute_bias: Callable[[int, int], torch.Tensor], mask: torch.Tensor,
                         hidden: torch.Tensor) -> torch.Tensor:
     """A stack's self-attention bias: the relative position bias plus the additive mask, in
-    the activations' dtype (computed once per stack, or once per pipeline stage)."""
-    bias = compute_bias(hidden.shape[1], hidden.shape[1]) + mask
-    if hidden.dtype in (torch.float16, torch.bfloat16):
-        # Once per stack: converted in every layer, each copy would be kept for backward.
-        bias = bias.to(hidden.dtype).clamp(min=torch.finfo(hidden.dtype).min)
-    return bias
+    the dtype of the scores (computed once per stack, or once per pipeline stage: converted in
+    every layer, each copy would be kept for backward).
+
+    In half precision the [1, heads, q, k] relative bias is converted before it is broadcast
+    over the batch, and the mask (no gradient) is converted with its minimum clamped to the
+    dtype's, so no [batch, heads, q, k] tensor is converted or clamped, forward or backward;
+    fp16 alone clamps the sum (a masked position's bias could round past its range)."""
+    length = hidden.shape[1]
+    dtype = attention_dtype(hidden)
+    bias = compute_bias(length, length)
+    if dtype in (torch.float16, torch.bfloat16):
+        minimum = torch.finfo(dtype).min
+        bias = bias.to(dtype) + mask.to(dtype).clamp(min=minimum)
+        return bias.clamp(min=minimum) if dtype == torch.float16 else bias
+    return bias + mask
 
 
 class T5Block(nn.Module):
