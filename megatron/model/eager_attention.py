@@ -35,8 +35,9 @@ class _EagerAttention(torch.autograd.Function):
         k3 = key.reshape(batch * heads, k_len, d_kv)
         v3 = value.reshape(batch * heads, k_len, d_kv)
         flat_bias = bias.expand(batch, heads, q_len, k_len).reshape(batch * heads, q_len, k_len)
-        if flat_bias.data_ptr() == bias.data_ptr() and bias.numel() == flat_bias.numel():
-            scores = torch.baddbmm(flat_bias, q3, k3.transpose(1, 2))  # a view of the bias
+        if flat_bias.untyped_storage().data_ptr() == bias.untyped_storage().data_ptr():
+            # a view of the bias (its own shape, or broadcast where one head makes that a view)
+            scores = torch.baddbmm(flat_bias, q3, k3.transpose(1, 2))
         else:  # a broadcast bias (a mask): reshape made the buffer, the GEMM adds on in place
             # (out=, not baddbmm_: torch's FLOP counter counts the former)
             scores = torch.baddbmm(flat_bias, q3, k3.transpose(1, 2), out=flat_bias)

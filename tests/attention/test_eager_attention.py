@@ -1,7 +1,8 @@
 """The CPU eager attention kernel (megatron/model/eager_attention.py) against attention composed
 from torch ops in float64: outputs and the gradients of query, key, value and bias, for the bias
 shapes the model passes (a stack's [batch, heads, q, k] bias, a [1, heads, q, k] one, a padding
-mask [batch, 1, 1, k] without gradient, a decoder mask [batch, 1, q, k]), in fp32 and bf16, with
+mask [batch, 1, 1, k] without gradient, a decoder mask [batch, 1, q, k], a padding mask where a
+tensor rank holds one head, so that broadcasting it is a view), in fp32 and bf16, with
 dropout drawn as megatron.model.dropout draws it; its in-place softmax and softmax backward equal
 torch's bitwise; the bias it is given is left as it was."""
 
@@ -13,7 +14,7 @@ from megatron.model.eager_attention import eager_attention
 
 B, H, Q, K, D = 2, 3, 7, 13, 8
 BIAS_SHAPES = {"stack": (B, H, Q, K), "table": (1, H, Q, K), "padding": (B, 1, 1, K),
-               "decoder": (B, 1, Q, K)}
+               "decoder": (B, 1, Q, K), "one head": (B, 1, 1, K)}
 
 
 def reference(query, key, value, bias, dropout_p=0.0):
@@ -24,15 +25,18 @@ def reference(query, key, value, bias, dropout_p=0.0):
     return dropout(probs, dropout_p) @ value
 
 
-def inputs(dtype, bias_shape, bias_grad):
+def inputs(dtype, bias_name, bias_grad):
+    bias_shape = BIAS_SHAPES[bias_name]
     g = torch.Generator().manual_seed(0)
     make = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
-    tensors = [make(B, H, Q, D), make(B, H, K, D), make(B, H, K, D), 3 * make(*bias_shape)]
+    heads = 1 if bias_name == "one head" else H  # a tensor rank with one head
+    tensors = [make(B, heads, Q, D), make(B, heads, K, D), make(B, heads, K, D),
+               3 * make(*bias_shape)]
     if bias_shape[1] == 1:  # a mask: 0 or the dtype's minimum, some keys hidden
         tensors[3] = torch.where(tensors[3] > 2, torch.finfo(dtype).min, 0.0)
     ours = [t.to(dtype).requires_grad_(i < 3 or bias_grad) for i, t in enumerate(tensors)]
     ref = [t.detach().double().requires_grad_(t.requires_grad) for t in ours]
-    return ours, ref, make(B, H, Q, D)
+    return ours, ref, make(B, heads, Q, D)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -42,7 +46,7 @@ def test_equals_composed_attention(dtype, bias_name, dropout_p):
     """fp32: within 1e-5 of the float64 reference (relative to its largest value). bf16: its
     distance from the float64 reference at most 1.5x that of the same ops composed in bf16."""
     bias_grad = bias_name in ("stack", "table")
-    ours, ref, grad = inputs(dtype, BIAS_SHAPES[bias_name], bias_grad)
+    ours, ref, grad = inputs(dtype, bias_name, bias_grad)
     composed = [t.detach().clone().requires_grad_(t.requires_grad) for t in ours]
     bias_before = ours[3].detach().clone()
     results = []
