@@ -192,7 +192,7 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
         checkpoint_activations, checkpoint_num_layers: as T5Model's.
         attention_kernel: 'fused' (sdpa's flash / memory-efficient kernels: the model's 'auto' on
             CUDA) or 'eager' (probabilities kept: attention_backend 'eager', torch's math path,
-            and what 'auto' runs for self-attention on CPU).
+            and what 'auto' runs on the CPU, model/eager_attention.py).
         buckets: DeepSpeed's bucket sizes.
         device_type: 'cuda' (device memory, everything alive at once) or 'cpu' (the resident
             memory a CPU run adds to its interpreter and libraries; see the module docstring).
