@@ -151,10 +151,11 @@ def test_expert_parallel_resume_with_a_pipeline_is_exact(train_data, tmp_path):
 
 def test_bf16_pipeline_with_expert_parallelism_follows_fp32(train_data, single):
     """PP 2 x EP 2 in bf16 with ZeRO-1 (DeepSpeed's BF16 optimizer, its expert groups): the
-    losses and gradient norms of the fp32 single-process run, to bf16's precision."""
+    losses and gradient norms of the fp32 single-process run, to bf16's precision (the losses
+    within one unit in the last place of bf16, 2^-8)."""
     argv = base_argv(train_data, *MOE, "--expert-model-parallel-size", "2",
                      "--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--bf16")
     got = run_workers(4, run_pretrain, [argv], timeout=900)[0][0]
-    assert losses(got) == pytest.approx(losses(single), rel=2e-3)
+    assert losses(got) == pytest.approx(losses(single), rel=2 ** -8)
     assert [got["grad_norms"][i] for i in sorted(got["grad_norms"])] == pytest.approx(
         [single["grad_norms"][i] for i in sorted(single["grad_norms"])], rel=2e-2)
