@@ -24,12 +24,17 @@ class _MaskedScale(torch.autograd.Function):
     def forward(ctx, tensor, keep, scale):
         ctx.save_for_backward(keep)
         ctx.scale = scale
-        return torch.where(keep, tensor, 0.0).mul_(scale)
+        return masked_scale(tensor, keep, scale)
 
     @staticmethod
     def backward(ctx, grad):
         (keep,) = ctx.saved_tensors
-        return torch.where(keep, grad, 0.0).mul_(ctx.scale), None, None
+        return masked_scale(grad, keep, ctx.scale), None, None
+
+
+def masked_scale(tensor: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+    """where(keep, tensor, 0) * scale, a new tensor (no autograd of its own)."""
+    return torch.where(keep, tensor, 0.0).mul_(scale)
 
 
 def dropout(tensor: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:

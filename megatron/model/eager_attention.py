@@ -7,8 +7,8 @@ backward the probabilities' gradient and then the scores' gradient: four fresh t
 at 512 tokens costs about as long to fault in as its softmax takes to compute). Here:
 
 - forward: the scores are computed into one buffer (the bias copied in, once, then the GEMM
-  added on) and the softmax runs in place on the CPU, whose last-dimension kernel reads each element before
-  writing it (tests/attention/test_eager_attention.py checks it against torch.softmax);
+  added on) and the softmax runs in place on the CPU, whose last-dimension kernel reads each
+  element before writing it (tests/attention/test_eager_attention.py checks it against torch.softmax);
 - backward: the probabilities' gradient dP = dO V^T is turned into the scores' gradient
   dS = P * (dP - rowsum(dP * P)) in place, by torch's softmax backward kernel, which on the CPU
   also reads each element before writing it (tested the same way); dS is also the bias's gradient.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.model.dropout import keep_mask
+from megatron.model.dropout import keep_mask, masked_scale
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -45,7 +45,7 @@ class _EagerAttention(torch.autograd.Function):
         keep, dropped = None, probs
         if dropout_p > 0:
             keep = keep_mask(probs.shape, dropout_p, probs.device)
-            dropped = torch.where(keep, probs, 0.0).mul_(1.0 / (1.0 - dropout_p))
+            dropped = masked_scale(probs, keep, 1.0 / (1.0 - dropout_p))
         context = torch.bmm(dropped, v3)
         ctx.save_for_backward(q3, k3, v3, probs, dropped if keep is not None else None, keep)
         ctx.dropout_p, ctx.shape, ctx.bias_shape = dropout_p, (batch, heads, q_len, k_len), \
@@ -61,7 +61,7 @@ class _EagerAttention(torch.autograd.Function):
         grad3 = grad_context.reshape(q3.shape)
         grad_value = torch.bmm(dropped.transpose(1, 2), grad3)
         grad = torch.bmm(grad3, v3.transpose(1, 2))  # dP (of the dropped probabilities)
-        if keep is not None:
+        if keep is not None:  # dropout's backward, in place (masked_scale's math)
             grad.masked_fill_(~keep, 0.0).mul_(1.0 / (1.0 - ctx.dropout_p))
         # dS = P * (dP - rowsum(dP * P)), in place of dP (one rounding in half precision)
         torch.ops.aten._softmax_backward_data.out(grad, probs, -1, probs.dtype,
