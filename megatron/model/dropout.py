@@ -1,20 +1,24 @@
 """Dropout that is cheap on CPU.
 
 torch's CPU dropout draws one Bernoulli sample per element from a 32-bit generator and keeps a
-float mask; on T5's attention probabilities that is a sixth of a CPU training step. Here the mask
-comes from 16-bit random integers compared with a threshold (the keep probability is rounded to a
-multiple of 1/65536, within 8e-6 of the one asked for) and is kept as booleans. On CUDA torch's
+float mask; on T5's attention probabilities that is a sixth of a CPU training step. Here each
+32-bit draw of the generator (torch's CPU generator is serial, so draws are what cost) gives two
+elements: its two 16-bit halves, each cut to 15 uniform bits, are compared with a threshold (the
+keep probability is rounded to a multiple of 1/32768, within 1.6e-5 of the one asked for), and
+the mask is kept as booleans. On CUDA torch's
 fused dropout is already fast and is used as it is. Both draw from the current default generator
 of the tensor's device, so the tensor-parallel RNG tracker governs them the same way.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-_LEVELS = 1 << 16
+_LEVELS = 1 << 15
 
 
 class _MaskedScale(torch.autograd.Function):
@@ -48,10 +52,14 @@ def dropout(tensor: torch.Tensor, p: float, training: bool = True) -> torch.Tens
 
 def keep_mask(shape, p: float, device) -> torch.Tensor:
     """The CPU path's booleans, True where an element is kept (probability 1 - p, rounded to a
-    multiple of 1/65536), drawn from the current default generator."""
-    threshold = round(p * _LEVELS) - _LEVELS // 2
-    draws = torch.randint(-(_LEVELS // 2), _LEVELS // 2, shape, dtype=torch.int16, device=device)
-    return draws >= threshold
+    multiple of 1/32768), drawn from the current default generator: one 32-bit draw per two
+    elements."""
+    count = math.prod(shape)
+    # random_() on int32 is uniform over [0, 2**31): each 16-bit half holds 15 uniform bits
+    # (bits 0-14 and 16-30) once the top bit of the half is cleared.
+    halves = torch.empty((count + 1) // 2, dtype=torch.int32, device=device).random_()
+    halves = halves.view(torch.int16)[:count].bitwise_and_(_LEVELS - 1)
+    return (halves >= round(p * _LEVELS)).view(shape)
 
 
 class Dropout(nn.Module):

@@ -134,6 +134,19 @@ def test_cpu_dropout_statistics_and_gradient():
     assert dropout(x, 0.25, training=False) is x and dropout(x, 0.0) is x
 
 
+def test_cpu_keep_mask_halves_are_independent():
+    """Each 32-bit draw gives two neighbouring elements: both halves drop at rate p, and together
+    at p^2 (a shared or constant bit would show in one of the three)."""
+    from megatron.model.dropout import keep_mask
+    torch.manual_seed(1)
+    keep = keep_mask((999, 1001), 0.3, "cpu")  # odd count: the last draw is half used
+    assert keep.shape == (999, 1001) and keep.untyped_storage().nbytes() == 999 * 1001
+    pairs = ~keep.reshape(-1)[:-1].view(-1, 2)
+    assert abs(pairs[:, 0].float().mean().item() - 0.3) < 0.003  # 5e5 draws: s.e. 6.5e-4
+    assert abs(pairs[:, 1].float().mean().item() - 0.3) < 0.003
+    assert abs((pairs[:, 0] & pairs[:, 1]).float().mean().item() - 0.09) < 0.002
+
+
 def test_loss_backward_twice_is_refused():
     from megatron.tensor_parallel import SINGLE, vocab_parallel_cross_entropy
     logits = torch.randn(2, 3, 10, requires_grad=True)
