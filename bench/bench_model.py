@@ -10,7 +10,9 @@ warm-up steps is reported, in fp32 and, where the CPU has bf16 instructions, wit
 each with dropout 0 and 0.1 (goal: ours at least 1.3x Hugging Face in every row). Achieved GFLOP/s
 use the encoder-decoder formula of megatron/model/flops.py, against this machine's matmul peak
 measured here (a 2048^3 GEMM). `--profile` adds each model's five most expensive torch ops (self
-CPU time over two steps, torch.profiler) in fp32 with dropout 0. Results go to bench/RESULTS.md.
+CPU time over two steps, torch.profiler) in fp32 with dropout 0, and each model's GEMM floor:
+the matrix products its step dispatches, replayed alone (what that step would cost if everything
+but torch's GEMM kernels were free). Results go to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def batch(size: int):
     return enc, dec, labels
 
 
-def measure(hf, ours, data, steps: int, bf16: bool):
+def step_functions(hf, ours, data, bf16: bool) -> dict:
+    """One training step (forward, loss, backward) of each model on `data`."""
     enc, dec, labels = data
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if bf16
                 else contextlib.nullcontext())
@@ -99,9 +102,14 @@ def measure(hf, ours, data, steps: int, bf16: bool):
             loss = ours(enc, dec, labels=labels).loss
         loss.backward()
 
+    return {"hf": step_hf, "ours": step_ours}
+
+
+def measure(hf, ours, data, steps: int, bf16: bool):
+    step = step_functions(hf, ours, data, bf16)
     times = {"hf": [], "ours": []}
     for i in range(steps + 2):
-        for name, fn in (("hf", step_hf), ("ours", step_ours)):
+        for name, fn in step.items():
             elapsed = _timed(fn)
             if i >= 2:
                 times[name].append(elapsed)
@@ -133,6 +141,88 @@ def top_ops(hf, ours, data, count: int = 5) -> str:
             rows.append(f"| {name} | {rank} | `{event.key}` | {event.self_cpu_time_total / 2e3:.0f} "
                         f"| {event.self_cpu_time_total / total:.0%} | {event.count // 2} |")
     return "\n".join(rows)
+
+
+_GEMMS = ("mm", "bmm", "addmm", "baddbmm")
+
+
+def gemm_replay(step) -> tuple:
+    """(replay, call count): `replay()` runs the matrix products that one call of `step`
+    dispatches (mm, bmm, addmm, baddbmm, forward and backward) on random operands with the same
+    shapes, strides and dtypes, with nothing else between them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def spec(value):
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(value.shape), value.stride(), value.dtype)
+        return value
+
+    def operand(value):
+        if not (isinstance(value, tuple) and value[:1] == ("tensor",)):
+            return value
+        _, shape, stride, dtype = value
+        extent = 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+        return torch.randn(extent, dtype=dtype).as_strided(shape, stride)
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.overloadpacket.__name__ in _GEMMS:
+                self.calls.append((func, [spec(a) for a in args],
+                                   {k: spec(v) for k, v in kwargs.items()}))
+            return func(*args, **kwargs)
+
+    record = Record()
+    with record:
+        step()
+    calls = [(func, [operand(a) for a in args], {k: operand(v) for k, v in kwargs.items()})
+             for func, args, kwargs in record.calls]
+
+    def replay():
+        for func, args, kwargs in calls:
+            func(*args, **kwargs)
+
+    return replay, len(calls)
+
+
+def gemm_floor(steps: dict, repeats: int = 5) -> dict:
+    """Each model's GEMM replay (`gemm_replay`), the two timed in turn `repeats` times: their
+    medians in seconds (the steps' own are measure's) and call counts."""
+    replays = {name: gemm_replay(fn) for name, fn in steps.items()}
+    times = {name: [] for name in replays}
+    for round_ in range(repeats + 1):
+        for name, (replay, _) in replays.items():
+            elapsed = _timed(replay)
+            if round_:  # the first round warms up
+                times[name].append(elapsed)
+    return {name: (statistics.median(times[name]), replays[name][1]) for name in replays}
+
+
+def floor_text(times: dict, floors: dict) -> str:
+    """Markdown: each model's fp32 dropout-0 step (measure's medians) against its GEMM floor, and
+    what the 1.3x goal leaves ours for everything that is not a GEMM."""
+    rows = "\n".join(
+        f"| {'ours' if name == 'ours' else 'Hugging Face'} | {times[name]:.3f} | "
+        f"{floors[name][0]:.3f} ({floors[name][1]} calls) | "
+        f"{times[name] - floors[name][0]:.3f} |" for name in ("ours", "hf"))
+    return f"""
+GEMM floor (fp32, dropout 0): the matrix products each step dispatches (forward and backward),
+replayed alone on operands of the same shapes and strides (`gemm_floor`, the two models' replays
+in turn, medians of 5), beside the steps of the table above:
+
+| model | s/step | its GEMMs alone, s | the rest of the step, s |
+| --- | ---: | ---: | ---: |
+{rows}
+
+1.3x over this Hugging Face step allows ours {times['hf'] / 1.3:.3f} s; ours' GEMMs alone take
+{floors['ours'][0]:.3f} s. With torch's GEMM kernels, ours cannot pass
+**{times['hf'] / floors['ours'][0]:.2f}x** here (Hugging Face's step over ours' GEMMs alone) even
+if all of its other work cost nothing.
+"""
 
 
 def main(argv=None) -> int:
@@ -171,6 +261,7 @@ def main(argv=None) -> int:
                         f"{gflops / peak:.0%} of {peak:.0f} |")
         if args.profile and dropout == 0.0 and not bf16:
             profile_rows = top_ops(hf, ours, data)
+            floor_part = floor_text(t, gemm_floor(step_functions(hf, ours, data, False)))
         del hf, ours
     if with_bf16:
         bf16_line = (f"With bf16 autocast: **{speedups[0.0, 'bf16 autocast']:.2f}x** with dropout "
@@ -190,7 +281,7 @@ the profiler's own overhead inflates the small ops):
 | model | rank | op | ms per step | of the step's op time | calls per step |
 | --- | ---: | --- | ---: | ---: | ---: |
 {profile_rows}
-"""
+{floor_part}"""
     body = f"""## T5 model training step (one process, CPU)
 
 Command: `{command}`
