@@ -5,9 +5,9 @@ float mask; on T5's attention probabilities that is a sixth of a CPU training st
 32-bit draw of the generator (torch's CPU generator is serial, so draws are what cost) gives two
 elements: its two 16-bit halves, each cut to 15 uniform bits, are compared with a threshold (the
 keep probability is rounded to a multiple of 1/32768, within 1.6e-5 of the one asked for), and
-the mask is kept as booleans. On CUDA torch's
-fused dropout is already fast and is used as it is. Both draw from the current default generator
-of the tensor's device, so the tensor-parallel RNG tracker governs them the same way.
+the mask is kept as booleans. On CUDA torch's fused dropout is already fast and is used as it is,
+and so is torch's dropout under torch.compile. Both draw from the current default generator of the
+tensor's device, so the tensor-parallel RNG tracker governs them the same way.
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def dropout(tensor: torch.Tensor, p: float, training: bool = True) -> torch.Tens
     """Zero each element with probability p and scale the rest by 1 / (1 - p)."""
     if not training or p == 0.0:
         return tensor
-    if tensor.device.type != "cpu":
+    if tensor.device.type != "cpu" or torch.compiler.is_compiling():
+        # torch's fused dropout on CUDA; under torch.compile, the one its compiler fuses and
+        # draws from its own generator (the int16 view of int32 draws below is not traceable)
         return F.dropout(tensor, p=p, training=True)
     return _MaskedScale.apply(tensor, keep_mask(tensor.shape, p, tensor.device), 1.0 / (1.0 - p))
 

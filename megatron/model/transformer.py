@@ -252,7 +252,9 @@ def core_attention(query, key, value, bias, dropout_p: float, use_sdpa: bool):
     if use_sdpa:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=bias,
                                               dropout_p=dropout_p, scale=1.0)
-    if query.device.type == "cpu":  # the same math, half the [b * h, q, k] buffers
+    if query.device.type == "cpu" and not torch.compiler.is_compiling():
+        # the same math, half the [b * h, q, k] buffers; torch.compile traces the composed ops
+        # below instead (the kernel's in-place buffer tricks would break its graph)
         return eager_attention(query, key, value, bias, dropout_p)
     batch, heads, q_len, d_kv = query.shape
     k_len = key.shape[2]
