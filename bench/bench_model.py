@@ -120,17 +120,15 @@ def measure(hf, ours, data, steps: int, bf16: bool):
     return medians
 
 
-def top_ops(hf, ours, data, count: int = 5) -> str:
-    """Each model's `count` torch ops with the most self CPU time over two fp32 steps, as
-    Markdown table rows (the profiler's overhead inflates small ops; the order is what counts)."""
+def top_ops(steps: dict, count: int = 5) -> str:
+    """Each model's `count` torch ops with the most self CPU time over two of its `steps`
+    (`step_functions`), as Markdown table rows (the profiler's overhead inflates small ops; the
+    order is what counts)."""
     from torch.profiler import ProfilerActivity, profile
 
-    enc, dec, labels = data
-    steps = {"Hugging Face": lambda: hf(input_ids=enc, decoder_input_ids=dec,
-                                        labels=labels).loss.backward(),
-             "ours": lambda: ours(enc, dec, labels=labels).loss.backward()}
     rows = []
-    for name, step in steps.items():
+    for key, step in steps.items():
+        name = "ours" if key == "ours" else "Hugging Face"
         step()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             step()
@@ -189,7 +187,10 @@ def gemm_replay(step) -> tuple:
     return replay, len(calls)
 
 
-def gemm_floor(steps: dict, repeats: int = 5) -> dict:
+FLOOR_REPEATS = 5
+
+
+def gemm_floor(steps: dict, repeats: int = FLOOR_REPEATS) -> dict:
     """Each model's GEMM replay (`gemm_replay`), the two timed in turn `repeats` times: their
     medians in seconds (the steps' own are measure's) and call counts."""
     replays = {name: gemm_replay(fn) for name, fn in steps.items()}
@@ -212,7 +213,7 @@ def floor_text(times: dict, floors: dict) -> str:
     return f"""
 GEMM floor (fp32, dropout 0): the matrix products each step dispatches (forward and backward),
 replayed alone on operands of the same shapes and strides (`gemm_floor`, the two models' replays
-in turn, medians of 5), beside the steps of the table above:
+in turn, medians of {FLOOR_REPEATS}), beside the steps of the table above:
 
 | model | s/step | its GEMMs alone, s | the rest of the step, s |
 | --- | ---: | ---: | ---: |
@@ -260,8 +261,9 @@ def main(argv=None) -> int:
                         f"{args.batch * DEC_LEN / t[name]:,.0f} | {gflops:.1f} | "
                         f"{gflops / peak:.0%} of {peak:.0f} |")
         if args.profile and dropout == 0.0 and not bf16:
-            profile_rows = top_ops(hf, ours, data)
-            floor_part = floor_text(t, gemm_floor(step_functions(hf, ours, data, False)))
+            fp32_steps = step_functions(hf, ours, data, False)
+            profile_rows = top_ops(fp32_steps)
+            floor_part = floor_text(t, gemm_floor(fp32_steps))
         del hf, ours
     if with_bf16:
         bf16_line = (f"With bf16 autocast: **{speedups[0.0, 'bf16 autocast']:.2f}x** with dropout "
