@@ -36,6 +36,7 @@ from megatron.cost.report import print_dry_run
 from megatron.failures import DataError, RunFailure, report_failure
 from megatron.initialize import distributed_env, join_deepspeed, join_process_group, set_seeds
 from megatron.model.flops import training_step_flops
+from megatron.training.data_workers import reap_daemonic_children
 from megatron.training.engine import build_model, count_parameters, initialize_engine
 from megatron.training.layer_norms import layer_groups
 from megatron.training.loaders import build_data
@@ -137,7 +138,7 @@ def _pretrain(config: RunConfig, signals, watchdog, lock):
     writer = MetricsWriter(config.logging.log_file, config.logging.tensorboard_dir,
                            enabled=rank == 0, train_iters=config.batch.train_iters)
     watchdog.place = _place(config)
-    saver = None
+    saver = loaders = None
     profiler = StepProfiler(config.profile, rank, runtime.device_type,
                             writer.write_text if rank == 0 else print)
     try:
@@ -148,11 +149,11 @@ def _pretrain(config: RunConfig, signals, watchdog, lock):
         state, schedule = _resume(step, config, writer, watchdog)
         with watchdog.watch("data: building the datasets (index caches; another rank may be "
                             "building them)", runtime.data_cache_timeout_s + 60):
-            train_loader, valid_loader, test_loader = build_data(
-                config.data, config.batch, runtime.device_type, state.consumed_samples,
-                parallel_state.is_pipeline_first_stage() or
-                parallel_state.is_pipeline_last_stage())
-        if train_loader is None:
+            loaders = build_data(config.data, config.batch, runtime.device_type,
+                                 state.consumed_samples,
+                                 parallel_state.is_pipeline_first_stage() or
+                                 parallel_state.is_pipeline_last_stage())
+        if loaders.train is None:
             raise DataError("the train split is empty: check --split and --data-path")
         saver = _saver(step, config, writer, watchdog) if ckpt.save is not None else None
 
@@ -166,17 +167,21 @@ def _pretrain(config: RunConfig, signals, watchdog, lock):
                 if signals is None:
                     signals = stack.enter_context(StopSignals())
                 state = train(LoopParts(step, config.batch, config.logging, ckpt, runtime,
-                                        step_cost(config), schedule, train_loader,
-                                        valid_loader, writer, save, signals, watchdog, saver,
+                                        step_cost(config), schedule, loaders.train,
+                                        loaders.valid, writer, save, signals, watchdog, saver,
                                         profiler), state)
         if not state.exit_reason:
-            _final_evaluation(step, config, state, writer, watchdog, valid_loader, test_loader)
+            _final_evaluation(step, config, state, writer, watchdog, loaders.valid,
+                              loaders.test)
+        loaders.close()  # the workers' memory back before the figures
         if rank == 0 and ckpt.save is not None and config.logging.plots \
                 and not state.exit_reason.startswith("signal"):
             _plot(config, writer)  # a signal's grace period is the scheduler's, not the figures'
         return state
     finally:
         profiler.finish()  # a run that failed inside the window: the steps it recorded
+        if loaders is not None:  # every path: workers ignore SIGTERM (training/data_workers.py)
+            loaders.close()
         if saver is not None:
             saver.close()
         writer.close()
@@ -366,6 +371,7 @@ def run(config: RunConfig, signals) -> int:
             created = join_process_group(runtime, config.parallel)
         return _train(config, signals, watchdog, created)
     finally:
+        reap_daemonic_children()  # a data worker that nobody closed (training/data_workers.py)
         watchdog.close()
 
 

@@ -9,10 +9,7 @@ next collective.
 
 from __future__ import annotations
 
-import ctypes
-import os
 import signal
-import sys
 from typing import Dict, Optional
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -47,36 +44,3 @@ class StopSignals:
     def name(self) -> str:
         return signal.Signals(self.received).name if self.received is not None else ""
 
-
-
-def data_worker_init(worker_id: int, rank_pid: int) -> None:  # noqa: ARG001
-    """`worker_init_fn` of the training data loaders (bind `rank_pid`, the rank's `os.getpid()`,
-    with functools.partial): a stop signal is the rank's to handle.
-
-    torchrun stops its workers with `killpg` (SIGTERM to the rank's whole process group) and
-    Slurm signals every process of a job step, so the loader's worker processes receive the
-    same SIGTERM / SIGUSR1 as their rank. By default they would die of it (torch's worker
-    handler re-raises a SIGTERM that its parent did not send; SIGUSR1's default action ends a
-    process), and the rank would fail with "DataLoader worker ... is killed by signal" before it
-    could save. Here they ignore both and leave the decision to the rank, which saves at its
-    next step boundary and then ends its loaders. A worker also dies with its rank (Linux: the
-    parent-death signal), so that none outlives a rank that was killed outright. (A signal that
-    arrives between the worker's start and this call finds the rank's own handler, inherited
-    through fork, which only records it.)
-    """
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    _die_with(rank_pid)
-
-
-def _die_with(parent: int) -> None:
-    """SIGKILL this process when its parent exits (prctl PR_SET_PDEATHSIG; Linux only); exit at
-    once if the parent is gone already. torch's workers notice a dead parent themselves too,
-    but only every few seconds."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:
-        os._exit(0)
