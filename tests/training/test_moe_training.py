@@ -63,7 +63,7 @@ def test_expert_parallel_zero_stages_match_one_process(train_data, single):
                       timeout=900)
     assert got[0] == got[1]
     for flags, result in zip(runs, got[0]):
-        assert_same_run(result, single, rtol=2e-5), flags
+        assert_same_run(result, single, rtol=2e-5, label=flags)
         assert_same_moe_stats(result["moe"], single["moe"])
 
 
@@ -76,7 +76,7 @@ def test_expert_parallel_with_data_and_tensor_parallel_match_one_process(train_d
                       timeout=900)
     assert all(g == got[0] for g in got)
     for flags, result, reference in zip(runs, got[0], singles[::-1]):
-        assert_same_run(result, reference, rtol=2e-5), flags
+        assert_same_run(result, reference, rtol=2e-5, label=flags)
         assert_same_moe_stats(result["moe"], reference["moe"])
 
 

@@ -67,7 +67,7 @@ def test_pipeline_with_data_and_tensor_parallelism_matches_one_process(train_dat
     for i in (4, 5):  # PP=4: stages 0 and 3 read, 1 and 2 do not
         assert [read[rank][i] > 0 for rank in range(4)] == [True, False, False, True], read
     for i, want in enumerate((0, 1, 0, 1, 0, 1)):
-        assert_same_run(got[0][i], single[want], rtol=2e-5), runs[i]
+        assert_same_run(got[0][i], single[want], rtol=2e-5, label=runs[i])
 
 
 def test_resume_is_exact_with_a_pipeline(train_data, tmp_path):

@@ -37,11 +37,11 @@ def test_data_parallel_zero_stages_match_one_process(train_data, single):
                       timeout=900)
     assert got[0] == got[1]  # every rank reports the same global losses
     for flags, result in zip(runs, got[0][:4]):
-        assert_same_run(result, single[0], rtol=2e-5), flags
+        assert_same_run(result, single[0], rtol=2e-5, label=flags)
     for flags, result in zip(runs[4:], got[0][4:6]):  # DeepSpeedCPUAdam vs torch's AdamW
-        assert_same_run(result, single[0], rtol=1e-4), flags
+        assert_same_run(result, single[0], rtol=1e-4, label=flags)
     for flags, result in zip(bf16, got[0][6:]):
-        assert_same_run(result, single[1], rtol=2e-2), flags
+        assert_same_run(result, single[1], rtol=2e-2, label=flags)
 
 
 def test_tensor_and_data_parallel_match_one_process(train_data, single):

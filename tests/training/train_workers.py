@@ -82,14 +82,20 @@ def losses(result):
     return [result["losses"][i] for i in sorted(result["losses"])]
 
 
-def assert_same_run(got, want, rtol):
-    """Two 4-step runs agree: losses, gradient norms and evaluation losses (relative rtol)."""
+def assert_same_run(got, want, rtol, label=""):
+    """Two 4-step runs agree: losses, gradient norms and evaluation losses (relative rtol).
+    Every failure message starts with `label` (the run's flags) and shows both sides (pytest
+    does not rewrite the asserts of this helper module)."""
     import pytest
 
-    assert sorted(got["losses"]) == sorted(want["losses"]) == [1, 2, 3, 4]
-    assert losses(got) == pytest.approx(losses(want), rel=rtol)
-    norms = [got["grad_norms"][i] for i in sorted(got["grad_norms"])]
-    assert norms == pytest.approx([want["grad_norms"][i] for i in sorted(want["grad_norms"])],
-                                  rel=max(rtol, 1e-4))
-    assert [e[:2] for e in got["evals"]] == [e[:2] for e in want["evals"]]
-    assert [e[2] for e in got["evals"]] == pytest.approx([e[2] for e in want["evals"]], rel=rtol)
+    def same(name, a, b, rel):
+        assert a == pytest.approx(b, rel=rel), f"{label}: {name} {a} != {b} (rel {rel})"
+
+    assert sorted(got["losses"]) == sorted(want["losses"]) == [1, 2, 3, 4], \
+        f"{label}: iterations {sorted(got['losses'])}"
+    same("losses", losses(got), losses(want), rtol)
+    same("gradient norms", [got["grad_norms"][i] for i in sorted(got["grad_norms"])],
+         [want["grad_norms"][i] for i in sorted(want["grad_norms"])], max(rtol, 1e-4))
+    assert [e[:2] for e in got["evals"]] == [e[:2] for e in want["evals"]], \
+        f"{label}: evaluations {got['evals']} != {want['evals']}"
+    same("evaluation losses", [e[2] for e in got["evals"]], [e[2] for e in want["evals"]], rtol)
