@@ -12,6 +12,11 @@ the run that wrote them, uninterrupted (rel 2e-5: another layout sums in another
 And an upcycled checkpoint (`--num-experts 4 --moe-router-topk 2` on a dense one) starts with the
 dense model's first loss."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -26,6 +31,7 @@ MOE = ("--num-experts", "4", "--moe-router-topk", "2")
 EP2 = ("--expert-model-parallel-size", "2")
 BIAS = ("--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2")
 RTOL = 2e-5
+REPO = Path(__file__).resolve().parents[2]
 
 
 def convert(source, out, *extra):
@@ -155,14 +161,11 @@ def test_fp32_is_the_checkpoint_s_weights_bit_for_bit(runs, tmp_path):
 
     from megatron.checkpoint.formats.deepspeed_files import load_file
 
-    import json
-    import subprocess
-    import sys
-
     ckpt = runs["root"] / "z1"
+    # the script by its path in this checkout, run from elsewhere: it finds its own package
     inspect = json.loads(subprocess.run(
-        [sys.executable, "data_tools/convert_checkpoint.py", "--inspect", str(ckpt)],
-        capture_output=True, text=True, check=True).stdout)
+        [sys.executable, str(REPO / "data_tools" / "convert_checkpoint.py"), "--inspect",
+         str(ckpt)], capture_output=True, text=True, check=True, cwd=ckpt).stdout)
     assert inspect["problems"] == [] and inspect["optimizer_states_convertible"] is True
     assert inspect["experts"]["num_experts"] == 4
     assert inspect["experts"]["expert_model_parallel_size"] == 2
