@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 import time
+from datetime import timedelta
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -317,8 +318,55 @@ def _take_save_lock(save: str, device):
 
 
 SILENT_RANK_GRACE_S = 10.0
-"""How long a silent rank waits before it exits on a command line that cannot run (torchrun
-ends it sooner, when the speaking rank exits)."""
+"""The longest a silent rank waits for its node's speaking rank to say it has printed."""
+REFUSAL_KEY = "t5-pretrain/command-line-refused"
+
+
+def _launcher_store(env: Mapping[str, str], timeout_s: float):
+    """A client of torchrun's own store (the one its ranks rendezvous through), or None when
+    the launcher offers none (srun, a plain `python`, an older launcher)."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in env:
+        return None
+    try:
+        return dist.TCPStore(env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]),
+                             is_master=False, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    except (RuntimeError, ValueError, OSError):  # gone meanwhile
+        return None
+
+
+def _refusal_key(env: Mapping[str, str]) -> str:
+    node = env.get("GROUP_RANK", env.get("SLURM_NODEID", env.get("NODE_RANK", "0")))
+    return f"{REFUSAL_KEY}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{node}"
+
+
+def announce_refusal(env: Mapping[str, str]) -> None:
+    """A speaking rank has printed why the command line cannot run: tell its node's silent
+    ranks through the launcher's store, so that they leave now."""
+    store = _launcher_store(env, 5.0)
+    if store is not None:
+        try:
+            store.set(_refusal_key(env), "printed")
+        except (RuntimeError, OSError):  # the launcher is ending the job already
+            pass
+
+
+def await_refusal(env: Mapping[str, str], signals, grace_s: float = SILENT_RANK_GRACE_S) -> None:
+    """A silent rank outlives its speaking rank's message (a launcher ends the other ranks as
+    soon as one exits, which could cut the message short): it waits until the speaker says it
+    has printed (launcher_store), or a stop signal comes (torchrun ending the job), or grace_s
+    passes."""
+    deadline = time.monotonic() + grace_s
+    store = _launcher_store(env, grace_s)
+    if store is not None:
+        try:
+            store.wait([_refusal_key(env)],
+                       timedelta(seconds=max(0.0, deadline - time.monotonic())))
+            return
+        except (RuntimeError, OSError):  # no word in time, or the store is gone
+            pass
+    while time.monotonic() < deadline and signals.received is None:
+        time.sleep(0.05)
 
 
 def startup_voice(env: Mapping[str, str]) -> Optional[str]:
@@ -345,11 +393,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except ArgumentsError as e:
             voice = startup_voice(os.environ)
             if voice is not None:
-                print(f"error{voice}: the command line cannot run:\n{e}", file=sys.stderr)
+                print(f"error{voice}: the command line cannot run:\n{e}", file=sys.stderr,
+                      flush=True)
+                if os.environ.get("WORLD_SIZE", "1") != "1":
+                    announce_refusal(os.environ)
             elif os.environ.get("WORLD_SIZE", "1") != "1":
-                # a silent rank outlives the speaking one's check: a launcher (torchrun) ends
-                # the others as soon as one rank exits, which could cut the message short
-                time.sleep(SILENT_RANK_GRACE_S)
+                await_refusal(os.environ, signals)
             return 2
         if config.dry_run:
             return print_dry_run(config)
