@@ -17,9 +17,10 @@ modeling_switch_transformers.py):
   (it has no `scale_decoder_outputs`), and an untied model unties the stacks' `embed_tokens`
   too: they are written as copies of `shared.weight` (our reader drops them again).
 
-config.json carries our own fields beside transformers' (`router_type`, `router_topk`,
-`feed_forward_proj`, the capacity factors, `moe_expert_bias`, the sparse steps): transformers
-keeps unknown keys as attributes and ignores them, and `read_hf_config` gets our exact model back.
+config.json carries our own fields beside transformers' (`router_type`, `feed_forward_proj`, the
+capacity factors, `moe_expert_bias`, the sparse steps; `router_topk` for a 'topk' router only:
+SwitchTransformersConfig has no k, its routing is top-1): transformers keeps unknown keys as
+attributes and ignores them, and `read_hf_config` gets our exact model back.
 A dropless model (no capacity) is written with expert_capacity `DROPLESS_CAPACITY`, which reads
 back as dropless.
 """
@@ -111,6 +112,8 @@ def switch_config_dict(config: T5Config, dtype_name: Optional[str] = None) -> Di
         num_sparse_encoder_layers=switch_sparse_layers(config, False),
         num_sparse_decoder_layers=switch_sparse_layers(config, True),
         add_router_probs=False)
+    if config.router_type != "topk":  # top-1 ('switch', 'base'): a k would contradict it
+        values.pop("router_topk", None)
     if dtype_name is not None:  # "dtype" for transformers 5.x, "torch_dtype" for 4.x
         values["dtype"] = values["torch_dtype"] = dtype_name
     return dict(sorted(values.items()))
