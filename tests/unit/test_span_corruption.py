@@ -13,6 +13,13 @@ from megatron.data.span_corruption import (
     whole_word_noise_mask,
 )
 
+from t5_span_reference import (
+    assert_t5_layout,
+    fixed_layout_mask,
+    rejects,
+    t5_random_spans_noise_mask,
+)
+
 SENTINELS = np.arange(32199, 32099, -1)  # <extra_id_0> is the highest id, as in HF's T5
 EOS = 1
 
@@ -41,10 +48,11 @@ def test_hand_example():
 def test_statistics_and_inverse():
     rng = np.random.default_rng(0)
     raw, target = expected_lengths(512)
-    fractions, span_lengths = [], []
+    fractions, span_lengths, masks = [], [], []
     for _ in range(3000):
         tokens = rng.integers(3, 32000, size=raw)
         mask = random_spans_noise_mask(raw, 0.15, 3.0, rng)
+        masks.append(mask)
         assert not mask[0]  # spans start with non-noise, as T5's do
         inputs, targets = corrupt(tokens, mask, SENTINELS, EOS)
         assert len(inputs) == 512 and len(targets) == target
@@ -57,6 +65,24 @@ def test_statistics_and_inverse():
         span_lengths.append(mask.sum() / starts.sum())
     assert abs(np.mean(fractions) - 0.15) < 0.01
     assert abs(np.mean(span_lengths) - 3.0) < 0.3
+    # where the spans are and how long: t5's distribution, which a fixed layout has not
+    assert_t5_layout(masks, raw, 0.15, 3.0)
+    assert rejects([fixed_layout_mask(raw, 0.15, 3.0, None)] * len(masks), raw, 0.15, 3.0)
+
+
+@pytest.mark.parametrize("length,density,mean_span", [(100, 0.3, 5.0), (511, 0.5, 8.0),
+                                                      (57, 0.15, 3.0)])
+def test_span_layout_is_t5s(length, density, mean_span):
+    """Span starts, lengths and gaps against the numpy port of t5's random_spans_noise_mask
+    over 2000 seeds (chi-square, tests/unit/t5_span_reference.py); the fixed layout fails."""
+    masks = [random_spans_noise_mask(length, density, mean_span, np.random.default_rng(seed))
+             for seed in range(2000)]
+    reference = t5_random_spans_noise_mask(length, density, mean_span, np.random.default_rng(0))
+    assert all(m.sum() == reference.sum() for m in masks)  # t5's counts
+    assert_t5_layout(masks, length, density, mean_span)
+    mutant = [fixed_layout_mask(length, density, mean_span, None)] * len(masks)
+    assert all(m.sum() == reference.sum() for m in mutant)  # the same counts ...
+    assert rejects(mutant, length, density, mean_span)  # ... but not t5's layout
 
 
 def test_whole_word_mask_never_splits_words():
