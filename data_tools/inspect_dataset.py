@@ -15,7 +15,9 @@ prints the first N training samples as the trainer builds them (the same --encod
 --train-iters and --global-batch-size), decoded; with --json one JSON object per sample on
 stdout and nothing else there: denoiser_kind ("R", "S", "X"; T5's span corruption is "R"),
 mean_span and corruption_rate (null where they do not apply), encoder_input_ids, labels and
-decoder_input_ids without padding. A prefix may be s3://bucket/key.
+decoder_input_ids without padding. A prefix may be s3://bucket/key. The index caches it builds
+go to a temporary folder, removed at exit, unless --data-cache-path names one (an inspection
+writes nothing beside the data).
 """
 
 from __future__ import annotations
@@ -52,19 +54,7 @@ def histogram_lines(lengths: np.ndarray, bins: int, width: int = 40) -> List[str
 
 def print_samples(args, rest: Sequence[str]) -> int:
     """--samples N: the first N training samples as the trainer builds them (module docstring)."""
-    import json
-
-    from megatron.data.builder import build_datasets
-    from megatron.data.data_args import (
-        add_data_args,
-        check_data_args,
-        data_config_from_args,
-        tokenizer_spec_from_args,
-    )
-    from megatron.data.megatron_t5_dataset import MegatronUL2Dataset
-    from megatron.data.t5_dataset import IGNORE_INDEX, T5SpecialTokens, UL2Dataset
-    from megatron.data.tokenizer import build_tokenizer
-    from megatron.data.ul2 import describe_sample
+    from megatron.data.data_args import add_data_args
 
     parser = add_data_args(argparse.ArgumentParser(prog="inspect_dataset.py --samples"),
                            schedule=False)
@@ -75,6 +65,29 @@ def print_samples(args, rest: Sequence[str]) -> int:
     flags.train_iters = flags.train_iters or args.samples
     flags.global_batch_size = flags.global_batch_size or 1
     flags.eval_interval, flags.eval_iters = 0, 0
+    if flags.data_cache_path is not None:
+        return _print_samples(args, flags)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="inspect-dataset-") as cache:
+        flags.data_cache_path = cache  # nothing left beside the user's data
+        return _print_samples(args, flags)
+
+
+def _print_samples(args, flags) -> int:
+    import json
+
+    from megatron.data.builder import build_datasets
+    from megatron.data.data_args import (
+        check_data_args,
+        data_config_from_args,
+        tokenizer_spec_from_args,
+    )
+    from megatron.data.megatron_t5_dataset import MegatronUL2Dataset
+    from megatron.data.t5_dataset import IGNORE_INDEX, T5SpecialTokens, UL2Dataset
+    from megatron.data.tokenizer import build_tokenizer
+    from megatron.data.ul2 import describe_sample
+
     out = sys.stdout
     if args.json:  # stdout carries the samples alone
         sys.stdout = sys.stderr

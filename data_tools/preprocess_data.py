@@ -16,7 +16,13 @@ vocab.txt), or `--tokenizer-type CPM2Tokenizer --vocab-file bpe_cn/vocab.txt` (n
   `PREFIX_bad_lines.tsv`, or stop the run at the first one, in input order, with `--strict`;
 - a UTF-8 byte order mark (BOM) that starts an input file (Windows tools write one) is removed
   and counted in the summary; one anywhere else makes its line bad;
-- outputs appear under their names only when complete: a failed or interrupted run leaves none.
+- outputs appear under their names only when complete: a failed or interrupted run leaves none;
+- beside each `.bin/.idx`, `PREFIX.meta.json` (megatron/data/data_meta.py): the tokenizer, the
+  EOD id, whether EOD was appended, the dtype and the counts, moved into place before the `.idx`.
+  Training reads it instead of scanning the data for which documents end with EOD;
+- `--output-prefix s3://bucket/key`: the destination is checked writable (a probe object put and
+  deleted) before any work; the outputs are written to a local staging folder (`--staging-dir`),
+  then uploaded, each `.bin` first and each `.idx` last.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import numpy as np
 
+from megatron.data.data_meta import DatasetMeta, meta_file_path
 from megatron.data.indexed_dataset import (
     IndexedDatasetBuilder,
     data_file_path,
@@ -91,6 +98,10 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--output-prefix", required=True,
                    help="writes PREFIX_{key}_{document|sentence}.bin/.idx; an s3://bucket/key "
                         "prefix is written locally, then uploaded (.bin before .idx)")
+    g.add_argument("--staging-dir", default=None,
+                   help="with an s3:// --output-prefix: the local folder the outputs are written "
+                        "to before the upload (needs room for them; removed after). Default: "
+                        "$XDG_CACHE_HOME or ~/.cache, then t5-pretrain/object-storage/staging")
     g.add_argument("--dataset-impl", default="mmap", choices=["mmap"],
                    help="only Megatron's mmap format is written (legacy formats are read-only)")
 
@@ -401,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(out_dir, exist_ok=True)
     prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
     report_path = f"{args.output_prefix}_bad_lines.tsv"
-    finals = [data_file_path(p) for p in prefixes] + [index_file_path(p) for p in prefixes]
+    finals = [f(p) for f in (data_file_path, index_file_path, meta_file_path) for p in prefixes]
     _remove_stale_temporaries(finals + [report_path])
     if args.partitions > 1:
         print(f"note: --partitions {args.partitions} is not needed (input is streamed); "
@@ -432,8 +443,14 @@ def run(args: argparse.Namespace) -> int:
         pool = None
         if stats["documents"] == 0:
             raise BadLine("no usable document in the input")
+        meta = DatasetMeta(
+            tokenizer={"type": args.tokenizer.tokenizer_type,
+                       "model": os.path.basename(args.tokenizer.path),
+                       "vocab_size": int(tokenizer.vocab_size)},
+            eod_id=int(tokenizer.eod), eod_appended=bool(args.append_eod), dtype=str(dtype),
+            documents=0, sequences=0, tokens=0)  # the builder sets dtype and counts
         for builder, prefix in zip(builders, prefixes):
-            builder.finalize(index_file_path(prefix))
+            builder.finalize(index_file_path(prefix), meta)
         report.close()
         _keep_report(stats["bad"] > 0, report_tmp, report_path)
     except (BadLine, OSError, ValueError, _Interrupted, KeyboardInterrupt) as e:
@@ -556,9 +573,10 @@ def _summary(args, stats, progress, elapsed: float, files: int, report_path: str
 
 def run_to_object_storage(args: argparse.Namespace) -> int:
     """--output-prefix s3://...: preprocess into a node-local staging folder (atomic as for
-    local output), then upload each dataset's .bin before its .idx (multipart), so that a reader
-    never finds an index without its data; the staging folder is removed either way, and a
-    failed upload removes what it had put."""
+    local output), then upload each dataset's .bin, then its sidecar, then its .idx
+    (multipart), so that a reader never finds an index without its data; the staging folder is
+    removed either way, and a failed upload removes what it had put. The destination is checked
+    writable before anything is tokenized."""
     import shutil
     import tempfile
 
@@ -570,18 +588,31 @@ def run_to_object_storage(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: --output-prefix {e}", file=sys.stderr)
         return 2
-    root = os.path.join(object_storage.default_cache_path(), "staging")
-    os.makedirs(root, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix="preprocess-", dir=root)
+    root = args.staging_dir or os.path.join(object_storage.default_cache_path(), "staging")
     try:
+        os.makedirs(root, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix="preprocess-", dir=root)
+    except OSError as e:
+        print(f"error: --staging-dir {root}: {e}", file=sys.stderr)
+        return 2
+    try:
+        try:
+            _check_writable(remote, staging)
+        except (object_storage.ObjectStorageError, OSError) as e:
+            print(f"error: --output-prefix {remote} is not writable: {e}; nothing was done",
+                  file=sys.stderr)
+            return 2
         local = os.path.join(staging, os.path.basename(remote))
         code = run(argparse.Namespace(**{**vars(args), "output_prefix": local}))
         if code != 0:
             return code
-        names = sorted(os.listdir(staging), key=lambda n: (not n.endswith(".bin"), n))
+        # every .bin, then the sidecars, then the indices (and the report): an .idx marks a
+        # complete dataset
+        names = sorted(os.listdir(staging), key=lambda n: (
+            0 if n.endswith(".bin") else 1 if n.endswith(".meta.json") else 2, n))
         uploaded = []
         try:
-            for name in names:  # every .bin first, then the indices and the report
+            for name in names:
                 target = remote + name[len(os.path.basename(remote)):]
                 object_storage.upload(os.path.join(staging, name), target)
                 uploaded.append(target)
@@ -597,6 +628,21 @@ def run_to_object_storage(args: argparse.Namespace) -> int:
         return 0
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _check_writable(remote: str, staging: str) -> None:
+    """Put and delete an empty probe object beside `remote` (a missing bucket, refused
+    credentials or a read-only key raise ObjectStorageError before any work)."""
+    from megatron.data import object_storage
+
+    probe = os.path.join(staging, ".write-check")
+    open(probe, "wb").close()
+    target = f"{remote}.write-check-{os.getpid()}"
+    try:
+        object_storage.upload(probe, target)
+        object_storage.delete(target)
+    finally:
+        os.unlink(probe)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -21,7 +21,8 @@ from megatron.data import _helpers
 from megatron.data.index_cache import cached_arrays
 from megatron.data.cpm2_dataset import CPM2Dataset, cpm2_prefixes, is_cpm2_prefix
 from megatron.data import object_storage
-from megatron.data.indexed_dataset import IndexedDataset, dataset_exists, default_cache_dir
+from megatron.data.data_meta import decide_eod
+from megatron.data.indexed_dataset import IndexedDataset, dataset_exists
 from megatron.data.megatron_t5_dataset import MegatronT5Dataset, MegatronUL2Dataset
 from megatron.data.t5_dataset import (
     T5DatasetConfig,
@@ -122,6 +123,27 @@ def data_file_problems(data_path: Sequence[str], impl: str = "infer") -> List[st
     return problems
 
 
+def eod_problems(data_path: Sequence[str], eos_id: int, append_eod: str = "auto",
+                 impl: str = "infer") -> List[str]:
+    """For objectives that pack documents: every token dataset of `--data-path` whose EOD cannot
+    be decided as `--data-append-eod` asks (data_meta.decide_eod: its sidecar contradicted, its
+    sampled documents disagreeing), one message per prefix. Reads each index, each sidecar and
+    a bounded sample of document ends; CPM-2 three-file data is left out (it has no EOD scan)."""
+    try:
+        prefixes, _ = parse_data_path(data_path)
+    except (OSError, ValueError) as e:
+        return [f"--data-path: {e}"]
+    problems = []
+    for prefix in prefixes:
+        try:
+            if is_cpm2_prefix(prefix) and not dataset_exists(prefix):
+                continue
+            decide_eod(IndexedDataset(prefix, impl), eos_id, append_eod)
+        except (OSError, ValueError) as e:
+            problems.append(f"--data-path {prefix}: {e}")
+    return problems
+
+
 class BlendedDataset:
     """Samples of several datasets interleaved in exact proportion to `weights`."""
 
@@ -178,6 +200,16 @@ class DataConfig:
     """--t5-objective ul2: "packed" (span corruption's windows over `_text_document` data) or
     "megatron" (Megatron's rows of whole sentences of one document, `_text_sentence` data;
     `short_seq_prob` applies)."""
+    append_eod: str = "auto"
+    """--data-append-eod: whether the documents of every prefix end with EOD ("yes", "no"), or
+    "auto": each prefix's sidecar, checked against a bounded sample of its document ends, or
+    that sample alone (megatron/data/data_meta.py). Read by the objectives that pack documents
+    (span corruption, UL2's packed layout)."""
+
+    def packs_documents(self) -> bool:
+        """Whether the objective packs documents back to back (and so needs EOD between)."""
+        return self.objective == "span-corruption" or (
+            self.objective == "ul2" and self.ul2_layout == "packed")
 
 
 class _Source:
@@ -193,7 +225,7 @@ class _Source:
         self.indexed = None if self.cpm2 else opened
 
     def make(self, name: str, documents: Tuple[int, int], num_samples: int, config: DataConfig,
-             tokens: T5SpecialTokens, cache_dir: str):
+             tokens: T5SpecialTokens, cache_dir: Optional[str]):
         """The `name` split's dataset: CPM-2's own samples for CPM-2 data, else the objective's
         (`OBJECTIVES`)."""
         t5 = config.t5
@@ -212,7 +244,7 @@ def _span_corruption(name: str, indexed: IndexedDataset, documents: Tuple[int, i
                      num_samples: int, config: DataConfig, tokens: T5SpecialTokens,
                      cache_dir: str) -> T5SpanCorruptionDataset:
     return T5SpanCorruptionDataset(name, indexed, documents, num_samples, config.t5, tokens,
-                                   cache_dir, config.cache_timeout)
+                                   cache_dir, config.cache_timeout, config.append_eod)
 
 
 def _megatron(name: str, indexed: IndexedDataset, documents: Tuple[int, int],
@@ -240,7 +272,7 @@ def _ul2(name: str, indexed: IndexedDataset, documents: Tuple[int, int], num_sam
     if config.ul2_layout != "packed":
         raise ValueError(f"--ul2-sample-layout {config.ul2_layout!r}: choose packed or megatron")
     return UL2Dataset(name, indexed, documents, num_samples, config.t5, tokens, cache_dir,
-                      config.cache_timeout)
+                      config.cache_timeout, config.append_eod)
 
 
 OBJECTIVES: Dict[str, Callable[..., object]] = {
@@ -250,7 +282,8 @@ OBJECTIVES: Dict[str, Callable[..., object]] = {
 }
 """--t5-objective: the dataset of a split of a token dataset, by objective (a new objective is
 one entry here): f(split name, IndexedDataset, (first, end) documents, samples, DataConfig,
-T5SpecialTokens, cache folder)."""
+T5SpecialTokens, the --data-cache-path folder or None: the dataset puts its caches in
+indexed_dataset.default_cache_dir of that)."""
 
 
 def build_datasets(config: DataConfig, tokens: T5SpecialTokens,
@@ -276,8 +309,10 @@ def build_datasets(config: DataConfig, tokens: T5SpecialTokens,
             if end <= start or w == 0:
                 continue
             share = num_samples[s] if len(sources) == 1 else int(np.ceil(num_samples[s] * w * 1.005))
-            cache_dir = default_cache_dir(d.prefix, config.data_cache_path)
-            parts.append(d.make(name, (start, end), share, config, tokens, cache_dir))
+            # The dataset applies default_cache_dir itself: applied here too, an s3:// prefix's
+            # folder was nested in itself.
+            parts.append(d.make(name, (start, end), share, config, tokens,
+                                config.data_cache_path))
             part_weights.append(w)
         if not parts:
             out[name] = None

@@ -17,7 +17,14 @@ from pathlib import Path
 from typing import Any, List, Mapping, Optional, Tuple
 
 from megatron.data import object_storage
-from megatron.data.builder import OBJECTIVES, DataConfig, data_file_problems, split_sample_counts
+from megatron.data.builder import (
+    OBJECTIVES,
+    DataConfig,
+    data_file_problems,
+    eod_problems,
+    split_sample_counts,
+)
+from megatron.data.data_meta import APPEND_EOD_MODES, SAMPLE_DOCUMENTS
 from megatron.data.indexed_dataset import IMPLS
 from megatron.data.object_storage import StorageSettings
 from megatron.data.ul2 import (
@@ -79,6 +86,13 @@ def add_data_args(parser: argparse.ArgumentParser,
                    help="format of the .bin/.idx files (infer reads it from the .idx)")
     g.add_argument("--data-cache-path", default=None,
                    help="where index caches go (default: PREFIX_cache/ next to the data)")
+    g.add_argument("--data-append-eod", choices=APPEND_EOD_MODES, default="auto",
+                   help="whether the documents end with EOD (preprocess_data.py --append-eod); "
+                        "those that do not get one between them when packed. auto: the "
+                        "PREFIX.meta.json that preprocess_data.py writes, checked against a "
+                        f"sample of {SAMPLE_DOCUMENTS} document ends, or that sample alone "
+                        "(Megatron-LM's data); a sample that disagrees with itself or with the "
+                        "file is refused. yes / no: settles it for every prefix, reading nothing")
     g.add_argument("--data-cache-timeout", type=float, default=3600.0,
                    help="seconds a rank waits for another to build an index cache")
     g.add_argument("--tokenizer-model", "--tokenizer-path", dest="tokenizer_model",
@@ -289,7 +303,8 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
                       data_cache_path=args.data_cache_path, cache_timeout=args.data_cache_timeout,
                       t5=t5_config_from_args(args), objective=args.t5_objective,
                       short_seq_prob=args.short_seq_prob, max_ngram=args.max_ngram,
-                      ul2_layout=args.ul2_sample_layout)
+                      ul2_layout=args.ul2_sample_layout,
+                      append_eod=getattr(args, "data_append_eod", "auto"))
 
 
 def sample_counts_from_args(args: argparse.Namespace) -> Tuple[int, int, int]:
@@ -376,5 +391,12 @@ def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
     t5 = t5_config_from_args(view)
     t5 = dataclasses.replace(t5, decoder_seq_length=t5.lengths()[2])
     dataset = dataclasses.replace(data_config_from_args(view), t5=t5)
+    if dataset.packs_documents() and not problems:
+        # Before the model is built: whether documents end with EOD (data_meta.decide_eod).
+        eos_id = _mode_tokenizer(tokenizer, flags["vocab_extra_ids"]).eos_id
+        problems += eod_problems(dataset.data_path, eos_id, dataset.append_eod,
+                                 dataset.data_impl)
+        if problems:
+            return None, problems
     return DataSettings(dataset, tokenizer.path, flags["vocab_extra_ids"], flags["num_workers"],
                         tokenizer.tokenizer_type, storage), problems

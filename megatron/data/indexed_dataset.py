@@ -25,11 +25,13 @@ from __future__ import annotations
 import array
 import os
 import struct
+from dataclasses import replace
 from typing import Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 
 from megatron.data import _helpers, object_storage
+from megatron.data.data_meta import DatasetMeta, meta_file_path, write_meta_file
 
 CorruptIndexError = _helpers.CorruptIndexError
 
@@ -392,15 +394,20 @@ class IndexedDatasetBuilder:
         self._lengths.extend(lengths.tolist())
         self._document_indices.extend((other.document_indices[1:] + offset).tolist())
 
-    def finalize(self, idx_path: str) -> None:
-        """Write the index and move both files into place; the .idx, written last, marks a
-        complete dataset."""
+    def finalize(self, idx_path: str, meta: "Optional[DatasetMeta]" = None) -> None:
+        """Write the index and move the files into place: the .bin, then the sidecar
+        PREFIX.meta.json when `meta` is given (its dtype and counts are set here from what was
+        written; without `meta`, a sidecar left by earlier data under this name is removed),
+        then the .idx, which, last, marks a complete dataset."""
         if self._document_indices[-1] != len(self._lengths):
             self.end_document()  # the last document was not closed: close it rather than drop it
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
         tmp_idx = _temporary_path(str(idx_path))
+        prefix = str(idx_path)[:-len(".idx")] if str(idx_path).endswith(".idx") else None
+        meta_path = meta_file_path(prefix) if prefix is not None else None
+        tmp_meta = _temporary_path(meta_path) if meta_path is not None else None
         try:
             lengths = np.frombuffer(self._lengths, dtype=np.int32)
             pointers = np.zeros(len(lengths), dtype=np.int64)
@@ -416,14 +423,25 @@ class IndexedDatasetBuilder:
                 f.write(np.frombuffer(self._document_indices, dtype=np.int64).tobytes())
                 f.flush()
                 os.fsync(f.fileno())
+            if meta is not None and meta_path is not None:
+                write_meta_file(tmp_meta, replace(
+                    meta, dtype=str(self.dtype), documents=len(self._document_indices) - 1,
+                    sequences=len(lengths), tokens=int(lengths.astype(np.int64).sum())))
             # An old .idx must not pair with the new .bin for even a moment.
             if os.path.exists(idx_path):
                 os.unlink(idx_path)
             os.replace(self._tmp_bin, self.bin_path)
+            if meta_path is not None:
+                if meta is not None:
+                    os.replace(tmp_meta, meta_path)
+                else:  # one from earlier data would describe other data
+                    _remove_quietly(meta_path)
             os.replace(tmp_idx, idx_path)
         except BaseException:
             _remove_quietly(tmp_idx)
             _remove_quietly(self._tmp_bin)
+            if tmp_meta is not None:
+                _remove_quietly(tmp_meta)
             raise
 
     def abort(self) -> None:

@@ -22,14 +22,10 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron.data import _helpers
+from megatron.data.data_meta import decide_eod
 from megatron.data.index_cache import cached_arrays, description_hash
 from megatron.data.ul2 import KINDS, UL2Config, denoise
-from megatron.data.indexed_dataset import (
-    IndexedDataset,
-    data_file_path,
-    default_cache_dir,
-    index_identity,
-)
+from megatron.data.indexed_dataset import IndexedDataset, default_cache_dir, index_identity
 from megatron.data.span_corruption import (
     corrupt,
     expected_lengths,
@@ -106,57 +102,6 @@ def document_token_counts(ds: IndexedDataset) -> np.ndarray:
     return cumulative[bounds[1:]] - cumulative[bounds[:-1]]
 
 
-def documents_end_with(ds: IndexedDataset, token: int, cache_dir: Optional[str] = None,
-                       cache_timeout: float = 3600.0) -> np.ndarray:
-    """bool[documents]: whether each document's last token is `token` (read from the mapped .bin,
-    one token per document). On object storage the last tokens are read by ranged reads
-    (object_storage.RemoteBin.items) once per node: the answer goes into the index cache."""
-    if ds.remote is not None:
-        description = {"kind": "documents_end_with", "token": int(token),
-                       **index_identity(ds.path_prefix)}
-        return cached_arrays(
-            default_cache_dir(ds.path_prefix, cache_dir),
-            f"{os.path.basename(ds.path_prefix)}_ends_with_{int(token)}", description,
-            lambda: {"ends": _documents_end_with(ds, token)}, timeout=cache_timeout)["ends"]
-    return _documents_end_with(ds, token)
-
-
-def _documents_end_with(ds: IndexedDataset, token: int) -> np.ndarray:
-    if ds.remote is not None:
-        data = _RemoteItems(ds)
-    else:
-        data = np.memmap(data_file_path(ds.path_prefix), dtype=ds.dtype, mode="r")
-    bounds = np.asarray(ds.document_indices, dtype=np.int64)
-    counts = document_token_counts(ds)
-    last_seq = np.maximum(bounds[1:] - 1, 0)
-    lengths = np.asarray(ds.sequence_lengths, dtype=np.int64)
-    pointers = np.asarray(ds.sequence_pointers, dtype=np.int64)
-    out = np.zeros(len(counts), dtype=bool)
-    has = counts > 0
-    if len(lengths):
-        # The last non-empty sequence of a document holds its last token; documents made by our
-        # tools never end with an empty sequence, so the last sequence is checked.
-        seq = last_seq[has]
-        ok = lengths[seq] > 0
-        pos = pointers[seq[ok]] // ds.dtype.itemsize + lengths[seq[ok]] - 1
-        sub = np.zeros(len(seq), dtype=bool)
-        sub[ok] = data[pos] == token
-        out[has] = sub
-    return out
-
-
-class _RemoteItems:
-    """data[positions] of a dataset on object storage: the tokens at those positions."""
-
-    def __init__(self, ds: IndexedDataset) -> None:
-        self.ds = ds
-
-    def __getitem__(self, positions: np.ndarray) -> np.ndarray:
-        item = self.ds.dtype.itemsize
-        raw = self.ds.remote.items(np.asarray(positions, dtype=np.int64) * item, item)
-        return np.frombuffer(raw, dtype=self.ds.dtype)
-
-
 class T5SpanCorruptionDataset:
     """Span-corruption samples from documents [doc_start, doc_end) of a document dataset.
 
@@ -168,11 +113,16 @@ class T5SpanCorruptionDataset:
         config: lengths, noise, seed.
         tokens: special ids.
         cache_dir: where index caches go (default: next to the data, `PREFIX_cache/`).
+        append_eod: `--data-append-eod`: whether documents end with EOD ("yes", "no", or
+            "auto": the dataset's sidecar checked against, or else decided by, a bounded sample
+            of document ends; megatron/data/data_meta.py). Raises DataMetaError (a ValueError)
+            when "auto" cannot tell.
     """
 
     def __init__(self, name: str, indexed: IndexedDataset, document_range: Tuple[int, int],
                  num_samples: int, config: T5DatasetConfig, tokens: T5SpecialTokens,
-                 cache_dir: Optional[str] = None, cache_timeout: float = 3600.0) -> None:
+                 cache_dir: Optional[str] = None, cache_timeout: float = 3600.0,
+                 append_eod: str = "auto") -> None:
         self.name = name
         self.indexed = indexed
         self.config = config
@@ -186,9 +136,9 @@ class T5SpanCorruptionDataset:
         self.document_range = (start, end)
         counts = document_token_counts(indexed)[start:end]
         # Documents that do not end with EOS get one, virtually, so that packed documents are
-        # always separated.
-        self._needs_eos = ~documents_end_with(indexed, tokens.eos_id, cache_dir,
-                                              cache_timeout)[start:end]
+        # always separated. Decided without scanning the data (data_meta.decide_eod).
+        self.eod = decide_eod(indexed, tokens.eos_id, append_eod)
+        self._needs_eos = self.eod.needs_eos(indexed)[start:end]
         self._doc_sizes = counts + self._needs_eos
         tokens_per_epoch = int(self._doc_sizes.sum())
         if tokens_per_epoch < self.raw_length:
@@ -200,6 +150,7 @@ class T5SpanCorruptionDataset:
             "kind": "t5_span_corruption", "name": name, **index_identity(indexed.path_prefix),
             "documents": [start, end], "num_samples": num_samples, "num_epochs": num_epochs,
             "raw_length": self.raw_length, "seed": config.seed,
+            "eod_appended": self.eod.appended,
         }
         self.cache_key = description_hash(description)  # names this dataset in blend caches
         cache_dir = default_cache_dir(indexed.path_prefix, cache_dir)

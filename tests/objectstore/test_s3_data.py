@@ -135,7 +135,8 @@ def test_t5_samples_from_s3_equal_local_ones_through_the_read_ahead(s3_server, t
     order = np.random.default_rng(0).permutation(len(local))[:48]
     batches = [order[i:i + 4].tolist() for i in range(0, len(order), 4)]
     reader = remote.indexed.remote
-    opened = reader.fetched_bytes  # the first open's scan of the documents' last tokens
+    opened = reader.fetched_bytes  # at open: a sample of the documents' last tokens
+    assert 0 < opened <= 64 * 2
     object_storage.configure(merge_gap=0)  # this object is small: no merging of near ranges
     assert_same_batches(read_through_loader(remote, batches, 0), local, batches)
     # ranged reads of the samples' tokens only (48 samples of about 70 tokens, two bytes each,
@@ -242,8 +243,9 @@ def test_preprocess_writes_to_s3_and_inspect_reads_it(s3_server, train_data, tmp
     assert rc == 0
     root = Path(s3_server.root) / "written" / "out"
     assert sorted(p.name for p in root.iterdir()) == ["mix_text_document.bin",
-                                                       "mix_text_document.idx"]
-    for suffix in (".bin", ".idx"):  # the same bytes as the local preprocess
+                                                       "mix_text_document.idx",
+                                                       "mix_text_document.meta.json"]
+    for suffix in (".bin", ".idx", ".meta.json"):  # the same bytes as the local preprocess
         assert (root / f"mix_text_document{suffix}").read_bytes() == \
             Path(train_data.prefix + suffix).read_bytes()
     assert inspect_dataset.main(["s3://written/out/mix_text_document"]) == 0
