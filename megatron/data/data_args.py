@@ -85,7 +85,9 @@ def add_data_args(parser: argparse.ArgumentParser,
     g.add_argument("--data-impl", default="infer", choices=IMPLS,
                    help="format of the .bin/.idx files (infer reads it from the .idx)")
     g.add_argument("--data-cache-path", default=None,
-                   help="where index caches go (default: PREFIX_cache/ next to the data)")
+                   help="where index caches go (default: PREFIX_cache/ next to local data; "
+                        "for s3://BUCKET/KEY, ~/.cache/t5-pretrain/object-storage/s3/BUCKET/"
+                        "KEY_cache, node-local; given, DIR/s3/BUCKET/KEY_cache for those)")
     g.add_argument("--data-append-eod", choices=APPEND_EOD_MODES, default="auto",
                    help="whether the documents end with EOD (preprocess_data.py --append-eod); "
                         "those that do not get one between them when packed. auto: the "
