@@ -1,22 +1,25 @@
-"""Ranged GETs of training data, signed with AWS Signature Version 4 over `http.client`.
+"""Ranged GETs of training data, signed with AWS Signature Version 4, over kept-alive sockets.
 
 The loader's hot path is many small ranged GETs (one per document a sample touches). Through
 boto3 each costs about 1.1 ms of client CPU (parameter validation, event hooks, the response
-parser, urllib3), several times the sample's own build time; signing one request and reading
-its body over a kept-alive `http.client` connection costs a small fraction of that (bench/
-RESULTS.md, "object storage", client table). So data reads take this path, and everything else
-(HEAD, listing, uploads, the `.idx` download) stays on boto3.
+parser, urllib3); through `http.client` about 0.3 ms, most of it the email-based header parser.
+Signing one request, sending it in one write and reading its answer with the few header fields
+a ranged GET needs (status, Content-Length, Content-Range, Transfer-Encoding, Connection) costs
+a fraction of that (bench/RESULTS.md, "object storage"). So data reads take this path, and
+everything else (HEAD, listing, uploads, the `.idx` download) stays on boto3.
 
 What it shares with boto3, so both reach the same server as the same user: the endpoint, the
 region, the addressing style, the CA bundle and the credentials (the boto3 client's resolved
 provider chain: environment, profiles, `~/.aws` files, instance roles; refreshed when they are
-temporary). Connections are per thread and kept alive; a connection that fails is dropped and the
-caller's retry makes a new one.
+temporary). Connections (TCP, TLS for https) are per thread and kept alive; a connection that
+fails is dropped and the caller's retry makes a new one, except a kept-alive one the server
+closed before answering, on which the GET goes again at once on a new connection.
 
 Answers: 206 with the asked range, or 200 carrying the right `Content-Range` (rclone and some
 S3-compatible servers answer a ranged GET so). A 200 announcing more bytes than asked, without
-`Content-Range` (a server ignoring `Range`), is refused before its body is read. Error answers carry S3's XML error code, raised as
-`HttpError` for object_storage's retry and message rules.
+`Content-Range` (a server ignoring `Range`), is refused before its body is read. Error answers
+(with a Content-Length or chunked) carry S3's XML error code, raised as `HttpError` for
+object_storage's retry and message rules.
 
 This module does not import torch.
 """
@@ -29,6 +32,7 @@ import hmac
 import http.client
 import os
 import re
+import socket
 import ssl
 import threading
 from typing import Dict, Optional, Tuple
@@ -48,6 +52,110 @@ class HttpError(Exception):
 
 class RangeIgnored(Exception):
     """The server answered a ranged GET with the whole object (no Content-Range)."""
+
+
+class _NoAnswer(Exception):
+    """The connection ended before any byte of the answer."""
+
+
+_HEAD_LIMIT = 64 * 1024
+
+
+def _read_head(sock: socket.socket) -> Tuple[int, Dict[bytes, bytes], bytearray]:
+    """(status, {lower-case field name: value}, the bytes read past the head) of an HTTP/1.1
+    answer. The few fields a ranged GET needs are parsed here (http.client's email-based
+    parser costs more CPU than the rest of a request: bench/RESULTS.md, "object storage")."""
+    buf = bytearray()
+    while True:
+        end = buf.find(b"\r\n\r\n")
+        if end >= 0:
+            break
+        chunk = sock.recv(_HEAD_LIMIT)
+        if not chunk:
+            if not buf:
+                raise _NoAnswer()
+            raise http.client.IncompleteRead(bytes(buf))
+        buf += chunk
+        if len(buf) > _HEAD_LIMIT:
+            raise http.client.LineTooLong("answer head")
+    lines = bytes(buf[:end]).split(b"\r\n")
+    parts = lines[0].split(None, 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
+        raise http.client.BadStatusLine(lines[0].decode("latin-1"))
+    fields = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        fields[name.strip().lower()] = value.strip()
+    if parts[0] == b"HTTP/1.0" and fields.get(b"connection", b"").lower() != b"keep-alive":
+        fields[b"connection"] = b"close"
+    return int(parts[1]), fields, buf[end + 4:]
+
+
+def _read_exactly(sock: socket.socket, n: int, rest: bytearray) -> bytes:
+    """n bytes: `rest` (already read) and then the socket's."""
+    if len(rest) >= n:
+        return bytes(rest[:n])
+    out = bytearray(n)
+    out[:len(rest)] = rest
+    view, got = memoryview(out), len(rest)
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise http.client.IncompleteRead(bytes(out[:got]), n - got)
+        got += k
+    return bytes(out)
+
+
+class _Buffered:
+    """Lines and byte counts from a socket, past bytes already read (chunked bodies only)."""
+
+    def __init__(self, sock: socket.socket, buf: bytearray) -> None:
+        self.sock, self.buf = sock, buf
+
+    def _more(self) -> None:
+        chunk = self.sock.recv(_HEAD_LIMIT)
+        if not chunk:
+            raise http.client.IncompleteRead(bytes(self.buf))
+        self.buf += chunk
+
+    def line(self) -> bytes:
+        while b"\r\n" not in self.buf:
+            self._more()
+        line, _, rest = bytes(self.buf).partition(b"\r\n")
+        self.buf = bytearray(rest)
+        return line
+
+    def take(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            self._more()
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+
+def _read_body(sock: socket.socket, fields: Dict[bytes, bytes], rest: bytearray) -> bytes:
+    """The answer's body: Content-Length bytes, chunked (S3's error answers may be), or up to
+    the connection's end."""
+    if b"chunked" in fields.get(b"transfer-encoding", b"").lower():
+        reader, body = _Buffered(sock, rest), bytearray()
+        while True:
+            size = int(reader.line().split(b";")[0], 16)
+            if size == 0:
+                break
+            body += reader.take(size)
+            reader.line()  # the chunk's own CRLF
+        while reader.line():  # trailer fields, up to the empty line
+            pass
+        return bytes(body)
+    length = fields.get(b"content-length")
+    if length is not None:
+        return _read_exactly(sock, int(length), rest)
+    out = bytearray(rest)
+    while True:
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            return bytes(out)
+        out += chunk
 
 
 class RangedGetter:
@@ -86,22 +194,42 @@ class RangedGetter:
             the connection failed (the connection is dropped either way)."""
         host, path = self._where(bucket, key)
         headers = self._sign(host, path, f"bytes={start}-{end - 1}")
-        conn = self._connection(host)
+        request = "".join([f"GET {path} HTTP/1.1\r\n",
+                           *(f"{name}: {value}\r\n" for name, value in headers.items()),
+                           "\r\n"]).encode("latin-1")
+        for last_try in (False, True):
+            sock, reused = self._connection(host)
+            try:
+                sock.sendall(request)
+                status, fields, rest = _read_head(sock)
+                break
+            except _NoAnswer:
+                self._drop()
+                # a kept-alive connection the server had closed: the GET never reached it,
+                # so it goes again at once on a new connection (a new one failing is a fault)
+                if not reused or last_try:
+                    raise http.client.RemoteDisconnected("the server closed the connection "
+                                                         "without an answer") from None
+            except BaseException:
+                self._drop()
+                raise
         try:
-            conn.request("GET", path, headers=headers)
-            answer = conn.getresponse()
-            if answer.status == 200 and not answer.getheader("Content-Range") and \
-                    int(answer.getheader("Content-Length") or 0) > end - start:
+            length = fields.get(b"content-length")
+            if status == 200 and b"content-range" not in fields and \
+                    length is not None and int(length) > end - start:
                 raise RangeIgnored(f"the server ignored the range: 200 without Content-Range, "
-                                   f"{answer.getheader('Content-Length')} bytes")
-            body = answer.read()  # IncompleteRead when the connection ends early
+                                   f"{length.decode('latin-1')} bytes")
+            body = _read_body(sock, fields, rest)
         except BaseException:
             self._drop()
             raise
-        if answer.status in (200, 206):
-            return body  # a short body (headers cut off too): the caller's length check
+        if fields.get(b"connection", b"").lower() == b"close" or length is None and \
+                b"chunked" not in fields.get(b"transfer-encoding", b"").lower():
+            self._drop()  # the server closes it (or ended the body by closing it)
+        if status in (200, 206):
+            return body  # a short body: the caller's length check
         found = _CODE.search(body)
-        raise HttpError(answer.status, found.group(1).decode() if found else "")
+        raise HttpError(status, found.group(1).decode() if found else "")
 
     def _where(self, bucket: str, key: str) -> Tuple[str, str]:
         """(Host header, request path) of the object: path or virtual-host addressing, the key
@@ -111,22 +239,30 @@ class RangedGetter:
             return f"{bucket}.{self.host}", f"{self.base_path}/{quoted}"
         return self.host, f"{self.base_path}/{quote(bucket, safe='')}/{quoted}"
 
-    def _connection(self, host: str) -> http.client.HTTPConnection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None or self._local.host != host:
+    def _connection(self, host: str) -> Tuple[socket.socket, bool]:
+        """This thread's connection to `host` and whether it served a request before."""
+        sock = getattr(self._local, "sock", None)
+        if sock is not None and self._local.host == host:
+            return sock, True
+        self._drop()
+        where = urlsplit(f"//{host}")
+        port = where.port or (443 if self.scheme == "https" else 80)
+        sock = socket.create_connection((where.hostname, port), timeout=self.timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # one send a request
             if self.scheme == "https":
-                conn = http.client.HTTPSConnection(host, timeout=self.timeout_s,
-                                                   context=self._context)
-            else:
-                conn = http.client.HTTPConnection(host, timeout=self.timeout_s)
-            self._local.conn, self._local.host = conn, host
-        return conn
+                sock = self._context.wrap_socket(sock, server_hostname=where.hostname)
+        except BaseException:
+            sock.close()
+            raise
+        self._local.sock, self._local.host = sock, host
+        return sock, False
 
     def _drop(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-        self._local.conn = None
+        sock = getattr(self._local, "sock", None)
+        if sock is not None:
+            sock.close()
+        self._local.sock = None
 
     # Signature Version 4 -----------------------------------------------------------------------
     def _sign(self, host: str, path: str, byte_range: str,
