@@ -6,6 +6,9 @@
 writes `spm/t5.model` and `spm/t5.vocab`: pad=0, eos=1, unk=2, no bos, as T5's `spiece.model`.
 `megatron.data.tokenizer.T5Tokenizer` adds the 100 `<extra_id_N>` sentinels on top, so the model's
 full vocabulary is `--vocab-size` + 100. Also runs as `python -m data_tools.train_tokenizer`.
+`--ul2-mode-tokens` adds UL2's mode tokens `[NLU]`, `[NLG]`, `[S2S]` as user-defined symbols
+(ids 3, 4, 5 of the `--vocab-size`): one id each for `--t5-objective ul2`, where a tokenizer
+without them spells each in several pieces, all starting with the same ones.
 
 Input: `.jsonl`/`.json` (optionally `.gz`): one JSON object per line, the text under `--json-keys`;
 `.txt` (optionally `.gz`): one sentence per line. Files and globs may be mixed. Input is streamed
@@ -42,9 +45,12 @@ import sentencepiece as spm
 
 from megatron.data.jsonl import JSONL_SUFFIXES, BadLine, expand_inputs, parse_line, read_chunks
 from megatron.data.tokenizer import T5Tokenizer, available_cpus
+from megatron.data.ul2 import DEFAULT_MODE_TOKENS
 
 
 TEXT_SUFFIXES = (".txt", ".txt.gz")
+# UL2's mode tokens (megatron/data/ul2.py's defaults), as SentencePiece user-defined symbols.
+UL2_MODE_TOKENS = tuple(DEFAULT_MODE_TOKENS[kind] for kind in "RXS")  # [NLU], [NLG], [S2S]
 # Preferred places to cut an over-long line: after a space, or after a CJK sentence end.
 _CUT_AFTER = (b" ", "。".encode(), "！".encode(), "？".encode(), "；".encode(), "，".encode())
 
@@ -85,14 +91,18 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--split-digits", action="store_true", help="make every digit its own piece")
     p.add_argument("--normalization-rule-name", default="nmt_nfkc",
                    choices=("nmt_nfkc", "nfkc", "nmt_nfkc_cf", "nfkc_cf", "identity"))
+    p.add_argument("--ul2-mode-tokens", action="store_true",
+                   help=f"add UL2's mode tokens {', '.join(UL2_MODE_TOKENS)} as user-defined "
+                        "symbols: one id each (else each is tokenized into several pieces)")
     p.add_argument("--skip-bad-lines", action="store_true",
                    help="skip malformed lines (counted) instead of stopping at the first one")
     p.add_argument("--verbose", action="store_true", help="show SentencePiece's own log")
     args = p.parse_args(argv)
     problems = []
-    if args.vocab_size < 4 + (256 if args.byte_fallback else 0):
+    if args.vocab_size < 4 + (256 if args.byte_fallback else 0) + 3 * args.ul2_mode_tokens:
         problems.append(f"--vocab-size {args.vocab_size} is too small for 3 special pieces"
-                        + (" and 256 byte pieces" if args.byte_fallback else ""))
+                        + (" and 256 byte pieces" if args.byte_fallback else "")
+                        + (" and 3 UL2 mode tokens" if args.ul2_mode_tokens else ""))
     if not 0.0 < args.character_coverage <= 1.0:
         problems.append("--character-coverage must be in (0, 1]")
     if args.max_sentence_length < 16:
@@ -262,6 +272,7 @@ def train(args: argparse.Namespace) -> int:
                 # T5's special ids; no bos, as in Google's spiece.model.
                 pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
                 pad_piece="<pad>", eos_piece="</s>", unk_piece="<unk>",
+                user_defined_symbols=list(UL2_MODE_TOKENS) if args.ul2_mode_tokens else [],
                 minloglevel=0 if args.verbose else 2)
         except (RuntimeError, InputError) as e:
             # An exception in the iterator comes back either as itself or, wrapped by
@@ -282,6 +293,10 @@ def train(args: argparse.Namespace) -> int:
         if (tok.pad_id, tok.eos_id, tok.unk_id, tok.bos_id) != (0, 1, 2, -1):
             print(f"error: unexpected special ids in the trained model: {tok!r}", file=sys.stderr)
             return 1
+        modes = [(t, tok.piece_to_id(t)) for t in UL2_MODE_TOKENS] if args.ul2_mode_tokens else []
+        if any(tid == tok.unk_id for _, tid in modes):
+            print(f"error: the trained model lacks a UL2 mode token: {modes}", file=sys.stderr)
+            return 1
         # .vocab first: whoever sees PREFIX.model complete also finds its .vocab.
         os.replace(tmp + ".vocab", prefix + ".vocab")
         os.replace(tmp + ".model", prefix + ".model")
@@ -301,6 +316,8 @@ def train(args: argparse.Namespace) -> int:
     print(f"model: {args.model_type}, {tok.sp_vocab_size} pieces + {tok.extra_ids} sentinels = "
           f"{tok.vocab_size} ids (pad={tok.pad_id}, eos={tok.eos_id}, unk={tok.unk_id}, no bos, "
           f"byte fallback {'on' if args.byte_fallback else 'off'})")
+    if modes:
+        print("UL2 mode tokens: " + ", ".join(f"{t} = {tid}" for t, tid in modes))
     print(f"wrote {args.output_prefix}.model and {args.output_prefix}.vocab in {elapsed:.1f} s")
     return 0
 

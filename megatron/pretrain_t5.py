@@ -207,8 +207,8 @@ def _log_start(config: RunConfig, writer: MetricsWriter, lock) -> None:
     writer.write_text("deepspeed config: " + json.dumps(config.deepspeed, sort_keys=True))
     ul2 = config.data.dataset.t5.ul2
     if ul2 is not None:
-        writer.write_text(ul2.describe_budget(config.data.encoder_seq_length,
-                                              config.data.decoder_seq_length))
+        writer.write_text(ul2.describe_start(config.data.encoder_seq_length,
+                                             config.data.decoder_seq_length))
     if lock is not None and lock.took_over is not None:
         writer.write_text(f"warning: --save {config.checkpoint.save}: took over the writer lock "
                           f"of a job that is gone ({describe(lock.took_over)})")

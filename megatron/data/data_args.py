@@ -32,6 +32,7 @@ from megatron.data.ul2 import (
     S_PREFIX,
     UL2Config,
     mode_token_ids,
+    mode_token_pieces,
     parse_denoisers,
 )
 from megatron.data.t5_dataset import T5DatasetConfig
@@ -289,11 +290,12 @@ def ul2_config_from_args(args: argparse.Namespace) -> UL2Config:
         ValueError: every problem, the flags named."""
     denoisers = parse_denoisers(args.ul2_denoisers)
     tokenizer = _mode_tokenizer(tokenizer_spec_from_args(args), args.vocab_extra_ids)
-    modes = None
+    modes = pieces = None
     if not args.ul2_no_mode_tokens:
-        modes = mode_token_ids(tokenizer, {k: getattr(args, f"ul2_{k.lower()}_denoiser_token")
-                                           for k in DEFAULT_MODE_TOKENS})
-    config = UL2Config(denoisers, modes, args.ul2_s_prefix)
+        texts = {k: getattr(args, f"ul2_{k.lower()}_denoiser_token") for k in DEFAULT_MODE_TOKENS}
+        modes = mode_token_ids(tokenizer, texts)
+        pieces = mode_token_pieces(tokenizer, texts, modes)  # the start's warning names them
+    config = UL2Config(denoisers, modes, args.ul2_s_prefix, pieces)
     problems = config.problems(args.encoder_seq_length, len(tokenizer.sentinel_ids))
     if problems:
         raise ValueError("; ".join(problems))

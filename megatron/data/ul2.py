@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -114,11 +114,14 @@ def parse_denoisers(spec: str) -> Tuple[Denoiser, ...]:
 
 @dataclass(frozen=True)
 class UL2Config:
-    """The mixture, the mode tokens (kind -> ids; None: none) and the S prefix rule."""
+    """The mixture, the mode tokens (kind -> ids; None: none) and the S prefix rule;
+    `mode_pieces` (kind, text, pieces) of each mode token, read only by the start warning."""
 
     denoisers: Tuple[Denoiser, ...] = PRESETS["ul2"]
     mode_tokens: Optional[Tuple[Tuple[str, Tuple[int, ...]], ...]] = None
     s_prefix: str = "t5"
+    mode_pieces: Optional[Tuple[Tuple[str, str, Tuple[str, ...]], ...]] = \
+        field(default=None, compare=False)
 
     @property
     def weights(self) -> np.ndarray:
@@ -159,21 +162,66 @@ class UL2Config:
                 out.append(f"--ul2-denoisers: {d.kind} rate {d.rate} must be in (0, 1)")
             if d.mean_span is None or d.mean_span < 1:
                 out.append(f"--ul2-denoisers: {d.kind} mean span {d.mean_span} must be >= 1")
-            elif d.mean_span > encoder_length:
-                out.append(f"--ul2-denoisers: {d.describe()}: the mean span is longer than the "
-                           f"encoder length {encoder_length}")
         if out:
             return out
         raw = self._raw_length(encoder_length)
         if raw < 2:
             return [f"--encoder-seq-length {encoder_length} is too short for UL2 with these "
                     f"mode tokens"]
+        for d in self._drawn:
+            # The one rule for every mean span (README, UL2): the window's noise holds one span
+            # of it, else t5's one span of all the noise would silently be far shorter.
+            if d.kind != "S" and not self._holds_a_span(encoder_length, d):
+                out.append(f"--ul2-denoisers: {d.describe()}: a {raw}-token window "
+                           f"(--encoder-seq-length {encoder_length}) has "
+                           f"{_spans(raw, d)[0]} noise tokens, fewer than one span of "
+                           f"{d.mean_span:g}; it needs round(window x rate) >= mean span: "
+                           f"--encoder-seq-length {self._shortest_encoder(d, encoder_length)} "
+                           f"or more, or a shorter mean span")
+        if out:
+            return out
         for d in self.denoisers:
             if d.kind != "S" and _spans(raw, d)[1] > num_sentinels:
                 out.append(f"--ul2-denoisers: {d.describe()} makes {_spans(raw, d)[1]} noise "
                            f"spans of {raw} tokens but the tokenizer has {num_sentinels} "
                            f"sentinels (--vocab-extra-ids)")
         return out
+
+    def _holds_a_span(self, encoder_length: int, d: Denoiser) -> bool:
+        """Whether `d`'s noise in the window of `encoder_length` holds one mean span."""
+        return _spans(self._raw_length(encoder_length), d)[0] >= d.mean_span
+
+    def _shortest_encoder(self, d: Denoiser, encoder_length: int) -> int:
+        """The shortest encoder length whose window holds one span of `d` (doubling, then
+        bisection: the window grows with the encoder)."""
+        low, high = encoder_length, 2 * encoder_length
+        while not self._holds_a_span(high, d):
+            low, high = high, 2 * high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if self._holds_a_span(middle, d) else (middle, high)
+        return high
+
+    def mode_token_warning(self) -> Optional[str]:
+        """The start's warning line when a mode token is more than one piece, else None."""
+        long = [(kind, text, pieces) for kind, text, pieces in (self.mode_pieces or ())
+                if len(pieces) > 1]
+        if not long:
+            return None
+        named = "; ".join(f"{text} ({kind}) is {len(pieces)} pieces: {' '.join(pieces)}"
+                          for kind, text, pieces in long)
+        shared = os.path.commonprefix([list(pieces) for _, _, pieces in self.mode_pieces])
+        if len(self.mode_pieces) > 1 and shared:  # the model tells the modes apart later
+            named += f" (all start with {' '.join(shared)})"
+        return (f"warning: UL2 mode tokens of more than one piece in this tokenizer: {named}. "
+                f"Train the tokenizer with data_tools/train_tokenizer.py --ul2-mode-tokens to "
+                f"make each one id")
+
+    def describe_start(self, encoder_length: int, decoder_length: Optional[int] = None) -> str:
+        """The run's UL2 lines at start: `describe_budget`, then `mode_token_warning` if any."""
+        warning = self.mode_token_warning()
+        budget = self.describe_budget(encoder_length, decoder_length)
+        return budget if warning is None else f"{budget}\n{warning}"
 
     # Lengths (module docstring) -------------------------------------------------------------
     def _lengths(self, raw: int, d: Denoiser) -> Tuple[int, int]:
@@ -269,7 +317,9 @@ def denoise(raw: np.ndarray, config: UL2Config, sentinels: np.ndarray, eos_id: i
 
 
 def mode_token_ids(tokenizer, values: Dict[str, str]) -> Tuple[Tuple[str, Tuple[int, ...]], ...]:
-    """Each kind's mode token: "12,13" (ids) as given, else the text tokenized (no EOS).
+    """Each kind's mode token: "12,13" (ids) as given; a piece of the vocabulary (a user-defined
+    symbol of `train_tokenizer.py --ul2-mode-tokens`) its one id; else the text tokenized (no
+    EOS).
 
     Raises:
         ValueError: an empty token."""
@@ -278,12 +328,31 @@ def mode_token_ids(tokenizer, values: Dict[str, str]) -> Tuple[Tuple[str, Tuple[
         text = values[kind]
         if text.replace(",", "").strip().isdigit():
             ids = tuple(int(t) for t in text.split(",") if t.strip())
+        elif _piece_id(tokenizer, text) is not None:
+            # not encode(): SentencePiece would put its dummy-prefix piece "▁" in front
+            ids = (_piece_id(tokenizer, text),)
         else:
             ids = tuple(int(i) for i in tokenizer.encode(text))
         if not ids:
             raise ValueError(f"--ul2-{kind.lower()}-denoiser-token {text!r} gives no token")
         out.append((kind, ids))
     return tuple(out)
+
+
+def _piece_id(tokenizer, text: str) -> Optional[int]:
+    """The id of `text` when it is one piece of the vocabulary, else None."""
+    tid = int(tokenizer.piece_to_id(text))
+    if tid == tokenizer.unk_id and text != tokenizer.id_to_piece(tokenizer.unk_id):
+        return None
+    return tid
+
+
+def mode_token_pieces(tokenizer, values: Dict[str, str],
+                      modes: Tuple[Tuple[str, Tuple[int, ...]], ...]
+                      ) -> Tuple[Tuple[str, str, Tuple[str, ...]], ...]:
+    """(kind, text, pieces) of each mode token of `mode_token_ids`, for the start warning."""
+    return tuple((kind, values[kind], tuple(tokenizer.id_to_piece(i) for i in ids))
+                 for kind, ids in modes)
 
 
 def describe_sample(config: UL2Config, which: int) -> Dict[str, object]:

@@ -11,11 +11,13 @@ import pytest
 from scipy import stats
 
 from megatron.data.builder import DataConfig, build_datasets
-from megatron.data.span_corruption import uncorrupt
+from megatron.data.span_corruption import corrupt, uncorrupt
 from megatron.data.t5_dataset import IGNORE_INDEX, T5DatasetConfig, T5SpecialTokens
 from megatron.data.tokenizer import TokenizerSpec, build_tokenizer
 from megatron.data.ul2 import KINDS, PRESETS, Denoiser, UL2Config, denoise, mode_token_ids, \
     parse_denoisers
+
+from t5_span_reference import assert_t5_layout, fixed_layout_mask, noise_spans, rejects
 
 CPM2_VOCAB = Path(__file__).resolve().parents[1] / "data" / "cpm2" / "bpe_cn" / "vocab.txt"
 SENTINELS = np.arange(1000, 1100)
@@ -50,36 +52,47 @@ def t5_random_prefix_length(length, rng):
 
 
 # ---------------------------------------------------------------------------------------------
+def mask_of_sample(inputs, targets, sentinels=SENTINELS):
+    """The noise mask an R or X sample was made with, from its input and target (both ending
+    in EOS, no mode token): the runs between the input's sentinels are the kept spans, those
+    after each of the target's sentinels the noise spans."""
+    in_input = np.flatnonzero(np.isin(inputs[:-1], sentinels))
+    in_target = np.flatnonzero(np.isin(targets[:-1], sentinels))
+    kept = np.diff(np.concatenate([[-1], in_input])) - 1
+    noise = np.diff(np.concatenate([in_target, [len(targets) - 1]])) - 1
+    runs = np.stack([kept, noise], axis=1).reshape(-1)
+    mask = np.repeat(np.tile([False, True], len(kept)), runs)
+    return np.concatenate([mask, np.zeros(len(inputs) - 2 - in_input[-1], dtype=bool)])
+
+
 @pytest.mark.parametrize("d", [d for d in PRESETS["ul2"] if d.kind != "S"],
                          ids=lambda d: d.describe())
 def test_r_and_x_follow_random_spans_noise_mask_and_unique_sentinels(d):
     single = UL2Config((d,))
-    for seed in range(30):
+    masks = []
+    for seed in range(2000):
         raw = np.random.default_rng(seed).integers(2, 900, size=511)
         _, inputs, targets = denoise(raw, single, SENTINELS, EOS, np.random.default_rng(seed))
-        # rebuild the mask from the sample: the target lists each noise span after a sentinel
-        restored = uncorrupt(inputs, targets, SENTINELS, EOS)
-        assert np.array_equal(restored, raw)
-        mask = np.zeros(len(raw), dtype=bool)
-        body, pos, k = inputs[:-1], 0, 0
-        for token in body:
-            if token in set(SENTINELS.tolist()):
-                span = targets[:-1]
-                start = int(np.flatnonzero(span == token)[0]) + 1
-                stop = start
-                while stop < len(span) and span[stop] not in set(SENTINELS.tolist()):
-                    stop += 1
-                mask[pos:pos + stop - start] = True
-                pos += stop - start
-                k += 1
-            else:
-                pos += 1
+        mask = mask_of_sample(inputs, targets)
+        masks.append(mask)
+        if seed >= 30:
+            continue  # the sample's exact contents on 30 seeds, the layout's law on all
+        assert np.array_equal(uncorrupt(inputs, targets, SENTINELS, EOS), raw)
         noise, spans = t5_noise_counts(len(raw), d.rate, d.mean_span)
+        k = len(noise_spans(mask)[0])
         assert mask.sum() == noise and k == min(spans, noise, len(raw) - noise)
         assert not mask[0]  # spans alternate, starting with non-noise
         assert np.array_equal(inputs[:-1], t5_noise_span_to_unique_sentinel(raw, mask, SENTINELS))
         assert np.array_equal(targets[:-1],
                               t5_nonnoise_span_to_unique_sentinel(raw, mask, SENTINELS))
+    # where the spans fall and how long they are: t5's law (chi-square against the port of
+    # random_spans_noise_mask over 2000 seeds), which spans at fixed places would fail
+    assert_t5_layout(masks, 511, d.rate, d.mean_span)
+    raw = np.arange(2, 513)
+    fixed = mask_of_sample(*corrupt(raw, fixed_layout_mask(511, d.rate, d.mean_span, None),
+                                    SENTINELS, EOS))
+    if len(noise_spans(fixed)[0]) > 1:  # one span: t5's layout is fixed too (noise at the end)
+        assert rejects([fixed] * len(masks), 511, d.rate, d.mean_span)
 
 
 def test_s_is_the_t5_prefix_lm():
@@ -116,6 +129,7 @@ def test_statistics_of_ten_to_the_five_samples(sample_sets):
     counts = np.zeros(len(config.denoisers))
     rates = [[] for _ in config.denoisers]
     spans = [[] for _ in config.denoisers]
+    masks = [[] for _ in config.denoisers]
     prefixes = []
     sentinels = set(tokens.sentinel_ids)
     for index in range(100_000):
@@ -129,6 +143,8 @@ def test_statistics_of_ten_to_the_five_samples(sample_sets):
         noise = len(targets) - 1 - k
         rates[which].append(noise / dataset.raw_length)
         spans[which].append(noise / k)
+        if len(masks[which]) < 4000:
+            masks[which].append(mask_of_sample(inputs, targets, tokens.sentinel_ids))
     expected = config.weights * counts.sum()
     assert stats.chisquare(counts, expected).pvalue > 0.001
     for which, d in enumerate(config.denoisers):
@@ -147,6 +163,9 @@ def test_statistics_of_ten_to_the_five_samples(sample_sets):
         assert abs(np.mean(spans[which]) / d.mean_span - 1) <= rounding + 1e-9
         if rounding <= 0.02:
             assert np.mean(spans[which]) == pytest.approx(d.mean_span, rel=0.02)
+        # and the spans' starts, lengths and gaps follow t5's law, not only its counts
+        assert len(masks[which]) == 4000
+        assert_t5_layout(masks[which], dataset.raw_length, d.rate, d.mean_span)
     # S: the prefix uniform over [1, L - 1] (Kolmogorov-Smirnov on the continuous version)
     length = dataset.raw_length
     u = (np.asarray(prefixes) - 1 + np.random.default_rng(0).random(len(prefixes))) / (length - 1)
@@ -245,7 +264,8 @@ def test_span_corruption_flags_are_refused_with_ul2(train_data):
 @pytest.mark.parametrize("spec,message", [
     ('[{"kind": "R", "mean_span": 3, "rate": 0.15, "weight": 0}]', "positive sum"),
     ('[{"kind": "X", "mean_span": 3, "rate": 1.5}]', "rate 1.5 must be in (0, 1)"),
-    ('[{"kind": "X", "mean_span": 600, "rate": 0.5}]', "longer than the encoder length 512"),
+    ('[{"kind": "X", "mean_span": 600, "rate": 0.5}]', "a 1020-token window "
+     "(--encoder-seq-length 512) has 510 noise tokens, fewer than one span of 600"),
     ('[{"kind": "Q"}]', "entry 0 must be"),
     ("nonsense", "not a preset"),
 ])
@@ -255,6 +275,37 @@ def test_bad_settings_are_refused_naming_the_flag(spec, message):
         if problems:
             raise ValueError("; ".join(problems))
     assert message in str(e.value)
+
+
+def test_one_rule_for_every_mean_span():
+    """A denoiser is taken when its window's noise holds one span of its mean length: then its
+    spans average the setting up to t5's rounding; else refused, naming the flags."""
+    five_pieces = tuple((kind, tuple(range(10 + 5 * i, 15 + 5 * i))) for i, kind in
+                        enumerate(KINDS))  # [NLU] etc. in a tokenizer without them
+    # the issue's two cases: X (64, 0.15) at encoder 64 (9 noise tokens of a 59-token window)
+    # and X (32, 0.5) alone at encoder 16, both refused by the same rule
+    paper = UL2Config(PRESETS["ul2"], five_pieces)
+    problems = paper.problems(64, 100)
+    assert problems[0] == ("--ul2-denoisers: X (span 64, rate 0.15): a 59-token window "
+                           "(--encoder-seq-length 64) has 9 noise tokens, fewer than one span "
+                           "of 64; it needs round(window x rate) >= mean span: "
+                           "--encoder-seq-length 429 or more, or a shorter mean span")
+    assert len(problems) == 2 and "X (span 64, rate 0.5): a 59-token window" in problems[1]
+    assert UL2Config((Denoiser("X", 32.0, 0.5),)).problems(16, 100)[0].startswith(
+        "--ul2-denoisers: X (span 32, rate 0.5): a 28-token window (--encoder-seq-length 16) "
+        "has 14 noise tokens, fewer than one span of 32")
+    assert paper.problems(429, 100) == [] and paper.problems(428, 100) != []
+    # the rule, over many settings: taken exactly when round(window x rate) >= mean span, and
+    # a taken denoiser's spans average 0.75 to 1.5 times its mean span
+    for enc in (16, 24, 64, 100, 128, 256, 512):
+        for span in (1.0, 3.0, 8.0, 12.0, 32.0, 64.0, 100.0):
+            for rate in (0.15, 0.25, 0.5):
+                config = UL2Config((Denoiser("X", span, rate), Denoiser("S")), five_pieces)
+                raw = config.budget(enc)[0]
+                noise, k = t5_noise_counts(raw, rate, span)
+                assert (config.problems(enc, 1000) == []) == (noise >= span), (enc, span, rate)
+                if noise >= span and k <= raw - noise:
+                    assert 0.75 <= noise / k / span < 1.5, (enc, span, rate)
 
 
 def test_the_presets():

@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, List, Union
+from typing import Dict, List, Tuple, Union
 
 from megatron.data.tokenizer import SENTINEL_FORMAT, T5Tokenizer
 from megatron.model.state_dict import StateDictError
@@ -35,9 +35,11 @@ class HFTokenizerFiles:
     """The tokenizer files of a folder, built (and checked) before anything is written."""
 
     def __init__(self, spm_model: Path, tokenizer, vocab_size: int, special: Dict[str, str],
-                 sentinels: List[str], byte_fallback: bool = True) -> None:
+                 sentinels: List[str], byte_fallback: bool = True,
+                 user_defined: Tuple[Tuple[str, int], ...] = ()) -> None:
         self.spm_model, self.tokenizer, self.vocab_size = spm_model, tokenizer, vocab_size
         self.special, self.sentinels, self.byte_fallback = special, sentinels, byte_fallback
+        self.user_defined = user_defined  # (piece, id): UL2's mode tokens, say
 
     def write(self, folder: Path) -> None:
         shutil.copyfile(self.spm_model, folder / SPIECE)
@@ -89,7 +91,15 @@ gives, for every text, the ids the model was trained on.
 {ids(eos)} ends each text (the tokenizer appends it), `{unk}` = {ids(unk)}; sentinels: {
     f"`<extra_id_0>` = {self.vocab_size - 1} down to `<extra_id_{n - 1}>` = {self.vocab_size - n}"
     if n else "none"}.
-"""
+{self._user_defined_section()}"""
+
+    def _user_defined_section(self) -> str:
+        if not self.user_defined:
+            return ""
+        listed = ", ".join(f"`{piece}` = {tid}" for piece, tid in self.user_defined)
+        return (f"\nUser-defined symbols, one id each wherever they occur in a text (UL2's mode "
+                f"tokens: `train_tokenizer.py --ul2-mode-tokens`): {listed}. The text "
+                f"`[NLU] ...` is `▁` then `[NLU]`, as in SentencePiece.\n")
 
 
 def hf_tokenizer_files(spm_model: PathLike, extra_ids: int = 100) -> HFTokenizerFiles:
@@ -125,8 +135,10 @@ def hf_tokenizer_files(spm_model: PathLike, extra_ids: int = 100) -> HFTokenizer
                "pad_token": ours.id_to_piece(ours.pad_id)}
     tokenizer = _unigram_tokenizer(proto, sentinels, list(special.values()), ours.unk_id,
                                    ours.eos_id)
+    user_defined = tuple((p.piece, i) for i, p in enumerate(proto.pieces)
+                         if p.type == type(proto).SentencePiece.USER_DEFINED)
     return HFTokenizerFiles(path, tokenizer, ours.vocab_size, special, sentinels,
-                            trainer.byte_fallback)
+                            trainer.byte_fallback, user_defined)
 
 
 def _unigram_tokenizer(proto, sentinels: List[str], special: List[str], unk_id: int,
@@ -137,7 +149,10 @@ def _unigram_tokenizer(proto, sentinels: List[str], special: List[str], unk_id: 
     control and unused pieces are never matched in text by SentencePiece, so they get a score no
     segmentation picks (tokenizers would otherwise read the text "<0x41>" as a byte piece). The
     special pieces and the sentinels are special tokens, cut out of the text first; eos is
-    appended as transformers' T5 tokenizer appends it."""
+    appended as transformers' T5 tokenizer appends it. User-defined pieces (UL2's mode tokens)
+    keep SentencePiece's score 0, above every normal piece, so the lattice takes each whole,
+    after the dummy prefix `▁` as SentencePiece does; not added tokens, which would drop
+    that `▁` and give other ids than training."""
     try:
         # tokenizers: an optional dependency (the 'convert' extra), needed only here
         from tokenizers import (
