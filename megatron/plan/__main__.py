@@ -19,26 +19,48 @@ import sys
 from typing import List, Optional, Sequence
 
 from megatron.model.config import ConfigError
-from megatron.plan.cluster import DEVICES, PRESET, Cluster, custom_device, device_named
+from megatron.plan.cluster import (
+    DEVICES,
+    PRESET,
+    Cluster,
+    custom_device,
+    device_named,
+    plan_precision,
+)
 from megatron.plan.planner import as_json, machine_for, plan, report
 from megatron.plan.search import Request
 from megatron.stdout import logs_to_stderr
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """--help with each flag's default, where it has one (None and False are no default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, False, argparse.SUPPRESS) \
+                or not action.option_strings or action.required:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The planner's command line (every flag with its default in --help)."""
     p = argparse.ArgumentParser(
-        prog="python -m megatron.plan",
+        prog="python -m megatron.plan", formatter_class=_DefaultsFormatter,
         description="The k best parallel layouts (TP, PP, DP, ZeRO, offload, micro batch, "
                     "recomputation) of an encoder-decoder on a cluster: memory per device from "
                     "the --dry-run estimate, a step-time model, and the flags to run each.")
     g = p.add_argument_group("model and batch")
     g.add_argument("--model-config", required=True,
                    help="a preset name from configs/model (t5-11b) or a model JSON")
-    g.add_argument("--encoder-seq-length", "--seq-length", type=int, default=512)
+    g.add_argument("--encoder-seq-length", "--seq-length", type=int, default=512,
+                   help="encoder tokens per sample")
     g.add_argument("--decoder-seq-length", type=int, default=None,
                    help="default: the target length span corruption gives (114 for 512)")
-    g.add_argument("--global-batch-size", type=int, required=True)
-    g.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    g.add_argument("--global-batch-size", type=int, required=True, help="samples per step")
+    g.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="default: bf16 where the device computes it, else fp16 (V100); a "
+                        "precision the device lacks is refused")
     g.add_argument("--max-micro-batch", type=int, default=64,
                    help="the largest micro batch tried (powers of two)")
     g.add_argument("--no-recompute", action="store_true",
@@ -47,30 +69,38 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cluster", default=None, metavar="NODESxGPUSxDEVICE",
                    help="a preset such as 8x8xH100-80GB (instead of --nodes, --gpus-per-node, "
                         "--gpu)")
-    g.add_argument("--nodes", type=int, default=None)
-    g.add_argument("--gpus-per-node", type=int, default=None)
-    g.add_argument("--gpu", default=None, help=f"one of {', '.join(DEVICES)}")
+    g.add_argument("--nodes", type=int, default=None, help="nodes (or --cluster)")
+    g.add_argument("--gpus-per-node", type=int, default=None,
+                   help="devices per node (or --cluster)")
+    g.add_argument("--gpu", default=None,
+                   help=f"one of {', '.join(DEVICES)}; another name with --gpu-memory-gib and "
+                        f"--gpu-tflops describes a device not in the table")
     g.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="device memory (a device not in the table, or to correct one)")
     g.add_argument("--gpu-tflops", type=float, default=None,
-                   help="dense peak TFLOP/s at the training precision")
+                   help="dense peak TFLOP/s at the training precision; default: the device "
+                        "table's")
     g.add_argument("--intra-node-gbs", type=float, default=None,
-                   help="device-to-device GB/s inside a node (NVLink), per device")
+                   help="device-to-device GB/s inside a node (NVLink), per device; default: "
+                        "the device table's")
     g.add_argument("--inter-node-gbs", type=float, default=None,
-                   help="a node's network GB/s (all NICs), shared by its devices")
+                   help="a node's network GB/s (all NICs), shared by its devices; default: "
+                        "the device table's")
     g.add_argument("--host-link-gbs", type=float, default=None,
-                   help="device-to-host GB/s (PCIe) per device, what offloading crosses")
-    g.add_argument("--cpu-memory-gib", type=float, default=None, help="host memory per node")
+                   help="device-to-host GB/s (PCIe) per device, what offloading crosses; "
+                        "default: the device table's")
+    g.add_argument("--cpu-memory-gib", type=float, default=None,
+                   help="host memory per node; default: the device table's")
     g.add_argument("--nvme-gib", type=float, default=None,
                    help="NVMe per node for ZeRO-Infinity (without it NVMe offload is not "
                         "considered)")
     g.add_argument("--nvme-gbs", type=float, default=6.0, help="a node's NVMe GB/s")
     g = p.add_argument_group("model of the step")
     g.add_argument("--efficiency", type=float, default=0.6,
-                   help="the fraction of the peak that large matrix products reach (0.6)")
+                   help="the fraction of the peak that large matrix products reach")
     g.add_argument("--headroom", type=float, default=0.1,
                    help="the fraction of device memory left to the CUDA context, NCCL and "
-                        "fragmentation (0.1)")
+                        "fragmentation")
     g = p.add_argument_group("output")
     g.add_argument("--top", type=int, default=5, help="how many layouts to show")
     g.add_argument("--json", action="store_true", help="print the layouts as one JSON list")
@@ -101,9 +131,16 @@ def cluster_from_args(args: argparse.Namespace, problems: List[str]) -> Optional
         value = getattr(args, flag)
         if value is not None and value <= 0:
             problems.append(f"--{flag.replace('_', '-')} must be positive")
+    described = args.gpu_memory_gib is not None and args.gpu_tflops is not None
     try:
-        base = device_named(gpu) if gpu is not None else None
-        device = custom_device(base, args.gpu_memory_gib, args.gpu_tflops)
+        try:
+            base = device_named(gpu) if gpu is not None else None
+        except ValueError:
+            if not described:
+                raise
+            base = None  # a name the table lacks, described by both figures: its own device
+        device = custom_device(base, args.gpu_memory_gib, args.gpu_tflops,
+                               name=gpu or "custom")
     except ValueError as e:
         problems.append(f"--gpu: {e}" if gpu is not None else str(e))
         return None
@@ -120,6 +157,7 @@ def cluster_from_args(args: argparse.Namespace, problems: List[str]) -> Optional
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the planner; the exit status (module docstring)."""
     args = build_parser().parse_args(argv)
     problems: List[str] = []
     cluster = cluster_from_args(args, problems)
@@ -132,21 +170,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         problems.append("--efficiency must be in (0, 1]")
     if not 0 <= args.headroom < 1:
         problems.append("--headroom must be in [0, 1)")
+    precision, note = args.precision, None
+    if cluster is not None:
+        try:
+            precision, note = plan_precision(cluster.device, args.precision)
+        except ValueError as e:
+            problems.append(str(e))
     if problems:
         print("error: " + "\n       ".join(problems), file=sys.stderr)
         return 2
     request = Request(args.model_config, args.encoder_seq_length, args.decoder_seq_length,
-                      args.global_batch_size, args.precision, args.max_micro_batch,
+                      args.global_batch_size, precision, args.max_micro_batch,
                       (False,) if args.no_recompute else (False, True))
-    machine = machine_for(cluster, args.precision, args.efficiency)
+    machine = machine_for(cluster, precision, args.efficiency)
     try:
         with logs_to_stderr():  # DeepSpeed, which checks each layout's config, logs to stdout
             result = plan(request, cluster, machine, args.headroom)
             document = json.dumps(as_json(result, args.top), indent=1) if args.json else \
-                report(result, args.top, args.explain)
+                report(result, args.top, args.explain, notes=[note] if note else [])
     except ConfigError as e:
         print(f"error: --model-config {args.model_config}: {e}", file=sys.stderr)
         return 2
+    if note and args.json:  # stdout is the JSON alone
+        print(f"note: precision {note}", file=sys.stderr)
     print(document)
     return 0 if result.ranked else 1
 

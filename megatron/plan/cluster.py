@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from megatron.training.metrics import PEAK_TFLOPS
 
@@ -40,8 +40,13 @@ class Device:
     """A node's CPU memory, default for a node of these devices."""
 
     def tflops(self, precision: str) -> float:
-        """Peak TFLOP/s at `precision` (a GPU without bf16 units runs bf16 at its fp32 rate)."""
+        """Peak TFLOP/s at `precision` (a GPU without bf16 units runs bf16 at its fp32 rate;
+        the planner does not propose it there: `plan_precision`)."""
         return self.peak_tflops.get(precision) or self.peak_tflops["fp32"]
+
+    def supports(self, precision: str) -> bool:
+        """Whether the device computes `precision` in hardware (V100: no bf16)."""
+        return precision in self.peak_tflops
 
 
 def _gpu(name, table_key, memory_gib, memory_gbs, nvlink, pcie, network, host_gib) -> Device:
@@ -86,11 +91,13 @@ class Cluster:
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
 
-    def describe(self) -> str:
+    def describe(self, precision: str) -> str:
+        """One line: the devices, their peak at `precision` (the plan's), links and host."""
         d = self.device
         nvme = f", NVMe {self.nvme_gib:g} GiB" if self.nvme_gib else ""
         return (f"{self.nodes} node(s) x {self.devices_per_node} {d.name} ({d.memory_gib:g} GiB, "
-                f"{d.tflops('bf16'):g} TFLOP/s bf16 peak); NVLink {d.intra_node_gbs:g} GB/s, "
+                f"{d.tflops(precision):g} TFLOP/s {precision} peak); NVLink "
+                f"{d.intra_node_gbs:g} GB/s, "
                 f"network {self.inter_node_gbs:g} GB/s per node, host "
                 f"{self.host_memory_gib:g} GiB per node{nvme}")
 
@@ -114,15 +121,42 @@ def device_named(name: str) -> Device:
 
 def custom_device(base: Optional[Device], memory_gib: Optional[float],
                   tflops: Optional[float], name: str = "custom") -> Device:
-    """`base` with the given memory and peak (all precisions at `tflops`); without a base both
-    are required and the links are an H100 node's."""
+    """`base` with the given memory and peak (`tflops` for every precision it computes: a V100
+    stays without bf16); without a base both are required, it computes bf16, fp16 and fp32, and
+    the links are an H100 node's.
+
+    Raises:
+        ValueError: no base and not both figures (the message lists the table).
+    """
     if base is None:
         if memory_gib is None or tflops is None:
-            raise ValueError("a device not in the table needs both --gpu-memory-gib and "
-                             "--gpu-tflops")
-        base = replace(DEVICES["H100-80GB"], name=name)
+            raise ValueError(f"--gpu is missing: give one of {', '.join(DEVICES)} (or "
+                             f"--cluster NODESxGPUSxDEVICE), or describe a device not in the "
+                             f"table with both --gpu-memory-gib and --gpu-tflops")
+        base = replace(DEVICES["H100-80GB"], name=name,
+                       peak_tflops=dict.fromkeys(("bf16", "fp16", "fp32"), 0.0))
     if memory_gib is not None:
         base = replace(base, memory_gib=memory_gib)
     if tflops is not None:
-        base = replace(base, peak_tflops={k: tflops for k in ("bf16", "fp16", "fp32")})
+        base = replace(base, peak_tflops=dict.fromkeys(base.peak_tflops, tflops))
     return base
+
+
+def plan_precision(device: Device, asked: Optional[str]) -> Tuple[str, Optional[str]]:
+    """The precision to plan for and a note saying why when the device chose it: `asked`, or
+    without one bf16 where the device has it, else fp16 (V100).
+
+    Raises:
+        ValueError: `asked` is one the device does not compute in hardware (bf16 on a V100:
+            emulated, far below any peak, so no plan for it is worth proposing).
+    """
+    if asked is not None:
+        if not device.supports(asked):
+            has = ", ".join(p for p in ("bf16", "fp16", "fp32") if device.supports(p))
+            raise ValueError(f"--precision {asked}: {device.name} has no {asked} support "
+                             f"(it computes {has}); plan with one of those")
+        return asked, None
+    if device.supports("bf16"):
+        return "bf16", None
+    return "fp16", (f"fp16: {device.name} has no bf16 support, so bf16 is not proposed "
+                    f"(fp16 trains with a dynamic loss scale)")

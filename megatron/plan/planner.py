@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import shlex
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from megatron.data.t5_dataset import T5DatasetConfig
 from megatron.model.settings import load_model_config
@@ -117,16 +117,17 @@ def as_json(result: Plan, top: int) -> List[dict]:
     return out
 
 
-def report(result: Plan, top: int, explain: bool) -> str:
+def report(result: Plan, top: int, explain: bool, notes: Sequence[str] = ()) -> str:
     """The text report: the best layouts, or what is missing; with `explain`, every other
-    candidate and why it lost."""
+    candidate and why it lost. `notes` (a precision chosen for the device) follow the header."""
     r, cl = result.request, result.cluster
     decoder = T5DatasetConfig(r.encoder_seq_length, r.decoder_seq_length).lengths()[2]
     lines = [f"plan: {r.model_config}, encoder {r.encoder_seq_length} / decoder "
              f"{decoder} tokens, global batch "
              f"{r.global_batch_size}, {r.precision}",
-             f"cluster: {cl.describe()}",
-             f"candidates: {len(result.candidates)} layouts; {len(result.ranked)} fit"]
+             f"cluster: {cl.describe(r.precision)}"]
+    lines += [f"precision {note}" for note in notes]
+    lines.append(f"candidates: {len(result.candidates)} layouts; {len(result.ranked)} fit")
     if not result.ranked:
         lines += missing(result)
     for rank, c in enumerate(result.ranked[:top], 1):

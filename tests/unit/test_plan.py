@@ -135,13 +135,78 @@ def test_json_and_explain(capsys):
     (["--cluster", "8x8"], "--cluster 8x8: expected NODESxGPUSxDEVICE"),
     (["--cluster", "8x8xB300"], "--gpu: unknown device 'B300'"),
     (["--cluster", "8x8xH100-80GB", "--nodes", "2"], "--cluster replaces --nodes"),
-    (["--nodes", "2", "--gpus-per-node", "8"], "needs both --gpu-memory-gib and --gpu-tflops"),
+    (["--nodes", "2", "--gpus-per-node", "8"], "--gpu is missing: give one of H100-80GB, "
+     "H200-141GB, H800-80GB, A100-80GB, A100-40GB, A800-80GB, V100-32GB, L40S-48GB"),
+    (["--nodes", "2", "--gpus-per-node", "8", "--gpu-tflops", "100"],
+     "describe a device not in the table with both --gpu-memory-gib and --gpu-tflops"),
+    (["--cluster", "1x8xV100-32GB", "--precision", "bf16"],
+     "--precision bf16: V100-32GB has no bf16 support (it computes fp16, fp32)"),
     (["--cluster", "1x8xH100-80GB", "--efficiency", "1.5"], "--efficiency must be in (0, 1]"),
 ])
 def test_bad_command_lines(capsys, argv, message):
     code = plan_main(["--model-config", "t5-small", "--global-batch-size", "64"] + argv)
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+SMALL = ["--model-config", "t5-small", "--global-batch-size", "16", "--max-micro-batch", "2",
+         "--top", "1"]
+
+
+def test_v100_is_planned_in_fp16_and_says_why(capsys):
+    """A V100 computes no bf16: without --precision the plan is fp16 and says so, the header's
+    peak is the fp16 one the time model uses (125, not the fp32 15.7 labelled bf16), and no
+    proposed command line carries --bf16."""
+    assert plan_main(SMALL + ["--cluster", "1x8xV100-32GB"]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[:4]
+    assert header[0].endswith(", fp16"), header
+    assert "(32 GiB, 125 TFLOP/s fp16 peak)" in header[1], header
+    assert header[2].startswith("precision fp16: V100-32GB has no bf16 support"), header
+    assert "--fp16" in out and "--bf16" not in out
+    assert plan_main(SMALL + ["--cluster", "1x8xV100-32GB", "--json"]) == 0
+    captured = capsys.readouterr()
+    flags = [f for entry in json.loads(captured.out) for f in entry["flags"]]
+    assert "--fp16" in flags and "--bf16" not in flags
+    assert "no bf16 support" in captured.err
+
+
+def test_header_peak_is_the_plans_precision(capsys):
+    """The header's peak is the table's figure at the plan's precision (A100: 312 bf16, 156
+    fp32)."""
+    for precision, peak in (("bf16", "312"), ("fp32", "156")):
+        assert plan_main(SMALL + ["--cluster", "1x8xA100-80GB", "--precision", precision]) == 0
+        header = capsys.readouterr().out.splitlines()
+        assert f"(80 GiB, {peak} TFLOP/s {precision} peak)" in header[1], header
+        assert header[2].startswith("candidates:"), header  # asked for: no note
+
+
+def test_a_device_not_in_the_table_by_name(capsys):
+    assert plan_main(SMALL + ["--nodes", "1", "--gpus-per-node", "8", "--gpu", "B300",
+                              "--gpu-memory-gib", "180", "--gpu-tflops", "2250"]) == 0
+    header = capsys.readouterr().out.splitlines()
+    assert "8 B300 (180 GiB, 2250 TFLOP/s bf16 peak)" in header[1], header
+
+
+def test_help_shows_every_default(capsys):
+    """Each flag with a default says it in --help; the flags whose default depends on the
+    device (or the encoder length) say what it is."""
+    from megatron.plan.__main__ import build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    with_default = [a for a in parser._actions
+                    if a.option_strings and a.default not in (None, False, "==SUPPRESS==")]
+    assert {a.dest for a in with_default} >= {"encoder_seq_length", "efficiency", "headroom",
+                                             "top", "max_micro_batch", "nvme_gbs"}
+    for action in with_default:
+        assert f"(default: {action.default})" in text, action.option_strings
+    for flag_default in ("default: bf16 where the device computes it, else fp16",
+                         "default: the target length span corruption gives",
+                         "default: the device table's"):
+        assert flag_default in text
 
 
 def test_bad_model_config(capsys, tmp_path):
