@@ -188,6 +188,18 @@ def test_a_device_not_in_the_table_by_name(capsys):
     assert "8 B300 (180 GiB, 2250 TFLOP/s bf16 peak)" in header[1], header
 
 
+def test_a_corrected_v100_still_has_no_bf16():
+    """--gpu-tflops corrects the peak of the precisions the device computes, and adds none."""
+    from megatron.plan.cluster import custom_device, plan_precision
+
+    v100 = custom_device(device_named("V100-32GB"), None, 130.0)
+    assert v100.peak_tflops == {"fp16": 130.0, "fp32": 130.0}
+    assert plan_precision(v100, None)[0] == "fp16"
+    with pytest.raises(ValueError, match="V100-32GB has no bf16 support"):
+        plan_precision(v100, "bf16")
+    assert plan_precision(device_named("A100-80GB"), None) == ("bf16", None)
+
+
 def test_help_shows_every_default(capsys):
     """Each flag with a default says it in --help; the flags whose default depends on the
     device (or the encoder length) say what it is."""
