@@ -17,15 +17,19 @@ with any number of loader workers:
   over [max(1, round((1 - 2 r)(L - 1))), L - 1] with the S denoiser's rate r, so that the
   target is r of the window on average (the reading of Megatron-LM PR #268 and of the UL2
   paper's "S (r = 0.25)"); see the README.
-- Mode tokens: `[NLU]` for R, `[NLG]` for X, `[S2S]` for S (the paper's; strings are tokenized
-  by the run's tokenizer, or given as ids), prepended to the encoder input; off with a flag.
+- Mode tokens: `[NLU]` for R, `[NLG]` for X, `[S2S]` for S (the paper's; a piece of the
+  vocabulary is its one id, as `train_tokenizer.py --ul2-mode-tokens` makes them, other strings
+  are tokenized by the run's tokenizer, or given as ids), prepended to the encoder input; off
+  with a flag. The run warns once at start when one is several pieces (`describe_start`).
 
 Every sample packs the same number of raw tokens (one packed stream, as T5's span corruption):
 the largest window whose input fits the encoder under every denoiser (S, whose prefix may be the
 whole window but one token, decides it: encoder length - 1 - the mode token's length + 1). The
 decoder length is the longest target any denoiser can make (S again: the window); a shorter
 `--decoder-seq-length` is refused naming the denoiser. `UL2Config.budget` computes both; the
-run prints them at start and in --dry-run.
+run prints them at start and in --dry-run. One rule for every mean span (`problems`): an R or X
+denoiser's noise in that window, round(window x rate), must hold one span of its mean length;
+then its spans average 0.75 to 1.5 times the setting.
 """
 
 from __future__ import annotations

@@ -127,3 +127,14 @@ def test_the_hf_export_carries_them(mode_model, tmp_path, monkeypatch):
             assert hf.convert_ids_to_tokens(tid) == text, (cls, text)
         for text in texts:  # in running text: the ids of training
             assert hf(text).input_ids == ours.encode(text, add_eos=True), (cls, text)
+
+
+def test_a_vocabulary_too_small_for_them_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        train_tokenizer.get_args(["--input", "x.jsonl", "--output-prefix", "m",
+                                  "--vocab-size", "262", "--ul2-mode-tokens"])
+    assert e.value.code == 2
+    assert "--vocab-size 262 is too small for 3 special pieces and 256 byte pieces and 3 UL2 " \
+        "mode tokens" in capsys.readouterr().err
+    assert train_tokenizer.get_args(["--input", "x.jsonl", "--output-prefix", "m",
+                                     "--vocab-size", "263", "--ul2-mode-tokens"]).ul2_mode_tokens
