@@ -146,8 +146,9 @@ def add_data_args(parser: argparse.ArgumentParser,
                    help="do not prepend the mode tokens ([NLU], [NLG], [S2S]) to the input")
     for kind, token in DEFAULT_MODE_TOKENS.items():
         g.add_argument(f"--ul2-{kind.lower()}-denoiser-token", default=token,
-                       help=f"the {kind} denoisers' mode token: text (tokenized) or ids "
-                            "(\"32099\" or \"5,6\")")
+                       help=f"the {kind} denoisers' mode token: a piece of the vocabulary "
+                            "(its one id: train_tokenizer.py --ul2-mode-tokens), other text "
+                            "(tokenized) or ids (\"32099\" or \"5,6\")")
     g.add_argument("--short-seq-prob", type=float, default=0.1,
                    help="--t5-objective megatron (and ul2 with --ul2-sample-layout megatron): "
                         "probability of a shorter sample")
