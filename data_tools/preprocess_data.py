@@ -571,84 +571,12 @@ def _summary(args, stats, progress, elapsed: float, files: int, report_path: str
         print(f"wrote {prefix}.bin/.idx", file=sys.stderr)
 
 
-def run_to_object_storage(args: argparse.Namespace) -> int:
-    """--output-prefix s3://...: preprocess into a node-local staging folder (atomic as for
-    local output), then upload each dataset's .bin, then its sidecar, then its .idx
-    (multipart), so that a reader never finds an index without its data; the staging folder is
-    removed either way, and a failed upload removes what it had put. The destination is checked
-    writable before anything is tokenized."""
-    import shutil
-    import tempfile
-
-    from megatron.data import object_storage
-
-    remote = args.output_prefix
-    try:
-        object_storage.split_url(remote)
-    except ValueError as e:
-        print(f"error: --output-prefix {e}", file=sys.stderr)
-        return 2
-    root = args.staging_dir or os.path.join(object_storage.default_cache_path(), "staging")
-    try:
-        os.makedirs(root, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix="preprocess-", dir=root)
-    except OSError as e:
-        print(f"error: --staging-dir {root}: {e}", file=sys.stderr)
-        return 2
-    try:
-        try:
-            _check_writable(remote, staging)
-        except (object_storage.ObjectStorageError, OSError) as e:
-            print(f"error: --output-prefix {remote} is not writable: {e}; nothing was done",
-                  file=sys.stderr)
-            return 2
-        local = os.path.join(staging, os.path.basename(remote))
-        code = run(argparse.Namespace(**{**vars(args), "output_prefix": local}))
-        if code != 0:
-            return code
-        # every .bin, then the sidecars, then the indices (and the report): an .idx marks a
-        # complete dataset
-        names = sorted(os.listdir(staging), key=lambda n: (
-            0 if n.endswith(".bin") else 1 if n.endswith(".meta.json") else 2, n))
-        uploaded = []
-        try:
-            for name in names:
-                target = remote + name[len(os.path.basename(remote)):]
-                object_storage.upload(os.path.join(staging, name), target)
-                uploaded.append(target)
-                print(f"uploaded {target}", file=sys.stderr)
-        except (object_storage.ObjectStorageError, OSError) as e:
-            for target in reversed(uploaded):
-                try:
-                    object_storage.delete(target)
-                except object_storage.ObjectStorageError:  # best effort: the error below
-                    pass
-            print(f"error: {e}; nothing was left under {remote}", file=sys.stderr)
-            return 1
-        return 0
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _check_writable(remote: str, staging: str) -> None:
-    """Put and delete an empty probe object beside `remote` (a missing bucket, refused
-    credentials or a read-only key raise ObjectStorageError before any work)."""
-    from megatron.data import object_storage
-
-    probe = os.path.join(staging, ".write-check")
-    open(probe, "wb").close()
-    target = f"{remote}.write-check-{os.getpid()}"
-    try:
-        object_storage.upload(probe, target)
-        object_storage.delete(target)
-    finally:
-        os.unlink(probe)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = get_args(argv)
     if str(args.output_prefix).startswith("s3://"):
-        return run_to_object_storage(args)
+        from data_tools.preprocess_to_s3 import run_to_object_storage
+
+        return run_to_object_storage(args, run)
     return run(args)
 
 

@@ -230,6 +230,8 @@ def _sample_document_ends(ds, count: int) -> Tuple[Tuple[Tuple[int, int], ...], 
     else:  # pread: only the pages holding these tokens are touched
         fd = os.open(str(ds.path_prefix) + ".bin", os.O_RDONLY)
         try:
+            if hasattr(os, "posix_fadvise"):  # no read-ahead around each token
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             raw = b"".join(os.pread(fd, item, int(o)) for o in offsets)
         finally:
             os.close(fd)

@@ -31,7 +31,13 @@ from typing import Iterable, List, Optional, Sequence, Union
 import numpy as np
 
 from megatron.data import _helpers, object_storage
-from megatron.data.data_meta import DatasetMeta, meta_file_path, write_meta_file
+from megatron.data.data_meta import (
+    DatasetMeta,
+    EodDecision,
+    decide_eod,
+    meta_file_path,
+    write_meta_file,
+)
 
 CorruptIndexError = _helpers.CorruptIndexError
 
@@ -166,6 +172,7 @@ class IndexedDataset:
         self._sequence_lengths = self._bin.sequence_lengths
         self._document_indices = self._bin.document_indices
         self._pointers = self._bin.sequence_pointers
+        self._eod = {}  # (eos id, --data-append-eod) -> EodDecision: decided once per object
 
     # Pickling reopens the files, so DataLoader workers and spawned processes can receive a dataset.
     def __getstate__(self):
@@ -239,6 +246,19 @@ class IndexedDataset:
             plan.append((self._remote, start, end))
             return np.zeros(count, dtype=self.dtype)
         return np.frombuffer(self._remote.read(start, end), dtype=self.dtype)
+
+    def eod_decision(self, eos_id: int, append_eod: str = "auto") -> EodDecision:
+        """Whether the documents end with `eos_id` (data_meta.decide_eod: the sidecar and a
+        bounded sample of document ends, or `append_eod` "yes"/"no"), decided once for this
+        object: the splits made from it share the answer and its reads.
+
+        Raises:
+            data_meta.DataMetaError (a ValueError): "auto" cannot tell (the message names the
+                prefix and --data-append-eod)."""
+        key = (int(eos_id), append_eod)
+        if key not in self._eod:
+            self._eod[key] = decide_eod(self, int(eos_id), append_eod)
+        return self._eod[key]
 
     @property
     def remote(self) -> "Optional[object_storage.RemoteBin]":

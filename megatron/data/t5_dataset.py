@@ -22,7 +22,6 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron.data import _helpers
-from megatron.data.data_meta import decide_eod
 from megatron.data.index_cache import cached_arrays, description_hash
 from megatron.data.ul2 import KINDS, UL2Config, denoise
 from megatron.data.indexed_dataset import IndexedDataset, default_cache_dir, index_identity
@@ -136,8 +135,9 @@ class T5SpanCorruptionDataset:
         self.document_range = (start, end)
         counts = document_token_counts(indexed)[start:end]
         # Documents that do not end with EOS get one, virtually, so that packed documents are
-        # always separated. Decided without scanning the data (data_meta.decide_eod).
-        self.eod = decide_eod(indexed, tokens.eos_id, append_eod)
+        # always separated. Decided without scanning the data (data_meta.decide_eod), once per
+        # IndexedDataset.
+        self.eod = indexed.eod_decision(tokens.eos_id, append_eod)
         self._needs_eos = self.eod.needs_eos(indexed)[start:end]
         self._doc_sizes = counts + self._needs_eos
         tokens_per_epoch = int(self._doc_sizes.sum())
