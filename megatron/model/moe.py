@@ -63,7 +63,8 @@ from megatron.model.config import T5Config
 from megatron.model.dropout import dropout
 from megatron.model.nonlinearity import activation_function
 from megatron.tensor_parallel.group import ExpertParallel, TensorParallel
-from megatron.tensor_parallel.layers import divide, set_tensor_model_parallel_attributes, shard
+from megatron.tensor_parallel.layers import (divide, host_fp32,
+                                             set_tensor_model_parallel_attributes, shard)
 from megatron.tensor_parallel.random import get_cuda_rng_tracker, is_recomputing
 from megatron.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -226,7 +227,7 @@ class Experts(nn.Module):
             seeds = torch.randint(0, 2 ** 62, (self.num_experts,)).tolist()
             with torch.no_grad():
                 for e in range(self.first, self.first + self.local):
-                    master = torch.empty(full, dtype=torch.float32)
+                    master = host_fp32(full)
                     with torch.random.fork_rng(devices=[]):
                         torch.manual_seed(seeds[e])
                         init_method(master)

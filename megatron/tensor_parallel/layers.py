@@ -81,6 +81,13 @@ def unshard(parts, dim: int, stride: int) -> torch.Tensor:
     return torch.cat([blocks[r][s] for s in range(stride) for r in range(len(parts))], dim=dim)
 
 
+def host_fp32(shape) -> torch.Tensor:
+    """An uninitialised fp32 tensor on the CPU, where the full weights are drawn, also inside
+    DeepSpeed's zero.Init: it turns what torch.empty makes into the model's dtype on the
+    device, which would draw ZeRO-3's weights in bf16 or from the CUDA generator."""
+    return torch.empty(shape, dtype=torch.float32, device="cpu").to(torch.float32)
+
+
 def initialize_shard(weight: torch.Tensor, full_shape, dim: int, stride: int,
                       init_method: InitMethod, tp: TensorParallel,
                       init_size: Optional[int] = None) -> None:
@@ -91,11 +98,11 @@ def initialize_shard(weight: torch.Tensor, full_shape, dim: int, stride: int,
     """
     if weight.device.type == "meta":
         return
-    master = torch.zeros(full_shape, dtype=torch.float32)
+    master = host_fp32(full_shape).zero_()
     if init_size is None or init_size >= full_shape[dim]:
         init_method(master)
     else:
-        drawn = torch.empty(*full_shape[:dim], init_size, *full_shape[dim + 1:])
+        drawn = host_fp32((*full_shape[:dim], init_size, *full_shape[dim + 1:]))
         init_method(drawn)
         master.narrow(dim, 0, init_size).copy_(drawn)
     with torch.no_grad():
