@@ -43,7 +43,13 @@ def test_two_stages_match_one_process(train_data, tied, single):
     assert_same_run(got[0][0], single[0], rtol=2e-5)
     assert_same_run(got[0][1], single[0], rtol=2e-5)
     assert_same_run(got[0][2], single[1], rtol=2e-5)
-    assert_same_run(got[0][3], single[2], rtol=2e-2)
+    # bf16: the stages sum the gradients in another order than one process; a master weight
+    # 1e-7 away then rounds to the other bf16 neighbour, one bf16 ulp off (2^-8 to 2^-7
+    # relative), from step 3 on. Measured (AMD EPYC without avx512_bf16): 2.5e-4 (losses),
+    # 9.1e-5 (evaluations), 9.0e-4 (gradient norms); the bound is 2^-8, one ulp at its smallest.
+    assert_same_run(got[0][3], single[2], rtol=2.0 ** -8, label="PP=2 bf16 ZeRO-1")
+    # step 1 runs at lr 0: steps 1 and 2 see the weights as built, the same bf16 bits
+    assert [got[0][3]["losses"][i] for i in (1, 2)] == [single[2]["losses"][i] for i in (1, 2)]
 
 
 def test_pipeline_with_data_and_tensor_parallelism_matches_one_process(train_data, tied, single):
