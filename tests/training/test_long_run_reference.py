@@ -12,11 +12,12 @@ decay on the RMSNorm weights and the relative attention bias), torch.nn.utils.cl
 the global gradient, and the step's loss as the mean of its micro-batches' token-mean losses
 (Megatron's convention: the gradient is the mean of the micro-batch gradients).
 
-The losses must agree within 1e-3 (relative) at every step: errors that every parallel layout
-shares (the schedule off by one, decay on norms, clipping on the wrong norm, Adam's
-hyperparameters, the loss averaging) grow over hundreds of steps where the few-step equality
-tests cannot see them. The settings make each of them act (measured: each such change of the
-reference moves some step's loss by 2e-3 to 3e-2, while the two sides agree to ~3e-7):
+The losses must agree within 1e-5 (relative) at every step, the gradient norms within 1e-4:
+errors that every parallel layout shares (the schedule off by one, decay on norms, clipping on
+the wrong norm, Adam's hyperparameters, the loss averaging) grow over hundreds of steps where the
+few-step equality tests cannot see them. The settings make each of them act (measured: each such
+change of the reference moves some step's loss by 2e-3 to 3e-2, while the two sides agree to
+2.7e-7 in the loss and 2.8e-5 in the gradient norm, AMD EPYC, torch 2.13 CPU):
 - weight decay 1.0, so that decay alone shrinks the weights by about 30% over the run and a
   parameter in the wrong group shows;
 - Adam's betas and eps off their defaults (0.98, 1e-5), so that a value lost on the way shows;
@@ -43,7 +44,12 @@ MAX_LR, MIN_LR = 2e-3, 2e-4
 WARMUP, DECAY = 30, 300  # optimizer steps (cosine decay from WARMUP to DECAY)
 WEIGHT_DECAY, CLIP = 1.0, 0.8
 BETAS, EPS = (0.9, 0.98), 1e-5
-RTOL = 1e-3
+# Measured (python -m pytest tests/training/test_long_run_reference.py -s prints both): losses
+# 2.7e-7 (step 58), gradient norms 2.8e-5 (step 81, a norm of 0.675): the gradients of two
+# implementations of the model, ours and Hugging Face's, sum in other orders, and the norm of
+# 320 k of them shows more of it than the loss. The smallest fault above moves a loss by 2e-3;
+# the bounds leave 35x and 3.5x.
+RTOL, NORM_RTOL = 1e-5, 1e-4
 
 
 def lr_at(step):
@@ -172,9 +178,12 @@ def test_losses_match_a_plain_pytorch_loop_for_300_steps(train_data, tmp_path):
     norms = [ours["grad_norms"][i] for i in range(1, STEPS + 1)]
     differences = relative_differences(losses, ref_losses)
     worst = max(range(STEPS), key=lambda i: differences[i])
+    norm_differences = relative_differences(norms, ref_norms)
+    worst_norm = max(range(STEPS), key=lambda i: norm_differences[i])
     print(f"largest relative loss difference {differences[worst]:.2e} at step {worst + 1} "
           f"(ours {losses[worst]:.6f}, reference {ref_losses[worst]:.6f}); gradient norms: "
-          f"{max(relative_differences(norms, ref_norms)):.2e}")
+          f"{norm_differences[worst_norm]:.2e} at step {worst_norm + 1} (ours "
+          f"{norms[worst_norm]:.6f}, reference {ref_norms[worst_norm]:.6f})")
     # The run does something: the loss falls, clipping acts on some steps and not on others.
     assert sum(losses[-20:]) < 0.8 * sum(losses[:20])
     clipped = sum(n > CLIP for n in ref_norms)
@@ -182,4 +191,4 @@ def test_losses_match_a_plain_pytorch_loop_for_300_steps(train_data, tmp_path):
     bad = [(i + 1, losses[i], ref_losses[i]) for i in range(STEPS) if differences[i] > RTOL]
     assert not bad, f"{len(bad)} steps differ by more than {RTOL} (step, ours, reference): " \
                     f"{bad[:5]}"
-    assert norms == pytest.approx(ref_norms, rel=RTOL)
+    assert norms == pytest.approx(ref_norms, rel=NORM_RTOL)
