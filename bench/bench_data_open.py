@@ -63,7 +63,8 @@ def make_data(folder: Path, mb: float):
                                      "--append-eod", "--workers", "2", "--no-progress"]) == 0
     copies = max(1, round(mb * 1e6 / os.path.getsize(part + ".bin")))
     bare = str(folder / "en_text_document")
-    merge_datasets([part] * copies, bare)  # merged: no sidecar (as Megatron-LM's data)
+    merge_datasets([part] * copies, bare)
+    os.remove(meta_file_path(bare))  # the merged sidecar dropped: as Megatron-LM's data
     ds = IndexedDataset(bare)
     dressed = str(folder / "en_meta_text_document")
     for suffix in (".bin", ".idx"):

@@ -159,7 +159,7 @@ def decide_eod(ds, eos_id: int, mode: str = "auto",
     meta = read_meta(prefix)
     note = ""
     if meta is not None:
-        _check_meta_matches(meta, ds, eos_id)
+        _check_meta_matches(meta, ds)
         if meta.eod_id != eos_id:  # it says nothing of this EOS: the sample decides, as the
             # scan it replaces did (a tokenizer other than the data's is the caller's choice)
             note = (f" ({meta_file_path(prefix)} is about EOD id {meta.eod_id}, not this "
@@ -187,7 +187,7 @@ def decide_eod(ds, eos_id: int, mode: str = "auto",
                        f"a sample: {described}{note}", ranges)
 
 
-def _check_meta_matches(meta: DatasetMeta, ds, eos_id: int) -> None:
+def _check_meta_matches(meta: DatasetMeta, ds) -> None:
     where = meta_file_path(ds.path_prefix)
     found = {"documents": ds.num_documents, "sequences": len(ds), "tokens": ds.num_tokens,
              "dtype": str(np.dtype(ds.dtype))}

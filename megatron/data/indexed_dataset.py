@@ -23,6 +23,7 @@ This module does not import torch: the offline tools use it and must start fast.
 from __future__ import annotations
 
 import array
+import json
 import os
 import struct
 from dataclasses import replace
@@ -36,6 +37,7 @@ from megatron.data.data_meta import (
     EodDecision,
     decide_eod,
     meta_file_path,
+    read_meta,
     write_meta_file,
 )
 
@@ -428,6 +430,7 @@ class IndexedDatasetBuilder:
         prefix = str(idx_path)[:-len(".idx")] if str(idx_path).endswith(".idx") else None
         meta_path = meta_file_path(prefix) if prefix is not None else None
         tmp_meta = _temporary_path(meta_path) if meta_path is not None else None
+        moved_meta = False
         try:
             lengths = np.frombuffer(self._lengths, dtype=np.int32)
             pointers = np.zeros(len(lengths), dtype=np.int64)
@@ -454,6 +457,7 @@ class IndexedDatasetBuilder:
             if meta_path is not None:
                 if meta is not None:
                     os.replace(tmp_meta, meta_path)
+                    moved_meta = True
                 else:  # one from earlier data would describe other data
                     _remove_quietly(meta_path)
             os.replace(tmp_idx, idx_path)
@@ -462,6 +466,8 @@ class IndexedDatasetBuilder:
             _remove_quietly(self._tmp_bin)
             if tmp_meta is not None:
                 _remove_quietly(tmp_meta)
+            if moved_meta:  # no .idx: no dataset for it to describe
+                _remove_quietly(meta_path)
             raise
 
     def abort(self) -> None:
@@ -488,15 +494,21 @@ def _remove_quietly(path: str) -> None:
 
 
 def merge_datasets(prefixes: Iterable[str], output_prefix: str) -> IndexedDataset:
-    """Concatenate datasets of one dtype into `output_prefix` (atomically) and open the result."""
+    """Concatenate datasets of one dtype into `output_prefix` (atomically) and open the result.
+    When every input has a sidecar (PREFIX.meta.json) and they agree on the tokenizer and EOD,
+    the output gets one too; otherwise none (its EOD is then sampled at open)."""
     prefixes = list(prefixes)
     if not prefixes:
         raise ValueError("nothing to merge: no input prefixes")
     first = IndexedDataset(prefixes[0], impl="infer")
+    metas = [read_meta(p) for p in prefixes]
+    keys = {(json.dumps(m.tokenizer, sort_keys=True), m.eod_id, m.eod_appended)
+            for m in metas if m is not None}
+    meta = metas[0] if None not in metas and len(keys) == 1 else None
     with IndexedDatasetBuilder(data_file_path(output_prefix), dtype=first.dtype) as builder:
         for prefix in prefixes:
             builder.add_index(prefix)
-        builder.finalize(index_file_path(output_prefix))
+        builder.finalize(index_file_path(output_prefix), meta)
     return IndexedDataset(output_prefix)
 
 

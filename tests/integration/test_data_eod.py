@@ -19,7 +19,7 @@ from megatron.data.data_meta import (
     meta_file_path,
     read_meta,
 )
-from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, merge_datasets
 from megatron.data.t5_dataset import T5DatasetConfig, T5SpanCorruptionDataset, T5SpecialTokens
 from megatron.data.tokenizer import T5Tokenizer
 
@@ -82,6 +82,18 @@ def test_preprocess_writes_the_sidecar(data):
                                   "vocab_size": data["tok"].vocab_size}
     leftovers = [n for n in os.listdir(data["out"]) if ".tmp-" in n]
     assert leftovers == []
+
+
+def test_merged_data_keeps_a_sidecar_only_when_its_parts_agree(data, tmp_path):
+    twice = str(tmp_path / "twice")
+    merged = merge_datasets([data["eod"], data["eod"]], twice)
+    meta = read_meta(twice)
+    assert meta.eod_appended and (meta.documents, meta.tokens) == (merged.num_documents,
+                                                                   merged.num_tokens)
+    assert decide_eod(merged, data["tok"].eos_id).source == meta_file_path(twice)
+    mixed = str(tmp_path / "mixed")
+    merge_datasets([data["eod"], data["plain"]], mixed)
+    assert read_meta(mixed) is None
 
 
 def test_a_failed_preprocess_leaves_no_sidecar(spm_model, tmp_path):

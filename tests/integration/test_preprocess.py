@@ -184,7 +184,8 @@ def test_a_bom_that_starts_a_file_is_removed_and_counted(tmp_path, spm_model, mi
     expected = mixed_texts[:50] + mixed_texts[50:51] + mixed_texts[51:] + mixed_texts[50:51]
     assert [ds[i].tolist() for i in range(len(ds))] == [tok.encode(t) + [tok.eod]
                                                         for t in expected]
-    assert sorted(os.listdir(out.parent)) == ["m_text_document.bin", "m_text_document.idx"]
+    assert sorted(os.listdir(out.parent)) == ["m_text_document.bin", "m_text_document.idx",
+                                              "m_text_document.meta.json"]
 
 
 def test_a_bom_on_a_later_line_is_a_bad_line(tmp_path, spm_model):
@@ -283,7 +284,7 @@ def test_interrupted_run_leaves_no_output(tmp_path, spm_model, mixed_texts, sig)
         subprocess.run(cmd[:3] + [str(tmp_path / "small.jsonl")] + cmd[4:], check=True,
                        capture_output=True, timeout=120)
         assert sorted(p.name for p in out_dir.iterdir()) == [
-            "big_text_sentence.bin", "big_text_sentence.idx"]
+            "big_text_sentence.bin", "big_text_sentence.idx", "big_text_sentence.meta.json"]
     else:
         assert os.listdir(out_dir) == [], os.listdir(out_dir)
         assert proc.returncode == 130 and "interrupted; no output was written" in err, err
@@ -377,7 +378,8 @@ def test_every_bad_kind_is_skipped_and_listed(tmp_path, spm_model, workers, chun
     assert [ds[i].tolist() for i in range(len(ds))] == [
         tok.encode(text) + [tok.eod] for text in mixed_good_texts()]
     assert sorted(os.listdir(out.parent)) == [
-        "m_bad_lines.tsv", "m_text_document.bin", "m_text_document.idx"]
+        "m_bad_lines.tsv", "m_text_document.bin", "m_text_document.idx",
+        "m_text_document.meta.json"]
 
 
 def test_a_failing_worker_leaves_no_temporaries(tmp_path, spm_model, monkeypatch):
