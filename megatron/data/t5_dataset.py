@@ -111,7 +111,8 @@ class T5SpanCorruptionDataset:
         num_samples: how many samples to serve; epochs are added until there are enough.
         config: lengths, noise, seed.
         tokens: special ids.
-        cache_dir: where index caches go (default: next to the data, `PREFIX_cache/`).
+        cache_dir: `--data-cache-path` (None: `PREFIX_cache/` beside local data, a node-local
+            folder for s3:// data; indexed_dataset.default_cache_dir).
         append_eod: `--data-append-eod`: whether documents end with EOD ("yes", "no", or
             "auto": the dataset's sidecar checked against, or else decided by, a bounded sample
             of document ends; megatron/data/data_meta.py). Raises DataMetaError (a ValueError)
