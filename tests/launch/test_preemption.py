@@ -1,8 +1,9 @@
 """Preemption with real data-loader workers under a real torchrun: SIGTERM to torchrun (what a
 scheduler or `kill` sends) reaches every process of the ranks' groups, the loader workers
 included; the workers leave it to their rank, which saves at the next step boundary and exits,
-and the same command line resumes exactly where the run stopped. (Slurm's signal to every
-process of a job step: tests/launch/test_slurm.py.)"""
+and the same command line resumes exactly where the run stopped: its losses are the straight
+run's, compared as the float32 values of the TensorBoard scalars (the log line rounds them to 5
+digits). (Slurm's signal to every process of a job step: tests/launch/test_slurm.py.)"""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import pytest
 
 from launching import TINY, losses, read, reference_losses, tail, tiny_env
 
+from megatron.plot.events import read_events
+
 pytestmark = pytest.mark.slow
 LONG = ("--eval-interval", "0", "--save-interval", "1000000")  # only the signal saves
 
@@ -23,7 +26,8 @@ LONG = ("--eval-interval", "0", "--save-interval", "1000000")  # only the signal
 @pytest.mark.parametrize("workers", [1, 2])
 def test_sigterm_to_torchrun_saves_and_resumes_exactly(tiny_data, tmp_path, workers):
     out = tmp_path / "run"
-    flags = ("--num-workers", str(workers), *LONG)
+    common = ("--num-workers", str(workers), *LONG)
+    flags = (*common, "--tensorboard-dir", str(out / "tb"))
     run = subprocess.Popen(["bash", str(TINY), *flags],
                            env=tiny_env(tiny_data, out, ITERS="1000000"), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -59,5 +63,12 @@ def test_sigterm_to_torchrun_saves_and_resumes_exactly(tiny_data, tmp_path, work
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = read(out / "log.txt")
     assert f"resumed from {out / 'ckpt'} at iteration {stopped}" in log, tail(out / "log.txt")
-    want = reference_losses(tiny_data, tmp_path / "straight", end, *flags, ITERS="1000000")
+    straight = tmp_path / "straight"
+    want = reference_losses(tiny_data, straight, end, *common, "--tensorboard-dir",
+                            str(straight / "tb"), ITERS="1000000")
     assert losses(log) == want
+    # Bit for bit (float32): the loss scalars of the two starts, the second taking over after
+    # the stop, against the straight run's.
+    got = read_events(out / "tb", "resumed")
+    assert got.starts == 2 and sorted(got.train["loss"]) == list(range(1, end + 1)), got.train
+    assert got.train["loss"] == read_events(straight / "tb", "straight").train["loss"]
