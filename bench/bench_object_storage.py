@@ -17,6 +17,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -32,11 +33,14 @@ import numpy as np
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests" / "objectstore")]
+# --pinned --before REV: a child loader imports the reader's modules at REV from a copy
+# (BENCH_OBJECT_STORAGE_CODE, made by before_copy); everything else is this checkout's
+sys.path[:0] = [p for p in (os.environ.get("BENCH_OBJECT_STORAGE_CODE"), str(REPO)) if p] + \
+    [str(REPO / "tests" / "objectstore")]
 
 import torch  # noqa: E402
 
-from bench.common import corpora_dir, machine_line, write_section  # noqa: E402
+from bench.common import RESULTS, corpora_dir, machine_line, write_section  # noqa: E402
 from megatron.data import object_storage  # noqa: E402
 from megatron.data.indexed_dataset import IndexedDataset  # noqa: E402
 from megatron.data.readahead import ReadAheadBatchSampler, ReadAheadDataset  # noqa: E402
@@ -77,13 +81,15 @@ def _waits(fn):
     return lambda self, *a, **kw: fn(self, *a, **kw) if self.done() else timed(self, *a, **kw)
 
 
-# Where a loader blocks on bytes: ReadAheadDataset.__getitems__ waits on its batch's fetches with
-# Future.exception(); RemoteBin.read waits on a fetch under way with Future.result() or, for
-# bytes neither cached nor under way, fetches them itself (_fetch, on the loader's own thread).
-concurrent.futures.Future.exception = _waits(concurrent.futures.Future.exception)
-concurrent.futures.Future.result = _waits(concurrent.futures.Future.result)
-object_storage.RemoteBin._fetch = _timed(object_storage.RemoteBin._fetch, _blocked)
-object_storage.read_range = _timed(object_storage.read_range, REQUESTS.append)
+def instrument() -> None:
+    """Time where a loader blocks on bytes (the full run's tables; the pinned runs measure the
+    loader as it is): ReadAheadDataset.__getitems__ waits on its batch's fetches with
+    Future.exception(); RemoteBin.read waits on a fetch under way with Future.result() or, for
+    bytes neither cached nor under way, fetches them itself (_fetch, on the loader's thread)."""
+    concurrent.futures.Future.exception = _waits(concurrent.futures.Future.exception)
+    concurrent.futures.Future.result = _waits(concurrent.futures.Future.result)
+    object_storage.RemoteBin._fetch = _timed(object_storage.RemoteBin._fetch, _blocked)
+    object_storage.read_range = _timed(object_storage.read_range, REQUESTS.append)
 
 
 def run(cmd):
@@ -350,12 +356,194 @@ def cpu_seconds() -> tuple:
     return busy / os.sysconf("SC_CLK_TCK"), sum(me.cpu_times()[:4]) + live
 
 
+PINNED_ROW = "| {} | {} | {} | {:,.0f} | {:.2f} | {:.3f} | {:,.0f} | {:.0%} | {} | {} |"
+
+
+def loader_child(spec: dict) -> dict:
+    """One loader run as the trainer's (`--pinned`'s child, started under `taskset -c 1`): the
+    loader's samples/s (the whole loop, worker start included) and its CPU per sample, this
+    process's and its reaped workers' (getrusage), for local mmap or ours over s3://."""
+    import resource
+
+    if spec["kind"] == "before":  # the reader's modules from the copy, not this checkout
+        assert object_storage.__file__.startswith(os.environ["BENCH_OBJECT_STORAGE_CODE"])
+    object_storage.configure(**spec["settings"])
+    TOKENS.append(T5SpecialTokens.from_tokenizer(T5Tokenizer(spec["model"])))
+    remote = spec["kind"] != "mmap"
+    dataset = t5(IndexedDataset(spec["url"] if remote else spec["prefix"]),
+                 "s3_index_cache" if remote else "local_index_cache")
+    order = np.random.default_rng(7).permutation(len(dataset))[:spec["samples"]]
+    batches = [[int(i) for i in order[k:k + MICRO]]
+               for k in range(0, len(order) - MICRO + 1, MICRO)]
+    workers, depth = spec["workers"], spec["settings"]["read_ahead"]
+    sampler = batches
+    if remote:
+        dataset, sampler = ReadAheadDataset(dataset), ReadAheadBatchSampler(batches, depth, workers)
+
+    def cpu() -> float:
+        return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+                   for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+
+    crc, c0, t0 = 0, cpu(), time.perf_counter()
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=workers,
+                                         collate_fn=collate_tensors)
+    for batch in loader:
+        crc = zlib.crc32(batch["encoder_input_ids"].numpy().tobytes(), crc)
+    seconds = time.perf_counter() - t0
+    del loader  # workers joined (and reaped: their CPU is in RUSAGE_CHILDREN)
+    n = MICRO * len(batches)
+    return dict(rate=n / seconds, cpu_ms=1e3 * (cpu() - c0) / n, crc=crc, seconds=seconds)
+
+
+def load_line() -> str:
+    """`uptime`'s load and the busiest other processes (`top -bn1`), for the record."""
+    top = subprocess.run(["top", "-bn1", "-w", "200"], capture_output=True, text=True).stdout
+    rows = [r.split() for r in top.splitlines()[7:] if r.strip()]
+    busy = [f"{r[-1]} {r[8]}%" for r in rows if len(r) > 11 and float(r[8]) >= 5.0][:4]
+    load = os.getloadavg()
+    return f"load {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}" + \
+        (f"; top: {', '.join(busy)}" if busy else "")
+
+
+READER_FILES = ("megatron/data/object_storage.py", "megatron/data/readahead.py",
+                "megatron/data/s3_get.py")
+
+
+def before_copy(rev: str, where: Path) -> Path:
+    """A copy of this checkout's `megatron` package (its built helper included) with the
+    reader's files as they were at git revision `rev`."""
+    shutil.rmtree(where, ignore_errors=True)
+    shutil.copytree(REPO / "megatron", where / "megatron",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in READER_FILES:
+        text = subprocess.run(["git", "show", f"{rev}:{name}"], cwd=REPO, check=True,
+                              capture_output=True).stdout
+        (where / name).write_bytes(text)
+    return where
+
+
+def pinned(args) -> int:
+    """`--pinned`: the server on core 0, each loader on core 1 (a cluster's layout: the store's
+    CPU is not the loader's), local mmap pinned the same way; samples/s per loader process and
+    client CPU per sample, 0 and 2 workers, `--runs` times."""
+    model = tokenizer_model()
+    prefix = token_dataset(model, args.size_mb)
+    # --dir-cache-time: the fixture's 0 s (for tests that write into its folder) re-lists the
+    # folder on every GET; objects here come through the S3 API, which rclone's cache sees
+    server = S3Server(extra_args=("--etag-hash", "", "--dir-cache-time", "1h"))
+    # every thread rclone has now, and those it starts later (they inherit the mask)
+    subprocess.run(["taskset", "-a", "-p", "-c", "0", str(server._proc.pid)], check=True,
+                   stdout=subprocess.DEVNULL)
+    rclone = psutil.Process(server._proc.pid)
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION"):
+        os.environ.pop(name, None)
+    os.environ.update(server.env())
+    shutil.rmtree(CACHE / "object-cache", ignore_errors=True)
+    shutil.rmtree(CACHE / "s3_index_cache", ignore_errors=True)
+    settings = dict(cache_path=str(CACHE / "object-cache"), read_ahead=4)
+    object_storage.configure(**settings)
+    server.make_bucket(BUCKET)
+    url = f"s3://{BUCKET}/{Path(prefix).name}"
+    for ext in (".idx", ".bin"):
+        object_storage.upload(prefix + ext, url + ext)
+    TOKENS.append(T5SpecialTokens.from_tokenizer(T5Tokenizer(str(model))))
+    t5(IndexedDataset(url), "s3_index_cache")  # the index copy and caches, once, as per node
+    t5(IndexedDataset(prefix), "local_index_cache")
+    spec = dict(model=str(model), prefix=prefix, url=url, samples=args.samples,
+                settings=settings)
+    code = before_copy(args.before, CACHE / "before-code") if args.before else None
+    rows, runs = [], []
+    for run_no in range(1, args.runs + 1):
+        load = load_line()
+        got = {}
+        for workers in (0, 2):
+            for kind in ("mmap", "s3") + (("before",) if args.before else ()):
+                env = dict(os.environ)
+                if kind == "before":
+                    env["BENCH_OBJECT_STORAGE_CODE"] = str(code)
+                server0, t0 = sum(rclone.cpu_times()[:2]), time.perf_counter()
+                out = subprocess.run(
+                    ["taskset", "-c", "1", sys.executable, __file__, "--child",
+                     json.dumps(dict(spec, kind=kind, workers=workers))],
+                    check=True, capture_output=True, text=True, cwd=REPO, env=env).stdout
+                r = json.loads(out.strip().splitlines()[-1])
+                wall = time.perf_counter() - t0
+                server_ms = 1e3 * (sum(rclone.cpu_times()[:2]) - server0) / args.samples
+                r.update(server_ms=server_ms if kind != "mmap" else 0.0,
+                         server_busy=(sum(rclone.cpu_times()[:2]) - server0) / wall)
+                got[kind, workers] = r
+                if kind != "mmap":
+                    assert r["crc"] == got["mmap", workers]["crc"], "s3 batches differ from mmap"
+                label = {"mmap": "local mmap", "s3": "ours (s3://, read-ahead 4)",
+                         "before": f"ours at {args.before} (before)"}[kind]
+                ratio = got["mmap", workers]["rate"] / r["rate"]
+                server_cols = ("", "") if kind == "mmap" else \
+                    (f"{r['server_ms']:.2f}", f"{1e3 / r['server_ms']:,.0f}")
+                rows.append(PINNED_ROW.format(run_no, label, workers, r["rate"], ratio,
+                                              r["cpu_ms"], 1e3 / r["cpu_ms"],
+                                              r["server_busy"], *server_cols))
+                print(rows[-1], flush=True)
+        runs.append((load, got))
+    server.close()
+    write_section("object_storage_pinned", pinned_report(args, rows, runs))
+    return 0
+
+
+def pinned_report(args, rows, runs) -> str:
+    nl = "\n"
+    ratios = [[got["mmap", w]["rate"] / got["s3", w]["rate"] for _, got in runs] for w in (0, 2)]
+    cpu = [[got["s3", w]["cpu_ms"] / got["mmap", w]["cpu_ms"] for _, got in runs] for w in (0, 2)]
+    busy = [got["s3", w]["server_busy"] for _, got in runs for w in (0, 2)]
+    fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    before = ""
+    if args.before:
+        was = [[got["before", w]["cpu_ms"] for _, got in runs] for w in (0, 2)]
+        now = [[got["s3", w]["cpu_ms"] for _, got in runs] for w in (0, 2)]
+        before = (f" Client CPU per sample at {args.before} (the reader's files as they were, in the "
+                  f"same runs): {fmt(was[0])} ms with 0 workers, {fmt(was[1])} with 2; now "
+                  f"{fmt(now[0])} and {fmt(now[1])}.")
+    return f"""### Pinned: the server on one core, the loader on the other
+
+Command: `python bench/bench_object_storage.py --pinned --runs {args.runs} --samples {args.samples}{f" --before {args.before}" if args.before else ""}` (finished
+{time.strftime("%H:%M UTC", time.gmtime())}). `rclone serve s3 --etag-hash "" --dir-cache-time 1h` pinned to core 0
+(`taskset -a -p -c 0`), each loader a fresh process under `taskset -c 1` (its DataLoader
+workers and read threads inherit core 1), local mmap pinned the same way; per run the four
+loaders in turn. samples/s: one loader (its process and workers, all on core 1), the whole loop
+of {args.samples} random samples in micro-batches of {MICRO}, worker start included; mmap / ours:
+that run's ratio. CPU / sample: the loader process's and its workers' CPU (getrusage SELF +
+CHILDREN); loader bound: 1000 / that, the samples/s its core allows. Server busy: rclone's CPU
+over the loader's wall time (100%: core 0 full); server CPU / sample: rclone's; server bound:
+1000 / that. Every s3 run's batches equal mmap's (crc checked). Load seen before each run
+(`uptime`; `top -bn1`, processes at 5% or more): {"; ".join(f"run {i + 1}: {load}" for i, (load, _) in enumerate(runs))}.
+
+| run | loader | workers | samples/s | mmap / ours | CPU / sample (ms) | loader bound (samples/s) | server busy | server CPU / sample (ms) | server bound (samples/s) |
+| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+{nl.join(rows)}
+
+mmap / ours samples/s: {fmt(ratios[0])} with 0 workers, {fmt(ratios[1])} with 2 (goal: 1.5 or less,
+{"**met**" if max(max(ratios[0]), max(ratios[1])) <= 1.5 else "**not met**"}); client CPU per sample, ours / mmap: {fmt(cpu[0])} with 0 workers,
+{fmt(cpu[1])} with 2; rclone's core busy {min(busy):.0%} to {max(busy):.0%} of the s3 runs' time.{before}
+"""
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size-mb", type=float, default=120)
     p.add_argument("--samples", type=int, default=2000)
     p.add_argument("--latency-ms", type=float, default=50)
+    p.add_argument("--pinned", action="store_true",
+                   help="only the pinned runs: server on core 0, loader on core 1")
+    p.add_argument("--runs", type=int, default=3, help="--pinned: how many times")
+    p.add_argument("--before", metavar="REV",
+                   help="--pinned: also ours with the reader's files at git revision REV")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # one pinned loader run (JSON spec)
     args = p.parse_args()
+    if args.child:
+        print(json.dumps(loader_child(json.loads(args.child))))
+        return 0
+    if args.pinned:
+        return pinned(args)
+    instrument()
     missing = [m for m in ("obstore", "s3torchconnector") if importlib.util.find_spec(m) is None]
     if missing:  # for (e); said before minutes of the rest
         sys.exit(f"the client comparison needs {' and '.join(missing)}: pip install "
@@ -563,7 +751,11 @@ instance roles) and accepts the 200 with Content-Range that rclone and other S3-
 servers give to a ranged GET, which obstore refuses; so it is the default, and boto3 stays for
 the rest (HEAD, listing, uploads) and as `--object-storage-reader boto3`.
 """
-    write_section("object_storage", body)
+    # the pinned runs' block (`--pinned`) lives inside this section: kept as it is
+    text = RESULTS.read_text() if RESULTS.exists() else ""
+    kept = re.search(r"<!-- object_storage_pinned:begin -->.*?<!-- object_storage_pinned:end -->",
+                     text, re.S)
+    write_section("object_storage", body + ("\n" + kept.group(0) if kept else ""))
     print(body)
 
 

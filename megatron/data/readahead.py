@@ -9,11 +9,12 @@ cached nor under way, all at once and concurrently, and only then builds the sam
 from the cache. A rank reads its own data-parallel share only (the sampler gives it nothing
 else), and a pipeline stage that reads no batch builds no loader.
 
-The ranges of a sample come from building it once with reads recorded, not made (`recording`):
+The ranges of a sample come from making its reads once, recorded and not made (`recording`):
 the datasets' reads depend on the index arrays, not on the token values, for our T5, Megatron T5
 and CPM-2 samples alike; a read that does depend on values (CPM-2's placeholder base) is simply
-made when the sample is built for real. Planning costs a second build of each sample on the
-CPU (bench/RESULTS.md, "object storage").
+made when the sample is built for real. Planning reads a sample's raw tokens only, where its
+dataset says how (`raw_tokens`; through blends), else builds it whole (CPM-2): its CPU is then a
+fraction of the sample's build (bench/RESULTS.md, "object storage").
 """
 
 from __future__ import annotations
@@ -48,12 +49,31 @@ def planned_ranges(dataset, indices: Iterable[int]) -> Dict[object, List[Tuple[i
     with recording() as ranges:
         for index in indices:
             try:
-                dataset[index]
+                _make_reads(dataset, index)
             except Exception:  # noqa: BLE001 - zeros may upset a sample: its reads come later
                 pass
     for remote, start, end in ranges:
         out[remote].append((start, end))
     return out
+
+
+def _make_reads(dataset, index: int) -> None:
+    """The reads of sample `index` of `dataset`, with as little else as can be done: through a
+    blend (a dataset with `datasets`, `dataset_index` and `dataset_sample_index`, as
+    builder.BlendedDataset) to the part that holds the sample, then that part's
+    `raw_tokens(i)` where it has one (T5 span corruption, UL2, Megatron T5: the tokens the
+    sample is made from, so all of its reads and none of its corruption, which otherwise costs
+    as much again as the sample), else the whole sample. A read left out here is only made
+    later, when the sample is built."""
+    while all(hasattr(dataset, name) for name in
+              ("datasets", "dataset_index", "dataset_sample_index")):
+        dataset, index = (dataset.datasets[int(dataset.dataset_index[index])],
+                          int(dataset.dataset_sample_index[index]))
+    reads = getattr(dataset, "raw_tokens", None)
+    if callable(reads):
+        reads(index)
+    else:
+        dataset[index]
 
 
 class AheadBatch(list):
