@@ -27,11 +27,12 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, List, Set, Tuple
+from typing import Callable, Dict, List, Set, Tuple
 
 import pytest
 import torch
@@ -364,16 +365,18 @@ def test_named_functions_are_where_the_docs_say():
 
 
 # The planner's report --------------------------------------------------------------------------
-def quoted_runs(program: str) -> List[Tuple[Block, str, List[str]]]:
-    """(block, command, the output lines the block quotes) for `$ program ...` blocks."""
+def quoted_runs(wanted: Callable[[str], bool]) -> List[Tuple[Block, str, List[str]]]:
+    """(block, command, the output lines the block quotes) for the blocks that start with a
+    `$ ` command that is `wanted`."""
     out = []
     for block in fenced_blocks():
         lines = block.text.splitlines()
-        if lines and lines[0].startswith(f"$ {program}"):
+        if lines and lines[0].startswith("$ "):
             command, rest = lines[0][2:], lines[1:]
             while command.endswith("\\"):
                 command = command[:-1] + " " + rest.pop(0).strip()
-            out.append((block, command, rest))
+            if wanted(command):
+                out.append((block, command, rest))
     return out
 
 
@@ -389,21 +392,65 @@ def matches(quoted: str, real: str) -> bool:
     return True
 
 
+def assert_quoted(block: Block, quoted: List[str], real: List[str]) -> None:
+    """Each quoted line (but '...' lines) is a line of the real output, in order."""
+    at = 0
+    for line in quoted:
+        if line.strip() in ("", "..."):
+            continue
+        hit = next((i for i in range(at, len(real)) if matches(line.strip(), real[i].strip())),
+                   None)
+        assert hit is not None, (f"{block.where}: the docs quote\n  {line.strip()}\nthe "
+                                 f"command prints\n  " + "\n  ".join(real))
+        at = hit + 1
+
+
+def trainer_flags_before(block: Block) -> List[str]:
+    """The trainer's flags of the last torchrun command before `block` in its file ('<the GPU
+    flags above>')."""
+    found = None
+    for other in fenced_blocks():
+        if other.path == block.path and other.line < block.line:
+            for _, command in block_commands(other):
+                words = tokens(command)
+                if words[:1] == ["torchrun"] and TRAINER in words and "..." not in command:
+                    found = words[words.index(TRAINER) + 1:]
+    assert found, f"{block.where}: no torchrun command above to take the flags from"
+    return found
+
+
+def test_the_dry_run_reports_in_the_readme_are_the_trainers(prepared_folder):
+    """The quoted `--dry-run` reports are what the command prints, run in a folder holding the
+    files it names: '<the GPU flags above>' is the torchrun command above it, DATA=...,
+    TOKENIZER=..., OUT=... are the session's corpus and tokenizer and a folder."""
+    runs = quoted_runs(lambda command: re.search(r"--dry-run(?![\w-])", command) is not None)
+    assert len(runs) >= 2, [b.where for b, _, _ in runs]
+    fill = {"DATA": str(prepared_folder / "data" / "mix_text_document"),
+            "TOKENIZER": str(prepared_folder / "spm" / "t5.model"),
+            "OUT": str(prepared_folder / "out")}
+    for block, command, quoted in runs:
+        placeholder = "<the GPU flags above>"
+        words = shlex.split(command.replace(placeholder, ""))
+        if placeholder in command:
+            words += trainer_flags_before(block)
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        while re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
+            name, value = words.pop(0).split("=", 1)
+            env[name] = fill[name] if value == "..." else value
+        argv = ([sys.executable] + words[1:] if words[0] == "python" else
+                ["bash", str(REPO / words[0])] + words[1:])
+        proc = subprocess.run(argv, cwd=prepared_folder, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, f"{block.where}: {command}\n{proc.stderr[-2000:]}"
+        assert_quoted(block, quoted, proc.stdout.splitlines())
+
+
 def test_the_planner_report_in_the_readme_is_the_planners(capsys):
     from megatron.plan.__main__ import main as plan_main
 
-    runs = quoted_runs("python -m megatron.plan")
+    runs = quoted_runs(lambda command: command.startswith("python -m megatron.plan"))
     assert runs, "the README quotes no planner report"
     for block, command, quoted in runs:
         argv = shlex.split(command)[3:]
-        plan_main(argv)
-        real = capsys.readouterr().out.splitlines()
-        at = 0
-        for line in quoted:
-            if line.strip() in ("", "..."):
-                continue
-            hit = next((i for i in range(at, len(real)) if matches(line.strip(),
-                                                                    real[i].strip())), None)
-            assert hit is not None, (f"{block.where}: the README quotes\n  {line.strip()}\n"
-                                     f"the planner prints\n  " + "\n  ".join(real[:12]))
-            at = hit + 1
+        assert plan_main(argv) == 0
+        assert_quoted(block, quoted, capsys.readouterr().out.splitlines())
