@@ -203,13 +203,15 @@ class RangedGetter:
                 sock.sendall(request)
                 status, fields, rest = _read_head(sock)
                 break
-            except _NoAnswer:
+            except (_NoAnswer, ConnectionResetError, BrokenPipeError) as e:
                 self._drop()
                 # a kept-alive connection the server had closed: the GET never reached it,
                 # so it goes again at once on a new connection (a new one failing is a fault)
                 if not reused or last_try:
-                    raise http.client.RemoteDisconnected("the server closed the connection "
-                                                         "without an answer") from None
+                    if isinstance(e, _NoAnswer):
+                        raise http.client.RemoteDisconnected(
+                            "the server closed the connection without an answer") from None
+                    raise
             except BaseException:
                 self._drop()
                 raise

@@ -173,6 +173,32 @@ def test_megatron_cpm2_and_blended_samples_from_s3_equal_local_ones(s3_server, t
     assert_same_batches(read_through_loader(blend["train"], batches, 2), local["train"], batches)
 
 
+def test_planning_records_the_reads_of_the_whole_sample(s3_server, train_data, tmp_path,
+                                                       spm_tokens):
+    """The read-ahead plans a sample from its raw tokens (through a blend to its part), not by
+    building it whole; the ranges it records are all those the whole build reads."""
+    from megatron.data.readahead import planned_ranges, recording
+
+    def whole(dataset, indices):
+        with recording() as ranges:
+            for i in indices:
+                dataset[i]
+        return sorted((a, b) for _, a, b in ranges)
+
+    def planned(dataset, indices):
+        return sorted(r for rs in planned_ranges(dataset, indices).values() for r in rs)
+
+    url = upload(s3_server, "plans", "mix_text_document", train_data.prefix)
+    sentences = sentence_data(tmp_path)
+    sentences_url = upload(s3_server, "plans", "sentences_text_sentence", sentences)
+    for dataset in (datasets([url], tmp_path, tokens=spm_tokens)["train"],
+                    datasets(["0.5", url, "0.5", url], tmp_path, tokens=spm_tokens)["train"],
+                    datasets([sentences_url], tmp_path, "megatron", SENTENCE_TOKENS,
+                             32)["train"]):
+        indices = list(range(0, len(dataset), 3))[:24]
+        assert planned(dataset, indices) == whole(dataset, indices) != []
+
+
 def _copy_prefix(source, target):
     for suffix in (".bin", ".idx"):
         Path(target + suffix).write_bytes(Path(source + suffix).read_bytes())

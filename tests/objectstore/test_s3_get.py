@@ -137,3 +137,52 @@ def test_https_is_verified_as_boto3_verifies(verify, tmp_path):
     getter = RangedGetter(boto, 5.0)
     assert getter._context.verify_mode == (ssl.CERT_NONE if verify is False
                                            else ssl.CERT_REQUIRED)
+
+
+class _ClosingServer(http.server.BaseHTTPRequestHandler):
+    """HTTP/1.1 that keeps a connection open in its headers' words (no `Connection: close`)
+    and then closes it after one answer, as servers do to idle kept-alive connections; GETs of
+    /denied get a chunked 403 with S3's error XML."""
+
+    protocol_version = "HTTP/1.1"
+    body = bytes(range(256)) * 16
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        if self.path.endswith("/denied"):
+            xml = b"<Error><Code>AccessDenied</Code><Message>no</Message></Error>"
+            self.send_response(403)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for part in (xml[:20], xml[20:], b""):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+        else:
+            a, b = (int(x) for x in self.headers["Range"].split("=")[1].split("-"))
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {a}-{b}/{len(self.body)}")
+            self.send_header("Content-Length", str(b + 1 - a))
+            self.end_headers()
+            self.wfile.write(self.body[a:b + 1])
+        self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_kept_alive_connection_the_server_closed_is_replaced_at_once(s3_env, monkeypatch):
+    """One attempt only: the GET on a connection the server had closed goes again on a new
+    one without needing the caller's retry; a chunked error answer is read for its code."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ClosingServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_port}")
+        object_storage.configure(reader="sigv4", retries=1)
+        body = _ClosingServer.body
+        for a, b in [(0, 10), (5, 300), (4000, 4096), (1, 2)]:
+            assert object_storage.read_range("s3://any/key", a, b) == body[a:b]
+        with pytest.raises(object_storage.ObjectStorageError,
+                           match=r"s3://any/denied bytes \[0, 5\): AccessDenied"):
+            object_storage.read_range("s3://any/denied", 0, 5)
+    finally:
+        server.shutdown()
+        object_storage.configure(retries=8)
