@@ -12,7 +12,9 @@ A dataset prefix `s3://bucket/path/name` names the objects `path/name.idx` and `
   into a bounded in-memory cache (`--object-storage-block-cache-mib`, least recently used out).
   The sampler's order is known ahead, so the loader (`readahead.py`) asks for the ranges of the
   next batches of this process before they are needed; ranges closer than `merge_gap` are merged
-  into one request, and requests run concurrently (`--object-storage-max-connections`).
+  into one request, and requests run concurrently (`--object-storage-max-connections`): with
+  the sigv4 reader, those of one prefetch go out together from one pool thread, which reads the
+  answers as they come (one thread hand-off per batch, not per request).
 - **Faults**: each request is retried with exponential backoff and jitter on 5xx answers,
   throttling (SlowDown), dropped or reset connections, timeouts and short bodies (a truncated
   answer is never handed out: the body's length is checked). Past `retries` attempts, or at once
@@ -254,12 +256,16 @@ class _ShortRead(Exception):
     pass
 
 
-def _with_retries(what: str, call):
-    """call() retried as the module docstring says; ObjectStorageError naming `what`."""
+def _with_retries(what: str, call, failed: Optional[BaseException] = None):
+    """call() retried as the module docstring says; ObjectStorageError naming `what`. `failed`:
+    the error of a first attempt made elsewhere (read_ranges), counted as attempt 1."""
     s = _SETTINGS
     last: Optional[BaseException] = None
     for attempt in range(max(1, s.retries)):
         try:
+            if failed is not None:
+                error, failed = failed, None
+                raise error
             return call()
         except Exception as e:  # noqa: BLE001 - classified below
             last = e
@@ -298,8 +304,10 @@ def exists(url: str) -> bool:
     return False
 
 
-def read_range(url: str, start: int, end: int) -> bytes:
-    """Bytes [start, end) of object `url`, whole or an ObjectStorageError."""
+def read_range(url: str, start: int, end: int,
+               failed: Optional[BaseException] = None) -> bytes:
+    """Bytes [start, end) of object `url`, whole or an ObjectStorageError (`failed`: a first
+    attempt's error, as _with_retries takes it)."""
     bucket, key = split_url(url)
 
     def get() -> bytes:
@@ -319,7 +327,29 @@ def read_range(url: str, start: int, end: int) -> bytes:
 
     if end <= start:
         return b""
-    return _with_retries(f"{url} bytes [{start}, {end})", get)
+    return _with_retries(f"{url} bytes [{start}, {end})", get, failed)
+
+
+def read_ranges(url: str, ranges: List[Tuple[int, int]]) -> Iterable[bytes]:
+    """Bytes of each [start, end) of `ranges` (non-empty), in order, each whole or an
+    ObjectStorageError as read_range's: with the sigv4 reader their GETs go out together from
+    this thread (RangedGetter.get_many) and a range whose first attempt failed is retried
+    alone; with boto3, one after another."""
+    if _SETTINGS.reader != "sigv4" or len(ranges) < 2:
+        for start, end in ranges:
+            yield read_range(url, start, end)
+        return
+    bucket, key = split_url(url)
+    try:
+        got = getter().get_many(bucket, key, ranges, _SETTINGS.max_connections)
+    except Exception as e:  # noqa: BLE001 - each range's retry classifies it
+        got = [e] * len(ranges)
+    for (start, end), data in zip(ranges, got):
+        if isinstance(data, bytes) and len(data) == end - start:
+            yield data
+        else:
+            yield read_range(url, start, end, data if isinstance(data, BaseException) else
+                             _ShortRead(f"{len(data)} of {end - start} bytes"))
 
 
 def download(url: str, path: str) -> None:
@@ -466,17 +496,26 @@ class RemoteBin:
 
     def prefetch(self, ranges: Iterable[Tuple[int, int]]) -> List[Future]:
         """Start fetching `ranges` (merged) that are neither cached nor under way; returns the
-        futures (their errors surface again when the bytes are read)."""
-        futures = []
-        for start, end in merge_ranges(ranges, _SETTINGS.merge_gap):
-            start, end = max(0, start), min(self.size, end)
-            with self._lock:
-                if self._find(start, end, touch=False) is not None or any(
+        futures (their errors surface again when the bytes are read). With the sigv4 reader
+        they go as one task whose GETs run together (read_ranges), so that a batch costs one
+        thread hand-off, not one per request; with boto3, one task per range."""
+        todo = []
+        with self._lock:
+            for start, end in merge_ranges(ranges, _SETTINGS.merge_gap):
+                start, end = max(0, start), min(self.size, end)
+                if end <= start or self._find(start, end, touch=False) is not None or any(
                         a <= start and end <= b for a, b in self._pending):
                     continue
-                future = _pool().submit(self._fetch_and_store, start, end)
-                self._pending[(start, end)] = future
-            futures.append(future)
+                todo.append((start, end))
+            if not todo:
+                return []
+            groups = [todo] if _SETTINGS.reader == "sigv4" else [[r] for r in todo]
+            futures = []
+            for group in groups:
+                future = _pool().submit(self._fetch_and_store, group)
+                for r in group:
+                    self._pending[r] = future
+                futures.append(future)
         return futures
 
     def items(self, offsets, itemsize: int, gap: int = 4 * 1024 * 1024) -> bytes:
@@ -501,12 +540,19 @@ class RemoteBin:
             self.requests += 1
         return data
 
-    def _fetch_and_store(self, start: int, end: int) -> None:
+    def _fetch_and_store(self, ranges: List[Tuple[int, int]]) -> None:
         try:
-            self._store(start, end, self._fetch(start, end))
+            for (start, end), data in zip(ranges, read_ranges(self.url, ranges)):
+                with self._lock:
+                    self.fetched_bytes += len(data)
+                    self.requests += 1
+                self._store(start, end, data)
+                with self._lock:
+                    self._pending.pop((start, end), None)
         finally:
             with self._lock:
-                self._pending.pop((start, end), None)
+                for r in ranges:
+                    self._pending.pop(r, None)
 
     # The cache (callers hold no lock unless said) ------------------------------------------------
     def _find(self, start: int, end: int, touch: bool = True) -> Optional[memoryview]:
