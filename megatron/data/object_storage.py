@@ -488,7 +488,14 @@ class RemoteBin:
                 waiting = [f for (a, b), f in self._pending.items() if a <= start and end <= b]
             if not waiting:
                 break
-            waiting[0].result()  # raises the fetch's ObjectStorageError
+            try:
+                waiting[0].result()
+            except ObjectStorageError as e:  # the fetch's error, if it is this range's
+                failed = getattr(e, "range", None)
+                if failed is None or failed[0] <= start and end <= failed[1]:
+                    raise
+                # another range of the same task failed, and its later ones were not
+                # fetched: this one is no longer pending, and is fetched here
         self._store(start, end, self._fetch(start, end))
         with self._lock:
             found = self._find(start, end)
@@ -541,6 +548,7 @@ class RemoteBin:
         return data
 
     def _fetch_and_store(self, ranges: List[Tuple[int, int]]) -> None:
+        done = 0
         try:
             for (start, end), data in zip(ranges, read_ranges(self.url, ranges)):
                 with self._lock:
@@ -549,6 +557,10 @@ class RemoteBin:
                 self._store(start, end, data)
                 with self._lock:
                     self._pending.pop((start, end), None)
+                done += 1
+        except ObjectStorageError as e:
+            e.range = ranges[done]  # which one failed: read() raises it for that range only
+            raise
         finally:
             with self._lock:
                 for r in ranges:

@@ -328,9 +328,16 @@ class RangedGetter:
                     i, again = todo.popleft()
                     start, end = ranges[i]
                     sock, reused = (idle.pop(), True) if idle else (None, False)
-                    try:
-                        if sock is None:
+                    if sock is None:
+                        try:
                             sock = self._open(host)
+                        except Exception as e:  # noqa: BLE001 - the caller classifies it
+                            # unreachable: the others would each wait as long (a timeout)
+                            for j, _ in [(i, again), *todo]:
+                                results[j] = e
+                            todo.clear()
+                            continue
+                    try:
                         sock.sendall(self._request(host, path, start, end))
                     except (ConnectionResetError, BrokenPipeError) as e:
                         _close(sock)

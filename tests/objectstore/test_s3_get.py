@@ -142,13 +142,13 @@ def test_https_is_verified_as_boto3_verifies(verify, tmp_path):
 class _ClosingServer(http.server.BaseHTTPRequestHandler):
     """HTTP/1.1 that keeps a connection open in its headers' words (no `Connection: close`)
     and then closes it after one answer, as servers do to idle kept-alive connections; GETs of
-    /denied get a chunked 403 with S3's error XML."""
+    /denied, and of a range from byte 666, get a chunked 403 with S3's error XML."""
 
     protocol_version = "HTTP/1.1"
     body = bytes(range(256)) * 16
 
     def do_GET(self):  # noqa: N802 - http.server's name
-        if self.path.endswith("/denied"):
+        if self.path.endswith("/denied") or self.headers["Range"].startswith("bytes=666-"):
             xml = b"<Error><Code>AccessDenied</Code><Message>no</Message></Error>"
             self.send_response(403)
             self.send_header("Transfer-Encoding", "chunked")
@@ -186,3 +186,26 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced_at_once(s3_env, m
     finally:
         server.shutdown()
         object_storage.configure(retries=8)
+
+
+def test_a_range_failing_in_a_prefetch_fails_its_own_reads_only(s3_env, monkeypatch):
+    """A prefetch's GETs go together; one refused fails the reads of its range, naming it,
+    and the ranges after it, not fetched then, are read on demand."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ClosingServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_port}")
+        object_storage.configure(reader="sigv4", merge_gap=0)
+        body = _ClosingServer.body
+        remote = object_storage.RemoteBin("s3://any/key", len(body))
+        for future in remote.prefetch([(0, 10), (666, 700), (3000, 3100)]):
+            future.exception()
+        assert bytes(remote.read(0, 10)) == body[0:10]
+        with pytest.raises(object_storage.ObjectStorageError,
+                           match=r"s3://any/key bytes \[666, 700\): AccessDenied"):
+            remote.read(666, 700)
+        assert bytes(remote.read(3000, 3100)) == body[3000:3100]
+    finally:
+        server.shutdown()
+        object_storage.configure(merge_gap=64 * 1024)
