@@ -58,3 +58,66 @@ def test_a_stage_that_reads_no_batch_gets_as_many_empty_ones():
     unread = UnreadBatches(3)
     assert len(unread) == 3
     assert list(unread) == [{}, {}, {}] and list(unread) == [{}, {}, {}]  # every epoch anew
+
+
+def _agent_store():
+    """A real TCPStore standing for torchrun's agent store, and the environment torchrun gives
+    its ranks."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30),
+                          wait_for_workers=False)
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "0"}
+    return store, env
+
+
+class _NoSignal:
+    received = None
+
+
+def test_a_silent_rank_leaves_once_the_speaker_has_printed():
+    import threading
+    import time
+
+    from megatron.pretrain_t5 import announce_refusal, await_refusal
+
+    store, env = _agent_store()
+    speaker = {**env, "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0"}
+    silent = {**env, "RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0"}
+    left = []
+
+    def wait():
+        await_refusal(silent, _NoSignal(), grace_s=600)
+        left.append(time.monotonic())
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.5)
+    assert not left  # still waiting: nothing said yet
+    said = time.monotonic()
+    announce_refusal(speaker)
+    waiter.join(60)
+    assert left and left[0] >= said  # left on the word, long before its grace
+
+
+def test_a_silent_rank_without_a_launcher_store_leaves_at_a_signal():
+    from megatron.pretrain_t5 import await_refusal
+
+    class Signalled:
+        received = 15
+
+    # no agent store (srun, a plain python): the grace is cut short by the launcher's SIGTERM
+    import threading
+
+    waiter = threading.Thread(target=await_refusal, args=({"WORLD_SIZE": "2"}, Signalled(), 600),
+                              daemon=True)
+    waiter.start()
+    waiter.join(60)
+    assert not waiter.is_alive()

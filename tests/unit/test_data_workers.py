@@ -1,0 +1,78 @@
+"""A rank ends its data-loader workers itself (megatron/training/data_workers.py): they ignore
+SIGTERM, so a loader nobody shut down held its rank in multiprocessing's exit handler forever."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch
+
+from megatron.training.data_workers import StoppableLoader, data_worker_init
+
+
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def loader(workers: int, persistent: bool = False) -> StoppableLoader:
+    return StoppableLoader(Numbers(), batch_size=4, num_workers=workers,
+                           persistent_workers=persistent,
+                           worker_init_fn=functools.partial(data_worker_init,
+                                                            rank_pid=os.getpid()))
+
+
+def test_close_ends_workers_that_ignore_sigterm():
+    data = loader(2)
+    it = iter(data)
+    # a batch from each worker: both have run data_worker_init
+    assert [next(it).tolist(), next(it).tolist()] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    workers = list(it._workers)
+    for w in workers:  # what multiprocessing's exit handler sends: ignored
+        os.kill(w.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert all(w.is_alive() for w in workers)
+    data.close()  # the iterator is still held here, as a traceback or an engine would
+    assert not any(w.is_alive() for w in workers)
+    assert all(w.exitcode is not None for w in workers)  # reaped
+
+
+def test_close_ends_a_persistent_loaders_workers_and_it_starts_anew():
+    data = loader(1, persistent=True)
+    assert [b.tolist()[0] for b in data][:2] == [0, 4]
+    workers = list(data._iterator._workers)
+    data.close()
+    assert not any(w.is_alive() for w in workers)
+    assert [b.tolist()[0] for b in data][:2] == [0, 4]  # a later epoch starts new workers
+    data.close()
+
+
+def test_a_process_with_an_open_loader_exits():
+    """The hang itself, in a child process: an iterator left open at interpreter exit (held by
+    a module global), whose workers ignore SIGTERM. With the rank's reaper registered as the
+    entry point does, the process exits; without, multiprocessing's handler would join forever
+    (bounded here by the timeout, which fails the test)."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_data_workers import loader
+        from megatron.training.data_workers import reap_daemonic_children
+        import atexit
+        atexit.register(reap_daemonic_children)
+        data = loader(2)
+        held = iter(data)
+        print(next(held).tolist(), flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[0, 1, 2, 3]"
