@@ -312,8 +312,8 @@ class RangedGetter:
                  limit: int) -> List[Union[bytes, BaseException]]:
         """Bytes of each [start, end) of `ranges` (fewer if the object is shorter), their GETs
         sent together over at most `limit` kept-alive connections of this thread and their
-        answers read as they come, by this one thread: no thread hand-off per request (a
-        third less client CPU a request than one thread each, bench/RESULTS.md). An entry is
+        answers read as they come, by this one thread: no thread hand-off per request (about
+        a third less client CPU a request here than a pool thread each). An entry is
         the exception its request met instead (HttpError, RangeIgnored, OSError,
         http.client.HTTPException); the caller retries those, one by one. A kept-alive
         connection the server had closed is replaced at once, as in `get`."""
