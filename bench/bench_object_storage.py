@@ -459,14 +459,18 @@ def pinned(args) -> int:
         load = load_line()
         got = {}
         for workers in (0, 2):
-            for kind in ("mmap", "s3") + (("before",) if args.before else ()):
+            for kind in ("mmap", "s3") + (("before",) if args.before else ()) + \
+                    tuple(f"s3-{c}" for c in args.also_connections):
                 env = dict(os.environ)
                 if kind == "before":
                     env["BENCH_OBJECT_STORAGE_CODE"] = str(code)
+                settings_now = dict(settings, max_connections=int(kind[3:])) \
+                    if kind.startswith("s3-") else settings
                 server0, t0 = sum(rclone.cpu_times()[:2]), time.perf_counter()
                 out = subprocess.run(
                     ["taskset", "-c", "1", sys.executable, __file__, "--child",
-                     json.dumps(dict(spec, kind=kind, workers=workers))],
+                     json.dumps(dict(spec, kind=kind, workers=workers,
+                                     settings=settings_now))],
                     check=True, capture_output=True, text=True, cwd=REPO, env=env).stdout
                 r = json.loads(out.strip().splitlines()[-1])
                 wall = time.perf_counter() - t0
@@ -477,7 +481,8 @@ def pinned(args) -> int:
                 if kind != "mmap":
                     assert r["crc"] == got["mmap", workers]["crc"], "s3 batches differ from mmap"
                 label = {"mmap": "local mmap", "s3": "ours (s3://, read-ahead 4)",
-                         "before": f"ours at {args.before} (before)"}[kind]
+                         "before": f"ours at {args.before} (before)"}.get(
+                    kind, f"ours, {kind[3:]} connections")
                 ratio = got["mmap", workers]["rate"] / r["rate"]
                 server_cols = ("", "") if kind == "mmap" else \
                     (f"{r['server_ms']:.2f}", f"{1e3 / r['server_ms']:,.0f}")
@@ -491,6 +496,10 @@ def pinned(args) -> int:
     return 0
 
 
+def settings_default() -> "object_storage.StorageSettings":
+    return object_storage.StorageSettings()
+
+
 def pinned_report(args, rows, runs) -> str:
     nl = "\n"
     ratios = [[got["mmap", w]["rate"] / got["s3", w]["rate"] for _, got in runs] for w in (0, 2)]
@@ -502,6 +511,15 @@ def pinned_report(args, rows, runs) -> str:
     server_req = server_ms / max(req, 1e-9)
     ours_cpu, mmap_cpu, mmap_rate = median("s3", "cpu_ms"), median("mmap", "cpu_ms"), \
         median("mmap", "rate")
+    fewer = ""
+    for c in args.also_connections:
+        fewer += (f" With {c} connections a loader process instead of {settings_default().max_connections}"
+                  f" (`--object-storage-max-connections`): rclone's CPU a sample "
+                  f"{median(f's3-{c}', 'server_ms'):.1f} ms against {server_ms:.1f}, ours "
+                  f"{median(f's3-{c}', 'rate'):,.0f} samples/s against {median('s3', 'rate'):,.0f} "
+                  f"(0 workers, medians): rclone spends more CPU a request the more requests it has "
+                  f"in flight, so this server serves more with fewer; a store with real latency needs "
+                  f"the many, which the default keeps.")
     before = ""
     if args.before:
         was = [[got["before", w]["cpu_ms"] for _, got in runs] for w in (0, 2)]
@@ -511,7 +529,7 @@ def pinned_report(args, rows, runs) -> str:
                   f"{fmt(now[0])} and {fmt(now[1])}.")
     return f"""### Pinned: the server on one core, the loader on the other
 
-Command: `python bench/bench_object_storage.py --pinned --runs {args.runs} --samples {args.samples}{f" --before {args.before}" if args.before else ""}` (finished
+Command: `python bench/bench_object_storage.py --pinned --runs {args.runs} --samples {args.samples}{f" --before {args.before}" if args.before else ""}{" --also-connections " + " ".join(map(str, args.also_connections)) if args.also_connections else ""}` (finished
 {time.strftime("%H:%M UTC", time.gmtime())}). `rclone serve s3 --etag-hash "" --dir-cache-time 1h` pinned to core 0
 (`taskset -a -p -c 0`), each loader a fresh process under `taskset -c 1` (its DataLoader
 workers and read threads inherit core 1), local mmap pinned the same way; per run the four
@@ -542,7 +560,7 @@ either. What is left per sample past mmap's: the GETs (~{(ours_cpu - mmap_cpu) /
 included: signing, a send and a receive on loopback, whose kernel work on both ends this core
 pays, the answer's parse); obstore's get_ranges spends about as much a range here (0.17-0.22 ms
 against ours 0.22-0.26, 25 ranges a call, through the 206 relay, one script run). The tables above
-come from the full run (without --pinned) and predate this block unless re-run.
+come from the full run (without --pinned) and predate this block unless re-run.{fewer}
 """
 
 
@@ -556,6 +574,8 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3, help="--pinned: how many times")
     p.add_argument("--before", metavar="REV",
                    help="--pinned: also ours with the reader's files at git revision REV")
+    p.add_argument("--also-connections", type=int, nargs="*", default=[], metavar="N",
+                   help="--pinned: also ours with --object-storage-max-connections N")
     p.add_argument("--child", help=argparse.SUPPRESS)  # one pinned loader run (JSON spec)
     args = p.parse_args()
     if args.child:
