@@ -7,6 +7,12 @@ loader reads them, (c) by megatron-core's _S3BinReader, (d) as (b) with latency 
 tests/objectstore's FaultProxy and a simulated training step; (e) the clients on ranged GETs:
 boto3, obstore, s3torchconnector and ours (s3_get.py's sigv4 reader), with the server's CPU per
 request (`pip install obstore s3torchconnector` for (e)). Data and tokenizer are made once under /tmp; results go to bench/RESULTS.md.
+
+    python bench/bench_object_storage.py --pinned [--runs 3] [--samples 4000] [--before REV]
+
+as a cluster has it: the server pinned to core 0, each loader (local mmap, ours; 0 and 2
+workers) a process pinned to core 1: samples/s per loader process and its CPU per sample
+(getrusage), each run after the other; its block goes inside the object-storage section.
 """
 
 from __future__ import annotations
