@@ -538,8 +538,8 @@ def pinned_report(args, rows, runs) -> str:
 Command: `python bench/bench_object_storage.py --pinned --runs {args.runs} --samples {args.samples}{f" --before {args.before}" if args.before else ""}{" --also-connections " + " ".join(map(str, args.also_connections)) if args.also_connections else ""}` (finished
 {time.strftime("%H:%M UTC", time.gmtime())}). `rclone serve s3 --etag-hash "" --dir-cache-time 1h` pinned to core 0
 (`taskset -a -p -c 0`), each loader a fresh process under `taskset -c 1` (its DataLoader
-workers and read threads inherit core 1), local mmap pinned the same way; per run the four
-loaders in turn. samples/s: one loader (its process and workers, all on core 1), the whole loop
+workers and read threads inherit core 1), local mmap pinned the same way; per run the
+loaders in turn, in the table's order. samples/s: one loader (its process and workers, all on core 1), the whole loop
 of {args.samples} random samples in micro-batches of {MICRO}, worker start included; mmap / ours:
 that run's ratio. CPU / sample: the loader process's and its workers' CPU (getrusage SELF +
 CHILDREN); loader bound: 1000 / that, the samples/s its core allows. Server busy: rclone's CPU
