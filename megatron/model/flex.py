@@ -7,7 +7,8 @@ tensor.
   where bidirectional), and adds the table's entry of the query's head.
 - A block mask carries the padding (keys whose attention mask is 0) and the decoder's
   causality, so blocks that are wholly masked are skipped; cross-attention has the mask only.
-- FlexAttention is compiled (`torch.compile(flex_attention)`, once per process); a new shape
+- FlexAttention is compiled on accelerators (`torch.compile(flex_attention)`, once per
+  process; the CPU runs torch's eager reference, see COMPILED); a new shape
   class (batch, heads, lengths, head size, dtype, device) or a new score_mod structure compiles
   again: the table and the masks are captured tensors, so new values do not.
 
@@ -120,13 +121,17 @@ def key_valid_from_additive(mask: Optional[torch.Tensor]) -> Optional[torch.Tens
 
 
 COMPILED = True
-"""Run FlexAttention compiled (its fused kernel); False: torch's eager reference (it builds the
-scores whole: for tests and debugging only)."""
+"""Run FlexAttention compiled (its fused kernel) on accelerators; False: torch's eager reference
+(it builds the scores whole: for tests and debugging only). On the CPU the reference always
+runs: torch 2.13's compiled CPU kernel returns rows of zeros now and then for the last batch and
+head of a padded batch (seen on an AVX2 host with 40 queries and keys, no score_mod needed;
+torch's flex issues report the like), and the CPU runs flex for evaluation only (no backward)."""
 
 
 def flex_core_attention(query, key, value, bias: FlexBias):
     """softmax(q k^T + relative bias, masked) v over [batch, heads, length, d_kv], unscaled."""
     batch, _, q_len, _ = query.shape
     block_mask = bias.block_mask(batch, q_len, key.shape[2], query.device)
-    return flex_function(COMPILED)(query, key, value, score_mod=bias.score_mod(),
+    compiled = COMPILED and query.device.type != "cpu"
+    return flex_function(compiled)(query, key, value, score_mod=bias.score_mod(),
                                    block_mask=block_mask, scale=1.0)

@@ -2,7 +2,9 @@
 FlexAttention from the bucket table, padding and causality in a block mask. Its outputs equal the
 eager backend's (fp32, 1e-5) for encoder self-attention (bidirectional buckets), decoder causal
 self-attention (unidirectional buckets) and cross-attention, with padding, at TP 1 and 2, through
-torch's eager reference and compiled; training with it on the CPU is refused before start."""
+torch's eager reference (the compiled kernel runs on CUDA only: tests/gpu/test_gpu.py; torch's
+compiled CPU kernel drops rows now and then, see flex.COMPILED); training with it on the CPU is
+refused before start."""
 
 import sys
 from pathlib import Path
@@ -25,10 +27,20 @@ FIELDS = dict(vocab_size=300, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_dec
               tie_word_embeddings=False)
 
 
-@pytest.fixture(params=[False, True], ids=["reference", "compiled"])
-def compiled(request, monkeypatch):
-    monkeypatch.setattr(flex, "COMPILED", request.param)
-    return request.param
+@pytest.fixture
+def compiled(monkeypatch):
+    """COMPILED as in a run; on the CPU that is torch's eager reference."""
+    monkeypatch.setattr(flex, "COMPILED", True)
+    return True
+
+
+def test_the_cpu_runs_the_eager_reference(monkeypatch):
+    calls = []
+    monkeypatch.setattr(flex, "flex_function", lambda compiled: calls.append(compiled) or (
+        lambda q, k, v, **kwargs: q))
+    q = torch.zeros(1, 1, 4, 8)
+    flex_core_attention(q, q, q, FlexBias(None, False, 0, 0, None, False))
+    assert calls == [False]
 
 
 def batch_with_padding():
@@ -87,7 +99,7 @@ def test_the_model_with_flex_equals_eager(compiled):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("use_compiled", [False, True], ids=["reference", "compiled"])
+@pytest.mark.parametrize("use_compiled", [True])
 def test_flex_under_tensor_parallelism_equals_one_eager_process(use_compiled):
     torch.manual_seed(0)
     eager = T5Model(T5Config(**FIELDS), attention_backend="eager").eval()
