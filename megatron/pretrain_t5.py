@@ -424,11 +424,26 @@ def run(config: RunConfig, signals) -> int:
         watchdog.close()
 
 
+def peer_gone(error: BaseException) -> bool:
+    """Whether a collective failed because another rank left (it failed or was stopped, and
+    says why itself): no traceback of this rank adds anything."""
+    backend_error = getattr(dist, "DistBackendError", None)
+    if backend_error is not None and isinstance(error, backend_error):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("Connection closed by peer" in text
+                                                or "Connection reset by peer" in text)
+
+
 def _train(config: RunConfig, signals, watchdog, created: bool) -> int:
     try:
         pretrain(config, signals, watchdog)  # ends with a barrier when it finished
     except RunFailure:  # pretrain reported it
         return 1
+    except Exception as e:  # noqa: BLE001 - a bug keeps its traceback (re-raised below)
+        if getattr(e, "_phase_reported", False) and peer_gone(e):
+            return 1  # the watchdog's line named the phase; the peer's own report says why
+        raise
     finally:
         parallel_state.destroy_model_parallel()
         if created and dist.is_initialized():
