@@ -13,6 +13,9 @@ request (`pip install obstore s3torchconnector` for (e)). Data and tokenizer are
 as a cluster has it: the server pinned to core 0, each loader (local mmap, ours; 0 and 2
 workers) a process pinned to core 1: samples/s per loader process and its CPU per sample
 (getrusage), each run after the other; its block goes inside the object-storage section.
+
+Over 600 lines on purpose, for now: the two modes share the corpus, the server, the loaders and
+the table writer; the pinned mode is the candidate for a module of its own.
 """
 
 from __future__ import annotations
