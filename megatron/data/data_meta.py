@@ -90,18 +90,12 @@ class DatasetMeta:
 
 
 def write_meta_file(path: str, meta: DatasetMeta) -> None:
-    """`meta` into `path` atomically: a temporary file, fsync, rename."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(meta.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """`meta` into `path`, synced: the caller writes a temporary name and renames it into place
+    with the dataset's other files (IndexedDatasetBuilder.finalize)."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(meta.to_json())
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def read_meta(path_prefix: str) -> Optional[DatasetMeta]:
