@@ -168,14 +168,22 @@ class _ClosingServer(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_a_kept_alive_connection_the_server_closed_is_replaced_at_once(s3_env, monkeypatch):
+@pytest.fixture
+def closing_server(s3_env, monkeypatch):
+    """A _ClosingServer on a loopback port, AWS_ENDPOINT_URL pointing at it."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ClosingServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_port}")
+    try:
+        yield server
+    finally:
+        server.shutdown()
+
+
+def test_a_kept_alive_connection_the_server_closed_is_replaced_at_once(closing_server):
     """One attempt only: the GET on a connection the server had closed goes again on a new
     one without needing the caller's retry; a chunked error answer is read for its code."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ClosingServer)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_port}")
         object_storage.configure(reader="sigv4", retries=1)
         body = _ClosingServer.body
         for a, b in [(0, 10), (5, 300), (4000, 4096), (1, 2)]:
@@ -184,18 +192,13 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced_at_once(s3_env, m
                            match=r"s3://any/denied bytes \[0, 5\): AccessDenied"):
             object_storage.read_range("s3://any/denied", 0, 5)
     finally:
-        server.shutdown()
         object_storage.configure(retries=8)
 
 
-def test_a_range_failing_in_a_prefetch_fails_its_own_reads_only(s3_env, monkeypatch):
+def test_a_range_failing_in_a_prefetch_fails_its_own_reads_only(closing_server):
     """A prefetch's GETs go together; one refused fails the reads of its range, naming it,
     and the ranges after it, not fetched then, are read on demand."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ClosingServer)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     try:
-        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_port}")
         object_storage.configure(reader="sigv4", merge_gap=0)
         body = _ClosingServer.body
         remote = object_storage.RemoteBin("s3://any/key", len(body))
@@ -207,5 +210,4 @@ def test_a_range_failing_in_a_prefetch_fails_its_own_reads_only(s3_env, monkeypa
             remote.read(666, 700)
         assert bytes(remote.read(3000, 3100)) == body[3000:3100]
     finally:
-        server.shutdown()
         object_storage.configure(merge_gap=64 * 1024)
