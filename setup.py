@@ -33,7 +33,7 @@ setup(
     description="Pretraining encoder-decoder (T5, CPM-2) language models at scale",
     python_requires=">=3.9",
     packages=find_namespace_packages(include=["megatron", "megatron.*", "data_tools"]),
-    package_data={"megatron.data": ["assets/*.json"]},
+    package_data={"megatron.data.preprocess": ["assets/*.json"]},
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
     install_requires=[
@@ -51,13 +51,13 @@ setup(
     extras_require={
         # data_tools/convert_checkpoint.py --to hf: the tokenizer.json with byte fallback
         "convert": ["tokenizers", "protobuf"],
-        # CPM-2's vocab.txt tokenizer (megatron/data/cpm2_tokenizer.py) cuts words with jieba.
+        # CPM-2's vocab.txt tokenizer (megatron/data/tokenizers/cpm2_tokenizer.py) cuts words with jieba.
         # Pinned: the ids depend on jieba's dictionary; 0.42.1 (its last release) gives the
         # reference ids of tests/data/cpm2/reference_ids.json
         "cpm2": ["jieba==0.42.1"],
         # python -m megatron.plot and the figures a run writes into SAVE/plots/ at its end
         "plot": ["matplotlib"],
-        # s3:// data paths (megatron/data/object_storage.py)
+        # s3:// data paths (megatron/data/storage/object_storage.py)
         "s3": ["boto3>=1.34"],
         "test": [
             "pytest>=7",

@@ -13,7 +13,7 @@ the same Chinese text.
      jieba's dictionary loaded before the clock starts), and one that has seen the same texts
      (every word cached: an upper bound, not a use case);
    - the word cut alone: jieba's own `jieba.Tokenizer().cut` (what CPM-2 pays) and ours
-     (megatron/data/jieba_segmenter.py, fresh), words into a list;
+     (megatron/data/tokenizers/jieba_segmenter.py, fresh), words into a list;
    - theirs: CPM-2-Pretrain's EncDecTokenizer (src/tokenization_enc_dec.py from --cpm2, its
      print silenced), when --cpm2 is given; its ids are checked equal to ours.
 3. preprocess_data.py --workers N --chunk-mb 0.25 on the same text as JSONL, with
@@ -97,8 +97,8 @@ def main() -> int:
     p.add_argument("--cpm2", type=Path, default=None, help="a CPM-2-Pretrain checkout")
     p.add_argument("--workers", type=int, default=2)
     args = p.parse_args()
-    from megatron.data.cpm2_tokenizer import CPM2Tokenizer
-    from megatron.data.tokenizer import T5Tokenizer
+    from megatron.data.tokenizers.cpm2_tokenizer import CPM2Tokenizer
+    from megatron.data.tokenizers.tokenizer import T5Tokenizer
 
     texts = chinese_texts()
     nbytes = sum(len(t.encode("utf-8")) for t in texts)

@@ -36,8 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "objectstore")]
 
 from bench.common import WORK, machine_line, make_english_jsonl, write_section  # noqa: E402
-from megatron.data.data_meta import meta_file_path, read_meta, write_meta_file  # noqa: E402
-from megatron.data.indexed_dataset import IndexedDataset, merge_datasets  # noqa: E402
+from megatron.data.storage.data_meta import meta_file_path, read_meta, write_meta_file  # noqa: E402
+from megatron.data.storage.indexed_dataset import IndexedDataset, merge_datasets  # noqa: E402
 
 TINY = dict(vocab_size=4100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
             num_heads=4, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
@@ -115,8 +115,8 @@ def resident_pages(path: str):
 
 
 def local_rows(bare: str, dressed: str, spm: Path):
-    from megatron.data.t5_dataset import T5DatasetConfig, T5SpanCorruptionDataset, T5SpecialTokens
-    from megatron.data.tokenizer import T5Tokenizer
+    from megatron.data.datasets.t5_dataset import T5DatasetConfig, T5SpanCorruptionDataset, T5SpecialTokens
+    from megatron.data.tokenizers.tokenizer import T5Tokenizer
 
     tokens = T5SpecialTokens.from_tokenizer(T5Tokenizer(str(spm)))
     rows = []
@@ -213,7 +213,7 @@ def train_command(url: str, spm: Path, model: Path, cache: Path):
 def s3_rows(bare: str, dressed: str, spm: Path, work: Path):
     from s3_server import S3Server
 
-    from megatron.data import object_storage
+    from megatron.data.storage import object_storage
 
     rows = []
     model = work / "tiny.json"

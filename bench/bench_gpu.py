@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here; nothing measured")
         return 0
-    from megatron.data.span_corruption import expected_lengths
+    from megatron.data.datasets.span_corruption import expected_lengths
     from megatron.model import T5Config, T5Model
     from megatron.model.flops import training_step_flops
     from megatron.training.metrics import peak_tflops

@@ -50,12 +50,12 @@ sys.path[:0] = [p for p in (os.environ.get("BENCH_OBJECT_STORAGE_CODE"), str(REP
 import torch  # noqa: E402
 
 from bench.common import RESULTS, corpora_dir, machine_line, write_section  # noqa: E402
-from megatron.data import object_storage  # noqa: E402
-from megatron.data.indexed_dataset import IndexedDataset  # noqa: E402
-from megatron.data.readahead import ReadAheadBatchSampler, ReadAheadDataset  # noqa: E402
-from megatron.data.t5_dataset import (T5DatasetConfig, T5SpanCorruptionDataset,  # noqa: E402
+from megatron.data.storage import object_storage  # noqa: E402
+from megatron.data.storage.indexed_dataset import IndexedDataset  # noqa: E402
+from megatron.data.storage.readahead import ReadAheadBatchSampler, ReadAheadDataset  # noqa: E402
+from megatron.data.datasets.t5_dataset import (T5DatasetConfig, T5SpanCorruptionDataset,  # noqa: E402
                                       T5SpecialTokens)
-from megatron.data.tokenizer import T5Tokenizer  # noqa: E402
+from megatron.data.tokenizers.tokenizer import T5Tokenizer  # noqa: E402
 from megatron.training.loaders import collate_tensors  # noqa: E402
 from s3_server import FaultProxy, S3Server  # noqa: E402
 
@@ -285,7 +285,7 @@ class Relay:
 def client_bench(server, url, requests=1000, threads=16, modes=None):
     """(client, mode) -> (median ms, p99 ms, requests/s, client CPU ms per request, server
     (rclone) CPU ms per request)."""
-    from megatron.data.s3_get import RangedGetter
+    from megatron.data.storage.s3_get import RangedGetter
 
     import boto3
     import obstore
@@ -416,8 +416,8 @@ def load_line() -> str:
         (f"; top: {', '.join(busy)}" if busy else "")
 
 
-READER_FILES = ("megatron/data/object_storage.py", "megatron/data/readahead.py",
-                "megatron/data/s3_get.py")
+READER_FILES = ("megatron/data/storage/object_storage.py", "megatron/data/storage/readahead.py",
+                "megatron/data/storage/s3_get.py")
 
 
 def before_copy(rev: str, where: Path) -> Path:

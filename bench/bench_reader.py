@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import WORK, machine_line, write_section
-from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron.data.storage.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 MEMORY_PROBE = """
 import sys, numpy as np
@@ -34,7 +34,7 @@ def anon_kib():
 kind, prefix = sys.argv[1], sys.argv[2]
 before = anon_kib()
 if kind == "ours":
-    from megatron.data.indexed_dataset import IndexedDataset
+    from megatron.data.storage.indexed_dataset import IndexedDataset
     before = anon_kib()
     ds = IndexedDataset(prefix)
 else:

@@ -27,9 +27,9 @@ from bench.common import REPO, WORK, corpora_dir, machine_line, run_measured, wr
 OPEN = """
 import sys, time
 t0 = time.perf_counter()
-from megatron.data.indexed_dataset import IndexedDataset
-from megatron.data.t5_dataset import T5DatasetConfig, T5SpanCorruptionDataset, T5SpecialTokens
-from megatron.data.tokenizer import T5Tokenizer
+from megatron.data.storage.indexed_dataset import IndexedDataset
+from megatron.data.datasets.t5_dataset import T5DatasetConfig, T5SpanCorruptionDataset, T5SpecialTokens
+from megatron.data.tokenizers.tokenizer import T5Tokenizer
 t1 = time.perf_counter()
 prefix, model, samples, cache = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 tokens = T5SpecialTokens.from_tokenizer(T5Tokenizer(model))
@@ -78,9 +78,9 @@ def main() -> int:
     _, cold = open_in_fresh_process(prefix, model, args.samples, cache)
     imports, warm = open_in_fresh_process(prefix, model, args.samples, cache)
 
-    from megatron.data.indexed_dataset import IndexedDataset
-    from megatron.data.t5_dataset import T5DatasetConfig, T5SpanCorruptionDataset, T5SpecialTokens
-    from megatron.data.tokenizer import T5Tokenizer
+    from megatron.data.storage.indexed_dataset import IndexedDataset
+    from megatron.data.datasets.t5_dataset import T5DatasetConfig, T5SpanCorruptionDataset, T5SpecialTokens
+    from megatron.data.tokenizers.tokenizer import T5Tokenizer
 
     ds = IndexedDataset(prefix)
     d = T5SpanCorruptionDataset("train", ds, (0, ds.num_documents), args.samples,

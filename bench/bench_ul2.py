@@ -105,10 +105,10 @@ def prepare_data(work: Path) -> Dict[str, Path]:
 # (a) Loader ---------------------------------------------------------------------------------
 def build(paths: Dict[str, Path], objective: str, samples: int):
     """(dataset, UL2Config or None) as the flags make them for `objective`."""
-    from megatron.data.builder import DataConfig, build_datasets
-    from megatron.data.t5_dataset import T5DatasetConfig, T5SpecialTokens
-    from megatron.data.tokenizer import T5Tokenizer
-    from megatron.data.ul2 import DEFAULT_MODE_TOKENS, PRESETS, UL2Config, mode_token_ids
+    from megatron.data.datasets.builder import DataConfig, build_datasets
+    from megatron.data.datasets.t5_dataset import T5DatasetConfig, T5SpecialTokens
+    from megatron.data.tokenizers.tokenizer import T5Tokenizer
+    from megatron.data.datasets.ul2 import DEFAULT_MODE_TOKENS, PRESETS, UL2Config, mode_token_ids
 
     tokenizer = T5Tokenizer(str(paths["tokenizer"]))
     ul2 = None
@@ -129,7 +129,7 @@ def loader_pass(dataset, batch: int, workers: int) -> Tuple[float, float]:
     loader shuts them down), which other jobs on the host do not inflate as they do wall time."""
     import torch
 
-    from megatron.data.samplers import PretrainingSampler
+    from megatron.data.datasets.samplers import PretrainingSampler
     from megatron.training.loaders import collate_tensors
 
     sampler = PretrainingSampler(len(dataset), 0, batch, 0, 1, drop_last=True)
@@ -148,8 +148,8 @@ def denoiser_costs(dataset, ul2, span, count: int, repeats: int = 3) -> List[tup
     """(name, CPU µs per sample, best of `repeats`) of making a sample (the mask, the input and
     target, make_sample) from the same `count` raw UL2 windows, for each denoiser alone; and the
     raw window read alone, and the whole __getitem__ of both datasets."""
-    from megatron.data.t5_dataset import make_sample
-    from megatron.data.ul2 import UL2Config, denoise
+    from megatron.data.datasets.t5_dataset import make_sample
+    from megatron.data.datasets.ul2 import UL2Config, denoise
 
     tokens = dataset.tokens
     sentinels = np.asarray(tokens.sentinel_ids, dtype=np.int64)
@@ -209,7 +209,7 @@ class OthersCpu:
 def expected_targets(ul2, raw: int) -> List[tuple]:
     """(kind, expected target tokens, EOS included) of each denoiser on `raw` tokens, weighted by
     its share of the mixture (R and X: fixed lengths; S: the mean of its uniform prefix)."""
-    from megatron.data.ul2 import _spans
+    from megatron.data.datasets.ul2 import _spans
 
     out = []
     for d, w in zip(ul2.denoisers, ul2.weights):
@@ -321,7 +321,7 @@ def plot(runs: Path, out: Path) -> str:
 def report(args, paths, loader, training, png, minutes, code) -> str:
     import torch
 
-    from megatron.data.indexed_dataset import IndexedDataset
+    from megatron.data.storage.indexed_dataset import IndexedDataset
 
     ds = IndexedDataset(str(paths["data"]))
     best = loader["best"]

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.data.builder import build_datasets
+from megatron.data.datasets.builder import build_datasets
 from megatron.data.data_args import (
     add_data_args,
     check_data_args,
@@ -28,8 +28,8 @@ from megatron.data.data_args import (
     sample_counts_from_args,
     tokenizer_spec_from_args,
 )
-from megatron.data.t5_dataset import T5SpecialTokens
-from megatron.data.tokenizer import build_tokenizer
+from megatron.data.datasets.t5_dataset import T5SpecialTokens
+from megatron.data.tokenizers.tokenizer import build_tokenizer
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

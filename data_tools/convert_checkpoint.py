@@ -266,9 +266,9 @@ def _count(model_meta: dict) -> int:
 
 
 def tokenizer_of(args, source_meta_path: Optional[Path]):
-    """The run's tokenizer as a TokenizerSpec (megatron/data/tokenizer.py): --tokenizer-model,
+    """The run's tokenizer as a TokenizerSpec (megatron/data/tokenizers/tokenizer.py): --tokenizer-model,
     else the flags the run recorded (its tokenizer file and type); None when unknown or gone."""
-    from megatron.data.tokenizer import resolve_tokenizer
+    from megatron.data.tokenizers.tokenizer import resolve_tokenizer
 
     path, kind = args.tokenizer_model, None
     if path is None and source_meta_path is not None:

@@ -32,7 +32,7 @@ if __package__ in (None, ""):
 
 import numpy as np
 
-from megatron.data.indexed_dataset import IMPLS, IndexedDataset
+from megatron.data.storage.indexed_dataset import IMPLS, IndexedDataset
 
 
 def histogram_lines(lengths: np.ndarray, bins: int, width: int = 40) -> List[str]:
@@ -77,16 +77,16 @@ def print_samples(args, rest: Sequence[str]) -> int:
 def _print_samples(args, flags) -> int:
     import json
 
-    from megatron.data.builder import build_datasets
+    from megatron.data.datasets.builder import build_datasets
     from megatron.data.data_args import (
         check_data_args,
         data_config_from_args,
         tokenizer_spec_from_args,
     )
-    from megatron.data.megatron_t5_dataset import MegatronUL2Dataset
-    from megatron.data.t5_dataset import IGNORE_INDEX, T5SpecialTokens, UL2Dataset
-    from megatron.data.tokenizer import build_tokenizer
-    from megatron.data.ul2 import describe_sample
+    from megatron.data.datasets.megatron_t5_dataset import MegatronUL2Dataset
+    from megatron.data.datasets.t5_dataset import IGNORE_INDEX, T5SpecialTokens, UL2Dataset
+    from megatron.data.tokenizers.tokenizer import build_tokenizer
+    from megatron.data.datasets.ul2 import describe_sample
 
     out = sys.stdout
     if args.json:  # stdout carries the samples alone
@@ -172,7 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("sequence length histogram:")
     print("\n".join(histogram_lines(lengths, args.bins)))
     if args.document:
-        from megatron.data.tokenizer import build_tokenizer, resolve_tokenizer
+        from megatron.data.tokenizers.tokenizer import build_tokenizer, resolve_tokenizer
 
         try:
             tokenizer = build_tokenizer(resolve_tokenizer(args.tokenizer_model))

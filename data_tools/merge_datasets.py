@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.data.indexed_dataset import IndexedDataset, dataset_exists, merge_datasets
+from megatron.data.storage.indexed_dataset import IndexedDataset, dataset_exists, merge_datasets
 
 
 def expand_prefixes(inputs: Sequence[str]) -> List[str]:

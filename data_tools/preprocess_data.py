@@ -8,7 +8,7 @@ writes `data/mix_text_document.{bin,idx}` (`_sentence` with `--split-sentences`)
 `--json-keys` key. CPM-2's tokenizer instead: `--tokenizer-path bpe_cn` (a folder holding CPM-2's
 vocab.txt), or `--tokenizer-type CPM2Tokenizer --vocab-file bpe_cn/vocab.txt` (needs jieba). What it does beyond Megatron's tool:
 - one streaming pass: the main process reads chunks of whole lines, worker processes parse,
-  split sentences (offline Punkt, see megatron/data/sentence_splitter.py) and tokenize, the main
+  split sentences (offline Punkt, see megatron/data/preprocess/sentence_splitter.py) and tokenize, the main
   process writes in input order; memory is bounded by the chunks in flight, not the input size;
 - a progress bar (docs/s, MB/s, ETA) and a summary at the end;
 - bad lines (invalid UTF-8 or JSON, not an object, a missing key, a non-string value, a lone
@@ -17,7 +17,7 @@ vocab.txt), or `--tokenizer-type CPM2Tokenizer --vocab-file bpe_cn/vocab.txt` (n
 - a UTF-8 byte order mark (BOM) that starts an input file (Windows tools write one) is removed
   and counted in the summary; one anywhere else makes its line bad;
 - outputs appear under their names only when complete: a failed or interrupted run leaves none;
-- beside each `.bin/.idx`, `PREFIX.meta.json` (megatron/data/data_meta.py): the tokenizer, the
+- beside each `.bin/.idx`, `PREFIX.meta.json` (megatron/data/storage/data_meta.py): the tokenizer, the
   EOD id, whether EOD was appended, the dtype and the counts, moved into place before the `.idx`.
   Training reads it instead of scanning the data for which documents end with EOD;
 - `--output-prefix s3://bucket/key`: the destination is checked writable (a probe object put and
@@ -44,16 +44,16 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import numpy as np
 
-from megatron.data.data_meta import DatasetMeta, meta_file_path
-from megatron.data.indexed_dataset import (
+from megatron.data.storage.data_meta import DatasetMeta, meta_file_path
+from megatron.data.storage.indexed_dataset import (
     IndexedDatasetBuilder,
     data_file_path,
     index_file_path,
     optimal_dtype,
 )
-from megatron.data.jsonl import BadLine, Chunk, expand_inputs, parse_line, read_chunks
-from megatron.data.sentence_splitter import make_splitter
-from megatron.data.tokenizer import TOKENIZER_TYPES, build_tokenizer, resolve_tokenizer
+from megatron.data.preprocess.jsonl import BadLine, Chunk, expand_inputs, parse_line, read_chunks
+from megatron.data.preprocess.sentence_splitter import make_splitter
+from megatron.data.tokenizers.tokenizer import TOKENIZER_TYPES, build_tokenizer, resolve_tokenizer
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

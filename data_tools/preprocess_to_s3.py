@@ -11,7 +11,7 @@ import sys
 import tempfile
 from typing import Callable
 
-from megatron.data import object_storage
+from megatron.data.storage import object_storage
 
 
 def run_to_object_storage(args: argparse.Namespace,

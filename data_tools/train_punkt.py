@@ -4,11 +4,11 @@
 
 Pass the result to `preprocess_data.py --split-sentences --punkt-params punkt_mylang.json`.
 Punkt is unsupervised: plain text of the target language is all it needs, and nothing is
-downloaded. The package's own `megatron/data/assets/punkt_english.json` was made with
+downloaded. The package's own `megatron/data/preprocess/assets/punkt_english.json` was made with
 
     python data_tools/train_punkt.py --pydoc-topics --english-abbreviations \\
         --input tests/data/corpora/en_shakespeare.jsonl \\
-        --output megatron/data/assets/punkt_english.json
+        --output megatron/data/preprocess/assets/punkt_english.json
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Iterator, Optional, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.data.jsonl import BadLine, expand_inputs, iter_texts
-from megatron.data.sentence_splitter import save_punkt_parameters, train_punkt_parameters
+from megatron.data.preprocess.jsonl import BadLine, expand_inputs, iter_texts
+from megatron.data.preprocess.sentence_splitter import save_punkt_parameters, train_punkt_parameters
 
 
 # Common English abbreviations that small training texts rarely teach Punkt (lower case, without the

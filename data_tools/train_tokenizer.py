@@ -4,7 +4,7 @@
         --vocab-size 32000
 
 writes `spm/t5.model` and `spm/t5.vocab`: pad=0, eos=1, unk=2, no bos, as T5's `spiece.model`.
-`megatron.data.tokenizer.T5Tokenizer` adds the 100 `<extra_id_N>` sentinels on top, so the model's
+`megatron.data.tokenizers.tokenizer.T5Tokenizer` adds the 100 `<extra_id_N>` sentinels on top, so the model's
 full vocabulary is `--vocab-size` + 100. Also runs as `python -m data_tools.train_tokenizer`.
 `--ul2-mode-tokens` adds UL2's mode tokens `[NLU]`, `[NLG]`, `[S2S]` as user-defined symbols
 (ids 3, 4, 5 of the `--vocab-size`): one id each for `--t5-objective ul2`, where a tokenizer
@@ -43,13 +43,13 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import sentencepiece as spm
 
-from megatron.data.jsonl import JSONL_SUFFIXES, BadLine, expand_inputs, parse_line, read_chunks
-from megatron.data.tokenizer import T5Tokenizer, available_cpus
-from megatron.data.ul2 import DEFAULT_MODE_TOKENS
+from megatron.data.preprocess.jsonl import JSONL_SUFFIXES, BadLine, expand_inputs, parse_line, read_chunks
+from megatron.data.tokenizers.tokenizer import T5Tokenizer, available_cpus
+from megatron.data.datasets.ul2 import DEFAULT_MODE_TOKENS
 
 
 TEXT_SUFFIXES = (".txt", ".txt.gz")
-# UL2's mode tokens (megatron/data/ul2.py's defaults), as SentencePiece user-defined symbols.
+# UL2's mode tokens (megatron/data/datasets/ul2.py's defaults), as SentencePiece user-defined symbols.
 UL2_MODE_TOKENS = tuple(DEFAULT_MODE_TOKENS[kind] for kind in "RXS")  # [NLU], [NLG], [S2S]
 # Preferred places to cut an over-long line: after a space, or after a CJK sentence end.
 _CUT_AFTER = (b" ", "。".encode(), "！".encode(), "？".encode(), "；".encode(), "，".encode())

@@ -34,7 +34,7 @@ from megatron.config.lr_schedule import DECAY_STYLES
 from megatron.config.lr_schedule import from_args as lr_from_args
 from megatron.config.training import BatchConfig, CheckpointConfig, LoggingConfig, OptimizerConfig
 from megatron.data.data_args import add_data_args, resolve_data, t5_config_from_args
-from megatron.data.t5_dataset import T5DatasetConfig
+from megatron.data.datasets.t5_dataset import T5DatasetConfig
 from megatron.initialize import choose_device
 from megatron.model.settings import ModelConfig, add_moe_args, moe_layout_problems, \
     resolve_model

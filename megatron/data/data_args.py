@@ -2,7 +2,7 @@
 
 `add_data_args(parser)` adds them; `check_data_args(args)` lists every problem at once;
 `data_config_from_args(args)` and `sample_counts_from_args(args)` turn them into what
-`megatron.data.builder.build_datasets` takes. For training, `resolve_data(flags, ...)` returns
+`megatron.data.datasets.builder.build_datasets` takes. For training, `resolve_data(flags, ...)` returns
 the data part of the run configuration (`DataSettings`) with every problem of the data flags,
 the tokenizer and the sizes it must fit.
 """
@@ -16,18 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Mapping, Optional, Tuple
 
-from megatron.data import object_storage
-from megatron.data.builder import (
+from megatron.data.storage import object_storage
+from megatron.data.datasets.builder import (
     OBJECTIVES,
     DataConfig,
     data_file_problems,
     eod_problems,
     split_sample_counts,
 )
-from megatron.data.data_meta import APPEND_EOD_MODES, SAMPLE_DOCUMENTS
-from megatron.data.indexed_dataset import IMPLS
-from megatron.data.object_storage import StorageSettings
-from megatron.data.ul2 import (
+from megatron.data.storage.data_meta import APPEND_EOD_MODES, SAMPLE_DOCUMENTS
+from megatron.data.storage.indexed_dataset import IMPLS
+from megatron.data.storage.object_storage import StorageSettings
+from megatron.data.datasets.ul2 import (
     DEFAULT_MODE_TOKENS,
     S_PREFIX,
     UL2Config,
@@ -35,8 +35,8 @@ from megatron.data.ul2 import (
     mode_token_pieces,
     parse_denoisers,
 )
-from megatron.data.t5_dataset import T5DatasetConfig
-from megatron.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, build_tokenizer, \
+from megatron.data.datasets.t5_dataset import T5DatasetConfig
+from megatron.data.tokenizers.tokenizer import TOKENIZER_TYPES, TokenizerSpec, build_tokenizer, \
     resolve_tokenizer
 
 
@@ -52,7 +52,7 @@ class DataSettings:
     """Data-loader worker processes."""
 
     tokenizer_type: str = "SentencePieceTokenizer"
-    """`megatron.data.tokenizer.TOKENIZER_TYPES`: which tokenizer reads `tokenizer_model`."""
+    """`megatron.data.tokenizers.tokenizer.TOKENIZER_TYPES`: which tokenizer reads `tokenizer_model`."""
     object_storage: StorageSettings = StorageSettings()
     """How s3:// prefixes are read (the --object-storage-* flags)."""
 
@@ -167,7 +167,7 @@ def add_data_args(parser: argparse.ArgumentParser,
 
 
 def add_object_storage_args(parser: argparse.ArgumentParser) -> None:
-    """How s3:// data is read (megatron/data/object_storage.py)."""
+    """How s3:// data is read (megatron/data/storage/object_storage.py)."""
     d = StorageSettings()
     g = parser.add_argument_group("data on object storage (s3:// prefixes; endpoint and keys "
                                   "from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE, ~/.aws)")

@@ -7,7 +7,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from megatron.data.t5_dataset import T5DatasetConfig
+from megatron.data.datasets.t5_dataset import T5DatasetConfig
 from megatron.model.settings import load_model_config
 from megatron.plan.cluster import Cluster
 from megatron.plan.search import GIB, Candidate, Evaluator, Request, enumerate_candidates

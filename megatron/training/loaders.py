@@ -19,13 +19,13 @@ import torch
 
 from megatron import parallel_state
 from megatron.config.training import BatchConfig
-from megatron.data.builder import build_datasets, split_sample_counts
-from megatron.data import object_storage
+from megatron.data.datasets.builder import build_datasets, split_sample_counts
+from megatron.data.storage import object_storage
 from megatron.data.data_args import DataSettings
-from megatron.data.readahead import ReadAheadBatchSampler, ReadAheadDataset
-from megatron.data.samplers import PretrainingSampler
-from megatron.data.t5_dataset import T5SpecialTokens, collate
-from megatron.data.tokenizer import build_tokenizer
+from megatron.data.storage.readahead import ReadAheadBatchSampler, ReadAheadDataset
+from megatron.data.datasets.samplers import PretrainingSampler
+from megatron.data.datasets.t5_dataset import T5SpecialTokens, collate
+from megatron.data.tokenizers.tokenizer import build_tokenizer
 from megatron.failures import DataError, RunFailure
 from megatron.training.data_workers import StoppableLoader, data_worker_init
 
@@ -146,7 +146,7 @@ def build_data(data: DataSettings, batch: BatchConfig, device_type: str,
         if not reads_batches:
             loaders.append(UnreadBatches(len(sampler)))
             continue
-        if remote:  # byte ranges of the next batches fetched ahead (megatron/data/readahead.py)
+        if remote:  # byte ranges of the next batches fetched ahead (megatron/data/storage/readahead.py)
             dataset = ReadAheadDataset(dataset)
             sampler = ReadAheadBatchSampler(sampler, data.object_storage.read_ahead,
                                             data.num_workers)

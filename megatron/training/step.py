@@ -36,8 +36,8 @@ from megatron.training.profiling import BACKWARD, FORWARD, NO_RANGE, OPTIMIZER_S
 BATCH_KEYS = ("encoder_input_ids", "decoder_input_ids", "encoder_attention_mask",
               "decoder_attention_mask", "labels")
 KIND_KEY = "denoiser_kind"
-"""A UL2 batch's [batch] index of each sample's denoiser kind (megatron.data.ul2.KINDS)."""
-KIND_NAMES = ("R", "S", "X")  # megatron.data.ul2.KINDS (not imported: no data code here)
+"""A UL2 batch's [batch] index of each sample's denoiser kind (megatron.data.datasets.ul2.KINDS)."""
+KIND_NAMES = ("R", "S", "X")  # megatron.data.datasets.ul2.KINDS (not imported: no data code here)
 
 Batch = Dict[str, torch.Tensor]
 

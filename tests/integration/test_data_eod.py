@@ -12,16 +12,16 @@ import pytest
 
 from data_tools import inspect_dataset, preprocess_data
 from megatron.arguments import build_parser, validate
-from megatron.data.data_meta import (
+from megatron.data.storage.data_meta import (
     SAMPLE_DOCUMENTS,
     DataMetaError,
     decide_eod,
     meta_file_path,
     read_meta,
 )
-from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, merge_datasets
-from megatron.data.t5_dataset import T5DatasetConfig, T5SpanCorruptionDataset, T5SpecialTokens
-from megatron.data.tokenizer import T5Tokenizer
+from megatron.data.storage.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, merge_datasets
+from megatron.data.datasets.t5_dataset import T5DatasetConfig, T5SpanCorruptionDataset, T5SpecialTokens
+from megatron.data.tokenizers.tokenizer import T5Tokenizer
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from data_tools import preprocess_data
-from megatron.data.indexed_dataset import IndexedDataset
-from megatron.data.jsonl import Chunk
-from megatron.data.tokenizer import T5Tokenizer
+from megatron.data.storage.indexed_dataset import IndexedDataset
+from megatron.data.preprocess.jsonl import Chunk
+from megatron.data.tokenizers.tokenizer import T5Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "data_tools" / "preprocess_data.py"
@@ -87,7 +87,7 @@ def test_workers_and_chunking_do_not_change_the_output(tmp_path, spm_model, mixe
 
 
 def test_sentences_and_several_keys(tmp_path, spm_model):
-    from megatron.data.sentence_splitter import SentenceSplitter
+    from megatron.data.preprocess.sentence_splitter import SentenceSplitter
 
     tok = T5Tokenizer(str(spm_model))
     rows = [

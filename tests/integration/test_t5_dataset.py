@@ -8,19 +8,19 @@ import numpy as np
 import pytest
 
 from data_tools import build_indices, preprocess_data
-from megatron.data.builder import BlendedDataset, DataConfig, build_datasets
+from megatron.data.datasets.builder import BlendedDataset, DataConfig, build_datasets
 from megatron.data.data_args import add_data_args, data_config_from_args, sample_counts_from_args
-from megatron.data.indexed_dataset import IndexedDataset
-from megatron.data.samplers import PretrainingSampler
-from megatron.data.span_corruption import uncorrupt
-from megatron.data.t5_dataset import (
+from megatron.data.storage.indexed_dataset import IndexedDataset
+from megatron.data.datasets.samplers import PretrainingSampler
+from megatron.data.datasets.span_corruption import uncorrupt
+from megatron.data.datasets.t5_dataset import (
     IGNORE_INDEX,
     T5DatasetConfig,
     T5SpanCorruptionDataset,
     T5SpecialTokens,
     collate,
 )
-from megatron.data.tokenizer import T5Tokenizer
+from megatron.data.tokenizers.tokenizer import T5Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +216,7 @@ def test_build_indices_reports_bad_flags(spm_model, tmp_path, capsys):
 
 
 def test_megatron_objective_on_sentence_data(tmp_path, spm_model, corpora_dir, corpus):
-    from megatron.data.megatron_t5_dataset import MegatronT5Dataset
+    from megatron.data.datasets.megatron_t5_dataset import MegatronT5Dataset
 
     assert preprocess_data.main(["--input", str(corpora_dir / "zh_cmrc2019_stories.jsonl"),
                                  "--output-prefix", str(tmp_path / "zh"), "--tokenizer-model",

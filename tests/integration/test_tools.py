@@ -13,8 +13,8 @@ import pytest
 
 from data_tools import inspect_dataset, merge_datasets, preprocess_data, train_punkt
 from data_tools.make_demo_corpus import demo_documents
-from megatron.data.indexed_dataset import IndexedDataset
-from megatron.data.tokenizer import T5Tokenizer
+from megatron.data.storage.indexed_dataset import IndexedDataset
+from megatron.data.tokenizers.tokenizer import T5Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,7 +82,7 @@ def test_merge_equals_preprocessing_everything_at_once(tmp_path, spm_model, corp
 
 
 def test_merge_refuses_mixed_dtypes(tmp_path, spm_model, capsys):
-    from megatron.data.indexed_dataset import IndexedDatasetBuilder
+    from megatron.data.storage.indexed_dataset import IndexedDatasetBuilder
 
     for name, dtype in (("small", np.uint16), ("wide", np.int32)):
         with IndexedDatasetBuilder(str(tmp_path / f"{name}.bin"), dtype) as b:

@@ -13,18 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.data import object_storage
-from megatron.data.builder import DataConfig, build_datasets, data_file_problems
-from megatron.data.cpm2_dataset import cpm2_prefixes
-from megatron.data.indexed_dataset import (
+from megatron.data.storage import object_storage
+from megatron.data.datasets.builder import DataConfig, build_datasets, data_file_problems
+from megatron.data.datasets.cpm2_dataset import cpm2_prefixes
+from megatron.data.storage.indexed_dataset import (
     IndexedDataset,
     IndexedDatasetBuilder,
     data_file_path,
     index_file_path,
 )
-from megatron.data.readahead import ReadAheadBatchSampler, ReadAheadDataset
-from megatron.data.t5_dataset import T5DatasetConfig, T5SpecialTokens
-from megatron.data.tokenizer import TokenizerSpec, build_tokenizer
+from megatron.data.storage.readahead import ReadAheadBatchSampler, ReadAheadDataset
+from megatron.data.datasets.t5_dataset import T5DatasetConfig, T5SpecialTokens
+from megatron.data.tokenizers.tokenizer import TokenizerSpec, build_tokenizer
 from megatron.training.loaders import collate_tensors
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,7 +177,7 @@ def test_planning_records_the_reads_of_the_whole_sample(s3_server, train_data, t
                                                        spm_tokens):
     """The read-ahead plans a sample from its raw tokens (through a blend to its part), not by
     building it whole; the ranges it records are all those the whole build reads."""
-    from megatron.data.readahead import planned_ranges, recording
+    from megatron.data.storage.readahead import planned_ranges, recording
 
     def whole(dataset, indices):
         with recording() as ranges:
@@ -207,9 +207,9 @@ def _copy_prefix(source, target):
 def test_the_index_is_downloaded_once_per_node_and_again_when_it_changes(s3_server, train_data,
                                                                          tmp_path):
     url = upload(s3_server, "indexonce", "a/mix_text_document", train_data.prefix)
-    code = ("import sys; from megatron.data import object_storage as o; "
+    code = ("import sys; from megatron.data.storage import object_storage as o; "
             "o.configure(cache_path=sys.argv[1]); "
-            "from megatron.data.indexed_dataset import IndexedDataset; "
+            "from megatron.data.storage.indexed_dataset import IndexedDataset; "
             "IndexedDataset(sys.argv[2]); print(len(o.DOWNLOADS))")
     node = str(tmp_path / "node-x")
     procs = [subprocess.Popen([sys.executable, "-c", code, node, url], stdout=subprocess.PIPE,

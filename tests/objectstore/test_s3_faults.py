@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from megatron.data import object_storage
-from megatron.data.indexed_dataset import IndexedDataset
+from megatron.data.storage import object_storage
+from megatron.data.storage.indexed_dataset import IndexedDataset
 
 DATA = bytes(range(256)) * 4096  # 1 MiB
 

@@ -1,4 +1,4 @@
-"""The sigv4 reader (megatron/data/s3_get.py): its signature is botocore's for the same request,
+"""The sigv4 reader (megatron/data/storage/s3_get.py): its signature is botocore's for the same request,
 its bytes are the object's and boto3's for the same ranges on a real S3 server (keys with spaces
 and non-ASCII characters included), refused credentials and a server ignoring `Range` each end
 in one clear ObjectStorageError."""
@@ -10,8 +10,8 @@ import threading
 import numpy as np
 import pytest
 
-from megatron.data import object_storage
-from megatron.data.s3_get import RangedGetter
+from megatron.data.storage import object_storage
+from megatron.data.storage.s3_get import RangedGetter
 
 
 def _client(endpoint, style="path", token=None, **kw):

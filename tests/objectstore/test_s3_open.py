@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron.data import object_storage
-from megatron.data.builder import DataConfig, build_datasets
-from megatron.data.data_meta import SAMPLE_DOCUMENTS, read_meta
-from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from megatron.data.t5_dataset import T5DatasetConfig, T5SpecialTokens
+from megatron.data.storage import object_storage
+from megatron.data.datasets.builder import DataConfig, build_datasets
+from megatron.data.storage.data_meta import SAMPLE_DOCUMENTS, read_meta
+from megatron.data.storage.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron.data.datasets.t5_dataset import T5DatasetConfig, T5SpecialTokens
 
 TOKENS = T5SpecialTokens(0, 1, 0, tuple(range(1999, 1899, -1)))
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(HERE.parent / "launch"))
 from launching import read  # noqa: E402
 from test_exits import OUR_FRAME, run_tiny  # noqa: E402
 
-from megatron.data.indexed_dataset import IndexedDataset, merge_datasets  # noqa: E402
+from megatron.data.storage.indexed_dataset import IndexedDataset, merge_datasets  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

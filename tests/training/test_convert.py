@@ -66,7 +66,7 @@ def test_ours_to_hf_to_ours_with_the_command_line(train_data, trained, tmp_path)
     from transformers import AutoTokenizer, T5ForConditionalGeneration
 
     from data_tools import convert_checkpoint
-    from megatron.data.tokenizer import T5Tokenizer
+    from megatron.data.tokenizers.tokenizer import T5Tokenizer
     from megatron.model.config import T5Config
 
     ckpt, reference = trained

@@ -137,7 +137,7 @@ def reference_run(hf, dataset):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         # The global batch is samples [step * G, (step + 1) * G), dealt out in micro-batches of
-        # consecutive samples (megatron/data/samplers.py); each weighs 1 / micro_batches.
+        # consecutive samples (megatron/data/datasets/samplers.py); each weighs 1 / micro_batches.
         for m in range(micro_batches):
             first = step * GLOBAL_BATCH + m * MICRO_BATCH
             batch = collate_tensors([dataset[i] for i in range(first, first + MICRO_BATCH)])

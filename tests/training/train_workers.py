@@ -33,7 +33,7 @@ def run_pretrain(rank, world_size, argvs):
 def run_pretrain_counting_samples(rank, world_size, argvs):
     """As run_pretrain (with --num-workers 0), each result with 'samples_read': how many
     samples this rank's datasets served."""
-    from megatron.data.t5_dataset import T5SpanCorruptionDataset
+    from megatron.data.datasets.t5_dataset import T5SpanCorruptionDataset
 
     served = [0]
     getitem = T5SpanCorruptionDataset.__getitem__

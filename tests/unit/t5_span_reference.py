@@ -2,7 +2,7 @@
 (t5/data/preprocessors.py, read there, written here), and the two-sample test that compares a
 mask generator's span lengths, gaps and start positions with it over many seeds.
 
-Used by test_span_corruption.py (megatron/data/span_corruption.py) and test_ul2.py (UL2's R and X
+Used by test_span_corruption.py (megatron/data/datasets/span_corruption.py) and test_ul2.py (UL2's R and X
 denoisers). Counts alone (noise tokens, span count) cannot tell t5's uniformly random layout from
 spans of equal length at fixed places; these distributions can (`fixed_layout_mask` is that
 mutant, and each test asserts that the check rejects it).

@@ -8,7 +8,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from megatron.data.indexed_dataset import CorruptIndexError, IndexedDataset, IndexedDatasetBuilder
+from megatron.data.storage.indexed_dataset import CorruptIndexError, IndexedDataset, IndexedDatasetBuilder
 
 HEADER = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, N, D
 
@@ -160,7 +160,7 @@ FUZZ = textwrap.dedent(
     """
     import os, shutil, sys
     import numpy as np
-    from megatron.data.indexed_dataset import IndexedDataset
+    from megatron.data.storage.indexed_dataset import IndexedDataset
     good, work, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
     rng = np.random.default_rng(seed)
     outcomes = {"rejected": 0, "valid": 0}

@@ -191,7 +191,7 @@ def test_to_hf_gives_the_reference_logits(reference, files, tmp_path):
         "README.md", "config.json", "generation_config.json", "model.safetensors", "vocab.txt"]
     assert (out / "vocab.txt").read_bytes() == (files / "vocab.txt").read_bytes()
     readme = (out / "README.md").read_text(encoding="utf-8")
-    assert "jieba" in readme and "megatron.data.cpm2_tokenizer" in readme
+    assert "jieba" in readme and "megatron.data.tokenizers.cpm2_tokenizer" in readme
     assert "- padding: 5 (`<pad>`)" in readme and "`<s_0>` = 58" in readme
     hf = T5ForConditionalGeneration.from_pretrained(out, attn_implementation="eager").eval()
     assert hf.lm_head.weight is not hf.shared.weight and hf.dtype == torch.float32

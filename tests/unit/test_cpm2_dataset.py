@@ -7,9 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from megatron.data.cpm2_dataset import CPM2Dataset, cpm2_prefixes, is_cpm2_prefix
-from megatron.data.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
-from megatron.data.t5_dataset import T5SpecialTokens
+from megatron.data.datasets.cpm2_dataset import CPM2Dataset, cpm2_prefixes, is_cpm2_prefix
+from megatron.data.storage.indexed_dataset import IndexedDatasetBuilder, data_file_path, index_file_path
+from megatron.data.datasets.t5_dataset import T5SpecialTokens
 
 BASE = 100  # the preprocessing vocabulary size: placeholders are BASE + k
 EOD = 7
@@ -374,7 +374,7 @@ def unclose_documents(prefix):
 
 
 def test_reads_cpm2_index_without_document_boundaries(tmp_path):
-    from megatron.data.indexed_dataset import CorruptIndexError, IndexedDataset
+    from megatron.data.storage.indexed_dataset import CorruptIndexError, IndexedDataset
     prefix = str(tmp_path / "ab")
     write_docs(prefix, [DOC_A, DOC_B])
     for p in cpm2_prefixes(prefix):
@@ -403,8 +403,8 @@ def test_reads_cpm2_index_without_document_boundaries(tmp_path):
 
 
 def test_build_datasets_recognises_cpm2_files(tmp_path):
-    from megatron.data.builder import DataConfig, build_datasets
-    from megatron.data.t5_dataset import T5DatasetConfig
+    from megatron.data.datasets.builder import DataConfig, build_datasets
+    from megatron.data.datasets.t5_dataset import T5DatasetConfig
 
     prefix = str(tmp_path / "corpus_document")
     write_docs(prefix, random_corpus(np.random.default_rng(3), 40))

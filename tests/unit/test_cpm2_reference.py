@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron.data.builder import parse_split
-from megatron.data.cpm2_dataset import CPM2Dataset
-from megatron.data.t5_dataset import IGNORE_INDEX, T5SpecialTokens
+from megatron.data.datasets.builder import parse_split
+from megatron.data.datasets.cpm2_dataset import CPM2Dataset
+from megatron.data.datasets.t5_dataset import IGNORE_INDEX, T5SpecialTokens
 
 CPM2_DATA = Path(__file__).resolve().parents[1] / "data" / "cpm2"
 FIXTURE = CPM2_DATA / "three_files"

@@ -1,4 +1,4 @@
-"""CPM-2's vocab.txt tokenizer (megatron/data/cpm2_tokenizer.py) against the ids and decoded text
+"""CPM-2's vocab.txt tokenizer (megatron/data/tokenizers/cpm2_tokenizer.py) against the ids and decoded text
 that CPM-2-Pretrain's own EncDecTokenizer gave (tests/data/cpm2/reference_ids.json, written by
 tests/data/cpm2/make_reference_ids.py; no CPM-2 code runs here), plus the cases where we chose
 to differ from it and the errors."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron.data.cpm2_tokenizer import CPM2Tokenizer, CPM2VocabularyError, load_vocabulary
+from megatron.data.tokenizers.cpm2_tokenizer import CPM2Tokenizer, CPM2VocabularyError, load_vocabulary
 
 CPM2_DATA = Path(__file__).resolve().parents[1] / "data" / "cpm2"
 BPE_CN = CPM2_DATA / "bpe_cn" / "vocab.txt"
@@ -102,7 +102,7 @@ def test_whole_corpus_ids_equal_cpm2s(reference, tokenizers, documents):
 
 
 def test_segmenter_gives_jiebas_words(reference, tokenizers, documents):
-    """megatron.data.jieba_segmenter against jieba.cut itself (a fresh jieba.Tokenizer)."""
+    """megatron.data.tokenizers.jieba_segmenter against jieba.cut itself (a fresh jieba.Tokenizer)."""
     import jieba
 
     jieba_cut = jieba.Tokenizer().cut

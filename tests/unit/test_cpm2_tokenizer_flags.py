@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 
 from data_tools import preprocess_data
-from megatron.data.cpm2_tokenizer import CPM2Tokenizer
-from megatron.data.indexed_dataset import IndexedDataset
-from megatron.data.span_corruption import uncorrupt
-from megatron.data.t5_dataset import (
+from megatron.data.tokenizers.cpm2_tokenizer import CPM2Tokenizer
+from megatron.data.storage.indexed_dataset import IndexedDataset
+from megatron.data.datasets.span_corruption import uncorrupt
+from megatron.data.datasets.t5_dataset import (
     IGNORE_INDEX,
     T5DatasetConfig,
     T5SpanCorruptionDataset,
     T5SpecialTokens,
 )
-from megatron.data.tokenizer import T5Tokenizer, TokenizerSpec, build_tokenizer, \
+from megatron.data.tokenizers.tokenizer import T5Tokenizer, TokenizerSpec, build_tokenizer, \
     resolve_tokenizer
 
 BPE_CN = Path(__file__).resolve().parents[1] / "data" / "cpm2" / "bpe_cn"

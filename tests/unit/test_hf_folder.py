@@ -25,7 +25,7 @@ from megatron.checkpoint.formats.hf import (
     read_hf_folder,
     write_hf_folder,
 )
-from megatron.data.tokenizer import T5Tokenizer as OurTokenizer
+from megatron.data.tokenizers.tokenizer import T5Tokenizer as OurTokenizer
 from megatron.model import T5Config, T5Model
 from megatron.model.meta import full_parameter_shapes
 from megatron.model.state_dict import (

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from megatron.data.index_cache import CacheTimeout, cached_arrays, description_hash
+from megatron.data.storage.index_cache import CacheTimeout, cached_arrays, description_hash
 
 
 def make(counter_dir=None, delay=0.0):

@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from megatron.data.indexed_dataset import (
+from megatron.data.storage.indexed_dataset import (
     CorruptIndexError,
     IndexedDataset,
     IndexedDatasetBuilder,

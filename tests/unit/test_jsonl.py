@@ -1,11 +1,11 @@
-"""megatron/data/jsonl.py: every bad kind of line gets a reason; good lines give their texts; a
+"""megatron/data/preprocess/jsonl.py: every bad kind of line gets a reason; good lines give their texts; a
 file's leading UTF-8 BOM is removed, and only that one."""
 
 import gzip
 
 import pytest
 
-from megatron.data.jsonl import UTF8_BOM, BadLine, parse_line, read_chunks
+from megatron.data.preprocess.jsonl import UTF8_BOM, BadLine, parse_line, read_chunks
 
 
 @pytest.mark.parametrize("line, texts", [

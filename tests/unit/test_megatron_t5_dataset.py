@@ -5,14 +5,14 @@ import math
 import numpy as np
 import pytest
 
-from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from megatron.data.megatron_t5_dataset import (
+from megatron.data.storage.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron.data.datasets.megatron_t5_dataset import (
     MegatronT5Dataset,
     ngram_length_probabilities,
     ngram_noise_mask,
 )
-from megatron.data.span_corruption import uncorrupt
-from megatron.data.t5_dataset import IGNORE_INDEX, T5SpecialTokens
+from megatron.data.datasets.span_corruption import uncorrupt
+from megatron.data.datasets.t5_dataset import IGNORE_INDEX, T5SpecialTokens
 
 PAD, EOS, START = 0, 1, 0
 SENTINELS = tuple(range(199, 99, -1))  # <extra_id_0> = 199, as Hugging Face counts down

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from megatron.data.builder import parse_split, split_sample_counts
-from megatron.data.samplers import PretrainingSampler
-from megatron.data.span_corruption import (
+from megatron.data.datasets.builder import parse_split, split_sample_counts
+from megatron.data.datasets.samplers import PretrainingSampler
+from megatron.data.datasets.span_corruption import (
     corrupt,
     expected_lengths,
     random_spans_noise_mask,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron.data.builder import data_file_problems
-from megatron.data.indexed_dataset import IndexedDatasetBuilder
+from megatron.data.datasets.builder import data_file_problems
+from megatron.data.storage.indexed_dataset import IndexedDatasetBuilder
 from megatron.pretrain_t5 import startup_voice
 from megatron.training.loaders import UnreadBatches
 

@@ -1,7 +1,7 @@
 """T5Tokenizer against its references (HF transformers' T5Tokenizer, SentencePiece itself) and the
 train_tokenizer CLI.
 
-The one intended difference from HF (see megatron/data/tokenizer.py): HF 5.x ignores the model's
+The one intended difference from HF (see megatron/data/tokenizers/tokenizer.py): HF 5.x ignores the model's
 byte fallback and writes one <unk> for a run of out-of-vocabulary characters, where SentencePiece
 (and we) spell them as UTF-8 byte pieces; comparisons map each run of byte pieces to one <unk>.
 """
@@ -22,7 +22,7 @@ import pytest
 import sentencepiece as spm
 
 from data_tools import train_tokenizer
-from megatron.data.tokenizer import SentencePieceTokenizer, T5Tokenizer
+from megatron.data.tokenizers.tokenizer import SentencePieceTokenizer, T5Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 CORPORA = ("en_wikitext2.jsonl", "en_shakespeare.jsonl", "zh_cmrc2018_wiki.jsonl",

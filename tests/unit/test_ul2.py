@@ -1,4 +1,4 @@
-"""UL2's mixture of denoisers (megatron/data/ul2.py) against numpy ports of the t5 library's
+"""UL2's mixture of denoisers (megatron/data/datasets/ul2.py) against numpy ports of the t5 library's
 masking functions (t5/data/preprocessors.py: random_spans_noise_mask's counts,
 random_prefix_noise_mask, noise_span_to_unique_sentinel, nonnoise_span_to_unique_sentinel),
 statistics over 10^5 samples of the shared corpora, exact reconstruction of every sample (English
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from megatron.data.builder import DataConfig, build_datasets
-from megatron.data.span_corruption import corrupt, uncorrupt
-from megatron.data.t5_dataset import IGNORE_INDEX, T5DatasetConfig, T5SpecialTokens
-from megatron.data.tokenizer import TokenizerSpec, build_tokenizer
-from megatron.data.ul2 import KINDS, PRESETS, Denoiser, UL2Config, denoise, mode_token_ids, \
+from megatron.data.datasets.builder import DataConfig, build_datasets
+from megatron.data.datasets.span_corruption import corrupt, uncorrupt
+from megatron.data.datasets.t5_dataset import IGNORE_INDEX, T5DatasetConfig, T5SpecialTokens
+from megatron.data.tokenizers.tokenizer import TokenizerSpec, build_tokenizer
+from megatron.data.datasets.ul2 import KINDS, PRESETS, Denoiser, UL2Config, denoise, mode_token_ids, \
     parse_denoisers
 
 from t5_span_reference import assert_t5_layout, fixed_layout_mask, noise_spans, rejects
@@ -341,8 +341,8 @@ def sentence_data(spm_model, corpora_dir, tmp_path_factory):
 
 
 def test_megatrons_layout_denoises_rows_of_whole_sentences(sentence_data, spm_model, tmp_path):
-    from megatron.data.indexed_dataset import IndexedDataset
-    from megatron.data.megatron_t5_dataset import MegatronT5Dataset, MegatronUL2Dataset
+    from megatron.data.storage.indexed_dataset import IndexedDataset
+    from megatron.data.datasets.megatron_t5_dataset import MegatronT5Dataset, MegatronUL2Dataset
 
     tokenizer = build_tokenizer(TokenizerSpec("SentencePieceTokenizer", str(spm_model)))
     tokens = T5SpecialTokens.from_tokenizer(tokenizer)

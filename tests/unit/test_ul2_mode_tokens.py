@@ -13,8 +13,8 @@ import pytest
 from sentencepiece import sentencepiece_model_pb2
 
 from data_tools import train_tokenizer
-from megatron.data.tokenizer import T5Tokenizer
-from megatron.data.ul2 import DEFAULT_MODE_TOKENS, PRESETS, UL2Config, mode_token_ids, \
+from megatron.data.tokenizers.tokenizer import T5Tokenizer
+from megatron.data.datasets.ul2 import DEFAULT_MODE_TOKENS, PRESETS, UL2Config, mode_token_ids, \
     mode_token_pieces
 
 TEXTS = dict(DEFAULT_MODE_TOKENS)  # kind -> "[NLU]", ...

@@ -575,7 +575,7 @@ CPM-2 does not use SentencePiece. Its tokenizer cuts text into words with jieba 
 into word pieces from its vocabulary, with spaces and newlines written as the tokens `\u2582`
 and `\u2583`. transformers has no such tokenizer: `T5Tokenizer` and `AutoTokenizer` cannot load
 one from this folder, and a SentencePiece vocabulary would give other ids. Use
-`megatron.data.cpm2_tokenizer.CPM2Tokenizer("vocab.txt")` (in the repository of the conversion
+`megatron.data.tokenizers.cpm2_tokenizer.CPM2Tokenizer("vocab.txt")` (in the repository of the conversion
 tool; it gives CPM-2's ids) or CPM-2's own `EncDecTokenizer` (src/tokenization_enc_dec.py of
 CPM-2-Pretrain) with vocab.txt.
 

@@ -5,7 +5,7 @@
     generation_config.json      decoder start, eos and pad ids
     model.safetensors           or model-0000K-of-0000N.safetensors + model.safetensors.index.json
     spiece.model                the SentencePiece model (with a tokenizer model)
-    tokenizer.json              the same ids as megatron.data.tokenizer.T5Tokenizer (below)
+    tokenizer.json              the same ids as megatron.data.tokenizers.tokenizer.T5Tokenizer (below)
     tokenizer_config.json, special_tokens_map.json
     README.md                   how to load it: AutoTokenizer, not T5Tokenizer (below)
 

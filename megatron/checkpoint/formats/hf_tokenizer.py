@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Tuple, Union
 
-from megatron.data.tokenizer import SENTINEL_FORMAT, T5Tokenizer
+from megatron.data.tokenizers.tokenizer import SENTINEL_FORMAT, T5Tokenizer
 from megatron.model.state_dict import StateDictError
 
 PathLike = Union[str, os.PathLike]
@@ -104,7 +104,7 @@ gives, for every text, the ids the model was trained on.
 
 def hf_tokenizer_files(spm_model: PathLike, extra_ids: int = 100) -> HFTokenizerFiles:
     """tokenizer.json (a `tokenizers` Unigram model) and its configs for our SentencePiece model:
-    transformers then encodes every text to the ids of `megatron.data.tokenizer.T5Tokenizer`
+    transformers then encodes every text to the ids of `megatron.data.tokenizers.tokenizer.T5Tokenizer`
     (byte pieces for characters outside the vocabulary included) and decodes them back.
 
     Raises:

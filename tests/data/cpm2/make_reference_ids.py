@@ -10,7 +10,7 @@ checkout given; its `tokenize` prints every token list, which is silenced here) 
 * documents of the repository's corpora (tests/data/corpora), stored by corpus and index only;
 * every document of one Chinese corpus, stored as a short digest per document (DIGESTS).
 
-`megatron/data/cpm2_tokenizer.py` is tested against this file (tests/unit/test_cpm2_tokenizer.py)
+`megatron/data/tokenizers/cpm2_tokenizer.py` is tested against this file (tests/unit/test_cpm2_tokenizer.py)
 without any CPM-2 code. Their tokenizer needs `six` only for Python 2 checks: a stand-in is used
 when it is not installed. For bpe_cn_en, whose `▂` is id 11 while their code hard-codes id 10 (a
 comma there), their tokenizer reads a copy of the vocabulary with lines 11 and 12 swapped and the

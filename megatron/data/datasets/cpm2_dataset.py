@@ -86,9 +86,11 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from megatron.data import _helpers, object_storage
-from megatron.data.index_cache import cached_arrays, description_hash
-from megatron.data.indexed_dataset import (
+from megatron.data import _helpers
+
+from megatron.data.storage import object_storage
+from megatron.data.storage.index_cache import cached_arrays, description_hash
+from megatron.data.storage.indexed_dataset import (
     IndexedDataset,
     data_file_path,
     dataset_exists,
@@ -96,7 +98,7 @@ from megatron.data.indexed_dataset import (
     index_file_path,
     index_identity,
 )
-from megatron.data.t5_dataset import IGNORE_INDEX, T5SpecialTokens, make_sample
+from megatron.data.datasets.t5_dataset import IGNORE_INDEX, T5SpecialTokens, make_sample
 
 SUFFIXES = ("_context", "_target", "_target_offset")
 

@@ -35,7 +35,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from megatron.data import object_storage
+from megatron.data.storage import object_storage
 
 META_SUFFIX = ".meta.json"
 META_FORMAT = "t5-pretrain-dataset-meta"

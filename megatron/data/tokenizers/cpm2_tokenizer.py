@@ -42,7 +42,7 @@ Where CPM-2's code does something else (we chose not to follow it):
 jieba is imported when a tokenizer is made (a clear ImportError names the package when it is
 missing) and loads its dictionary at the first `encode` (about 0.5 s; its first use on a machine
 also writes its cache file `jieba.cache` to the temporary folder). Speed: jieba's cut is most of
-the cost; `megatron.data.jieba_segmenter` gives its words faster, and the word pieces are cached
+the cost; `megatron.data.tokenizers.jieba_segmenter` gives its words faster, and the word pieces are cached
 per word (see bench/RESULTS.md, section "cpm2_tokenizer").
 """
 
@@ -56,8 +56,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron.data.jieba_segmenter import JiebaSegmenter
-from megatron.data.tokenizer_names import TokenizerNames
+from megatron.data.tokenizers.jieba_segmenter import JiebaSegmenter
+from megatron.data.tokenizers.tokenizer_names import TokenizerNames
 
 SENTINEL_FORMAT = "<s_{}>"
 SPACE_PIECE = "\u2582"    # "▂"
@@ -135,7 +135,7 @@ def _import_jieba():
 
 class CPM2Tokenizer(TokenizerNames):
     """CPM-2-Pretrain's `EncDecTokenizer` ids from a vocab.txt (module doc); the interface of
-    `megatron.data.tokenizer.T5Tokenizer`."""
+    `megatron.data.tokenizers.tokenizer.T5Tokenizer`."""
 
     def __init__(self, vocab_file: str):
         """Load `vocab_file` (CPM-2's `bpe_cn/vocab.txt` or one like it).

@@ -9,7 +9,7 @@ with any number of loader workers:
   tokens in round(noise / mean span) spans of a uniformly random segmentation, starting with
   non-noise), noise spans to unique sentinels in the input, the kept spans to sentinels in the
   target (`noise_span_to_unique_sentinel` / `nonnoise_span_to_unique_sentinel`): what
-  megatron/data/span_corruption.py does for T5. R is the regular setting, X the extreme one
+  megatron/data/datasets/span_corruption.py does for T5. R is the regular setting, X the extreme one
   (long spans or a high rate).
 - S: prefix LM (`random_prefix_noise_mask` with `drop_nonnoise_tokens` / `drop_noise_tokens`):
   the encoder reads a prefix, the decoder predicts the rest, no sentinel. `s_prefix` "t5" (the
@@ -42,7 +42,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
-from megatron.data.span_corruption import corrupt, random_spans_noise_mask
+from megatron.data.datasets.span_corruption import corrupt, random_spans_noise_mask
 
 KINDS = ("R", "S", "X")
 DEFAULT_MODE_TOKENS = {"R": "[NLU]", "S": "[S2S]", "X": "[NLG]"}

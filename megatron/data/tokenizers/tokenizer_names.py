@@ -1,5 +1,5 @@
 """The names the rest of the code reads from a tokenizer, whichever type it is (SentencePiece,
-megatron/data/tokenizer.py; CPM-2's word pieces, megatron/data/cpm2_tokenizer.py): Megatron's and
+megatron/data/tokenizers/tokenizer.py; CPM-2's word pieces, megatron/data/tokenizers/cpm2_tokenizer.py): Megatron's and
 Hugging Face's spellings of the special ids, computed once here for both."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ CPM-2-era Megatron (`--data-impl lazy|cached`) is read too. Reading goes through
 which validates the whole index before anything is handed out and returns zero-copy, read-only
 numpy views of the memory-mapped files: a reader holds O(index) memory, never O(data).
 
-A prefix `s3://bucket/key` is read from object storage (megatron/data/object_storage.py): the
+A prefix `s3://bucket/key` is read from object storage (megatron/data/storage/object_storage.py): the
 index from a node-local copy, mapped as a local one and checked against the object's size, the
 tokens by ranged reads through a bounded cache (read-only numpy arrays over the fetched bytes).
 
@@ -31,8 +31,10 @@ from typing import Iterable, List, Optional, Sequence, Union
 
 import numpy as np
 
-from megatron.data import _helpers, object_storage
-from megatron.data.data_meta import (
+from megatron.data import _helpers
+
+from megatron.data.storage import object_storage
+from megatron.data.storage.data_meta import (
     DatasetMeta,
     EodDecision,
     decide_eod,
@@ -240,7 +242,7 @@ class IndexedDataset:
                 for i in range(start, stop)]
 
     def _remote_tokens(self, start: int, count: int) -> np.ndarray:
-        from megatron.data import readahead
+        from megatron.data.storage import readahead
 
         end = start + count * self.dtype.itemsize
         plan = readahead.recorder()

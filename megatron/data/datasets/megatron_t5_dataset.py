@@ -52,11 +52,11 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from megatron.data import _helpers
-from megatron.data.index_cache import cached_arrays, description_hash
-from megatron.data.indexed_dataset import IndexedDataset, default_cache_dir, index_identity
-from megatron.data.span_corruption import corrupt
-from megatron.data.t5_dataset import T5SpecialTokens, make_sample, ul2_sample
-from megatron.data.ul2 import denoise
+from megatron.data.storage.index_cache import cached_arrays, description_hash
+from megatron.data.storage.indexed_dataset import IndexedDataset, default_cache_dir, index_identity
+from megatron.data.datasets.span_corruption import corrupt
+from megatron.data.datasets.t5_dataset import T5SpecialTokens, make_sample, ul2_sample
+from megatron.data.datasets.ul2 import denoise
 
 GEOMETRIC_P = 0.2          # SpanBERT / Megatron n-gram length distribution
 LONG_SENTENCE_LEN = 512    # Megatron skips documents with a longer sentence
@@ -301,7 +301,7 @@ class MegatronT5Dataset:
 class MegatronUL2Dataset(MegatronT5Dataset):
     """`--t5-objective ul2 --ul2-sample-layout megatron`: the rows of whole sentences of one
     document that MegatronT5Dataset makes (module docstring, steps 1-2), each denoised by the
-    UL2 denoiser its (seed, index) draws (megatron/data/ul2.py) instead of n-gram masking. Rows
+    UL2 denoiser its (seed, index) draws (megatron/data/datasets/ul2.py) instead of n-gram masking. Rows
     are at most the UL2 budget's raw length (`UL2Config.budget`), so every denoiser's input and
     target fit the encoder and decoder lengths; shorter rows (a document's end, `short_seq_prob`)
     make shorter samples."""

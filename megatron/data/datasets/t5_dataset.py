@@ -22,10 +22,10 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron.data import _helpers
-from megatron.data.index_cache import cached_arrays, description_hash
-from megatron.data.ul2 import KINDS, UL2Config, denoise
-from megatron.data.indexed_dataset import IndexedDataset, default_cache_dir, index_identity
-from megatron.data.span_corruption import (
+from megatron.data.storage.index_cache import cached_arrays, description_hash
+from megatron.data.datasets.ul2 import KINDS, UL2Config, denoise
+from megatron.data.storage.indexed_dataset import IndexedDataset, default_cache_dir, index_identity
+from megatron.data.datasets.span_corruption import (
     corrupt,
     expected_lengths,
     random_spans_noise_mask,
@@ -47,7 +47,7 @@ class T5SpecialTokens:
 
     @classmethod
     def from_tokenizer(cls, tokenizer, whole_word: bool = False) -> "T5SpecialTokens":
-        """The ids of either tokenizer type (megatron.data.tokenizer.build_tokenizer): T5's
+        """The ids of either tokenizer type (megatron.data.tokenizers.tokenizer.build_tokenizer): T5's
         pad, eos, pad as decoder start and <extra_id_N>; CPM-2's <pad>, <eod>, <s> and <s_N>.
         Word starts: SentencePiece's "▁" pieces, CPM-2's pieces that are no "##" continuation."""
         word_start = tokenizer.word_start_mask() if whole_word else None
@@ -75,7 +75,7 @@ class T5DatasetConfig:
     whole_word: bool = False
     seed: int = 1234
     ul2: Optional["UL2Config"] = None
-    """`--t5-objective ul2`: the mixture of denoisers (megatron/data/ul2.py), which sets the
+    """`--t5-objective ul2`: the mixture of denoisers (megatron/data/datasets/ul2.py), which sets the
     lengths."""
 
     def lengths(self) -> Tuple[int, int, int]:
@@ -115,7 +115,7 @@ class T5SpanCorruptionDataset:
             folder for s3:// data; indexed_dataset.default_cache_dir).
         append_eod: `--data-append-eod`: whether documents end with EOD ("yes", "no", or
             "auto": the dataset's sidecar checked against, or else decided by, a bounded sample
-            of document ends; megatron/data/data_meta.py). Raises DataMetaError (a ValueError)
+            of document ends; megatron/data/storage/data_meta.py). Raises DataMetaError (a ValueError)
             when "auto" cannot tell.
     """
 
@@ -239,7 +239,7 @@ class T5SpanCorruptionDataset:
 
 class UL2Dataset(T5SpanCorruptionDataset):
     """`--t5-objective ul2`: the packed windows of T5SpanCorruptionDataset, each denoised by the
-    denoiser its (seed, index) draws (megatron/data/ul2.py); `config.ul2` is set."""
+    denoiser its (seed, index) draws (megatron/data/datasets/ul2.py); `config.ul2` is set."""
 
     def denoised(self, index: int):
         """(index of the denoiser drawn, encoder input, target) of sample `index`."""

@@ -18,13 +18,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron.data import _helpers
-from megatron.data.index_cache import cached_arrays
-from megatron.data.cpm2_dataset import CPM2Dataset, cpm2_prefixes, is_cpm2_prefix
-from megatron.data import object_storage
-from megatron.data.data_meta import decide_eod
-from megatron.data.indexed_dataset import IndexedDataset, dataset_exists
-from megatron.data.megatron_t5_dataset import MegatronT5Dataset, MegatronUL2Dataset
-from megatron.data.t5_dataset import (
+from megatron.data.storage.index_cache import cached_arrays
+from megatron.data.datasets.cpm2_dataset import CPM2Dataset, cpm2_prefixes, is_cpm2_prefix
+from megatron.data.storage import object_storage
+from megatron.data.storage.data_meta import decide_eod
+from megatron.data.storage.indexed_dataset import IndexedDataset, dataset_exists
+from megatron.data.datasets.megatron_t5_dataset import MegatronT5Dataset, MegatronUL2Dataset
+from megatron.data.datasets.t5_dataset import (
     T5DatasetConfig,
     T5SpanCorruptionDataset,
     T5SpecialTokens,
@@ -203,7 +203,7 @@ class DataConfig:
     append_eod: str = "auto"
     """--data-append-eod: whether the documents of every prefix end with EOD ("yes", "no"), or
     "auto": each prefix's sidecar, checked against a bounded sample of its document ends, or
-    that sample alone (megatron/data/data_meta.py). Read by the objectives that pack documents
+    that sample alone (megatron/data/storage/data_meta.py). Read by the objectives that pack documents
     (span corruption, UL2's packed layout)."""
 
     def packs_documents(self) -> bool:

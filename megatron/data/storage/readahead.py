@@ -1,4 +1,4 @@
-"""Reading ahead of the sampler for data on object storage (megatron/data/object_storage.py).
+"""Reading ahead of the sampler for data on object storage (megatron/data/storage/object_storage.py).
 
 The sampler's order is fixed in advance, so the byte ranges a batch will read are known before it
 is read: `ReadAheadBatchSampler` hands each batch to the loader with the indices of the next

@@ -30,7 +30,7 @@ Known, deliberate differences from HF transformers 5.x (which re-implements the 
 
 ``build_tokenizer(resolve_tokenizer(...))`` is how the data tools and training make their
 tokenizer from the flags: this one for a SentencePiece model, ``CPM2Tokenizer``
-(``megatron/data/cpm2_tokenizer.py``) for a CPM-2 ``vocab.txt``; both have this interface.
+(``megatron/data/tokenizers/cpm2_tokenizer.py``) for a CPM-2 ``vocab.txt``; both have this interface.
 
 This module needs only numpy and sentencepiece (no torch), so data tools can import it cheaply.
 """
@@ -46,7 +46,7 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import sentencepiece as spm
 
-from megatron.data.tokenizer_names import TokenizerNames
+from megatron.data.tokenizers.tokenizer_names import TokenizerNames
 
 SENTINEL_FORMAT = "<extra_id_{}>"
 _SPACE = "\u2581"  # SentencePiece's escaped whitespace "▁"
@@ -401,7 +401,7 @@ def build_tokenizer(spec: TokenizerSpec, extra_ids: int = 100):
         ImportError: CPM2Tokenizer without jieba installed.
     """
     if spec.tokenizer_type == "CPM2Tokenizer":
-        from megatron.data.cpm2_tokenizer import CPM2Tokenizer
+        from megatron.data.tokenizers.cpm2_tokenizer import CPM2Tokenizer
 
         return CPM2Tokenizer(spec.path)
     return T5Tokenizer(spec.path, extra_ids=extra_ids)

@@ -1,0 +1,1 @@
+"""The input side of the offline tools: streaming JSONL and sentence splitting."""

@@ -1,0 +1,1 @@
+"""Megatron's .bin/.idx datasets, their index caches, and data on object storage (docs/object-storage.md)."""

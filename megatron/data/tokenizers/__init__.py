@@ -1,0 +1,1 @@
+"""T5's SentencePiece and CPM-2's word-piece tokenizers (docs/data.md)."""
