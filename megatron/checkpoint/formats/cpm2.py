@@ -56,10 +56,10 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 
 from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError, allowed_globals, only_globals
+from megatron.checkpoint.layout import ITERATION_PREFIX, TRACKER, TrackerError, read_tracker
 from megatron.model.config import ConfigError, T5Config
 from megatron.model.meta import full_parameter_shapes
 
-TRACKER = "latest_checkpointed_iteration.txt"
 SHARD = re.compile(r"mp_rank_(\d+)_model_states\.pt")
 MAX_DISTANCE = 128  # their _relative_position_bucket's default; compute_bias never passes one
 CPM2_KEYS = {"d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
@@ -266,11 +266,11 @@ def find_iteration(root: Path, iteration: Optional[int] = None) -> Path:
                     f"to read one" if found else "; it has no iteration folders either")
             raise CheckpointReadError(f"{tracker}: missing, so the iteration to read is "
                                       f"unknown{hint}")
-        text = tracker.read_text(encoding="utf-8", errors="replace").strip()
-        if text != "release" and not text.isdigit():
-            raise CheckpointReadError(f"{tracker} holds {text[:40]!r}, not an iteration number; "
-                                      f"pass --iteration N")
-        name, said = text, f" ({tracker.name} names it)"
+        try:
+            name = str(read_tracker(root, release_ok=True, hint="pass --iteration N"))
+        except TrackerError as e:
+            raise CheckpointReadError(str(e)) from None
+        said = f" ({tracker.name} names it)"
     else:
         name, said = str(int(iteration)), ""
     folder = root / name
@@ -292,9 +292,9 @@ def _foreign(root: Path) -> str:
             "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
             "pytorch_model.bin.index.json")):
         return "it is a Hugging Face model folder; convert it with --from hf"
-    if (root / "meta.json").is_file() or any(root.glob("iter_*/meta.json")):
+    if (root / "meta.json").is_file() or any(root.glob(ITERATION_PREFIX + "*/meta.json")):
         return "it is a checkpoint of our trainer; convert it with --load"
-    if any(root.glob("iter_*/mp_rank_*/model_optim_rng.pt")):
+    if any(root.glob(ITERATION_PREFIX + "*/mp_rank_*/model_optim_rng.pt")):
         return ("it was saved without DeepSpeed (iter_N/mp_rank_XX/model_optim_rng.pt); this "
                 "reader reads CPM-2's DeepSpeed saves (ITER/mp_rank_XX_model_states.pt)")
     return ""

@@ -28,7 +28,8 @@ With a pipeline, M = stage * TP + T (DeepSpeed's model-parallel rank):
     (with experts split over ranks, DeepSpeed's MoE checkpoint: no layer or tied files; each
     stage's whole state dict, by its layers' numbers, is the 'module' of its mp_rank_MM file)
 
-The reader, one module per concept: the folder, tracker and meta.json (deepspeed_folder.py); full
+The reader, one module per concept: the folder, tracker and meta.json (deepspeed_folder.py; the
+names in the folder: megatron/checkpoint/layout.py); full
 tensors from each tensor rank's shards (deepspeed_tensors.py); a pipeline's layer and tied files
 (deepspeed_pipeline.py); the optimizer's masters, moments and step (deepspeed_optimizer.py);
 --inspect (deepspeed_describe.py). This module is their public face.
@@ -51,7 +52,6 @@ from megatron.checkpoint.formats.deepspeed_files import (
 from megatron.checkpoint.formats.deepspeed_folder import (
     LAYERS_FILE,
     META,
-    TRACKER,
     find_iteration,
     model_config,
     read_meta,
@@ -63,6 +63,7 @@ from megatron.checkpoint.formats.deepspeed_tensors import (
     check_optimizer_states,
     iter_full_tensors,
 )
+from megatron.checkpoint.layout import TRACKER  # re-exported: the folder's names are layout.py's
 
 __all__ = ["ALLOWED_GLOBALS", "CheckpointReadError", "LAYERS_FILE", "META", "MOMENTS", "SOURCES",
            "TRACKER", "check_optimizer_states", "describe", "find_iteration", "iter_full_tensors",

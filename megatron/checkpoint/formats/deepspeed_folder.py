@@ -1,5 +1,6 @@
-"""The folder of a checkpoint our trainer writes: the tracker, the iteration folders and
-meta.json (the layout, the flags, the model), and hints when the folder is another tool's.
+"""The folder of a checkpoint our trainer writes: the tracker, the iteration folders (their
+names: megatron/checkpoint/layout.py) and meta.json (the layout, the flags, the model), and
+hints when the folder is another tool's.
 The reader built on it: megatron/checkpoint/formats/deepspeed.py.
 """
 
@@ -10,9 +11,16 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError
+from megatron.checkpoint.layout import (
+    DEEPSPEED_LATEST,
+    ITERATION_PREFIX,
+    TRACKER,
+    TrackerError,
+    iteration_folder_name,
+    read_tracker,
+)
 from megatron.model.config import ConfigError, T5Config
 
-TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
 LAYERS_FILE = "pipeline_layers.json"
 
@@ -40,16 +48,11 @@ def find_iteration(ckpt_dir: PathLike, iteration: Optional[int] = None) -> Path:
                     if found else "")
             raise CheckpointReadError(f"{tracker}: missing, so {root} holds no complete "
                                       f"checkpoint of our trainer{hint}{_foreign(root)}")
-        text = tracker.read_text(encoding="utf-8", errors="replace").strip()
-        if text == "release":
-            raise CheckpointReadError(f"{tracker} says 'release': a Megatron-LM release "
-                                      f"checkpoint, not one written by this trainer")
         try:
-            iteration = int(text)
-        except ValueError:
-            raise CheckpointReadError(f"{tracker} holds {text[:40]!r}, not an iteration "
-                                      f"number; pass the iteration to read") from None
-    folder = root / f"iter_{int(iteration):07d}"
+            iteration = read_tracker(root, hint="pass the iteration to read")
+        except TrackerError as e:
+            raise CheckpointReadError(str(e)) from None
+    folder = root / iteration_folder_name(iteration)
     if not folder.is_dir():
         found = _iteration_folders(root)
         said = f" ({tracker.name} names it)" if from_tracker else ""
@@ -59,7 +62,7 @@ def find_iteration(ckpt_dir: PathLike, iteration: Optional[int] = None) -> Path:
 
 
 def _iteration_folders(root: Path) -> List[str]:
-    return sorted(p.name for p in root.glob("iter_*") if p.is_dir())
+    return sorted(p.name for p in root.glob(ITERATION_PREFIX + "*") if p.is_dir())
 
 
 def _foreign(folder: Path) -> str:
@@ -68,7 +71,7 @@ def _foreign(folder: Path) -> str:
             (folder / n).is_file() for n in ("model.safetensors", "model.safetensors.index.json",
                                              "pytorch_model.bin")):
         return "; it looks like a Hugging Face model folder (convert it with --from hf)"
-    if (folder / "latest").is_file():
+    if (folder / DEEPSPEED_LATEST).is_file():
         return ("; it has DeepSpeed's 'latest' file only: saved by DeepSpeed directly, not by "
                 "this trainer")
     if any(folder.glob("*/model_optim_rng.pt")) or any(folder.glob("*/*/model_optim_rng.pt")):

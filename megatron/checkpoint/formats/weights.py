@@ -38,10 +38,10 @@ import torch
 from safetensors import safe_open
 
 from megatron.checkpoint.formats.hf import ShardWriter, parse_size, staged_folder
+from megatron.checkpoint.layout import iteration_folder_name, write_tracker
 
 FORMAT = "weights"
 MOMENTS = ("exp_avg", "exp_avg_sq")
-TRACKER = "latest_checkpointed_iteration.txt"
 VOCAB_PARAMETERS = ("shared.weight", "lm_head.weight")
 
 
@@ -66,9 +66,8 @@ def write_weights_checkpoint(out: Path, tensors: Iterable[Tuple[str, torch.Tenso
     out = Path(out)
     if out.exists() and not force:
         raise WeightsError(f"{out} exists; pass --force to replace it")
-    tag = f"iter_{iteration:07d}"
     with staged_folder(out) as tmp:
-        folder = tmp / tag
+        folder = tmp / iteration_folder_name(iteration)
         folder.mkdir()
         names, count = _write_tensors(folder, "model", tensors, max_shard_size, progress)
         meta = {"format": FORMAT, "iteration": iteration, "consumed_samples": 0,
@@ -89,8 +88,7 @@ def write_weights_checkpoint(out: Path, tensors: Iterable[Tuple[str, torch.Tenso
                         optimizer={"step": int(optimizer["step"]), "states": list(MOMENTS)})
         meta["files"] = sorted(p.name for p in folder.iterdir())
         (folder / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
-        (tmp / TRACKER).write_text(f"{iteration}\n")
-        (tmp / "latest").write_text(tag)
+        write_tracker(tmp, iteration)
     return out
 
 

@@ -1,6 +1,7 @@
 """Checkpoints that are never half-written, and exact resume.
 
-Layout of `--save DIR` (Megatron's tracker and names, DeepSpeed's files inside):
+Layout of `--save DIR` (Megatron's tracker and names, defined in megatron/checkpoint/layout.py;
+DeepSpeed's files inside):
 
     DIR/latest_checkpointed_iteration.txt   the iteration of the newest complete checkpoint
     DIR/latest                              the same tag, for DeepSpeed's own tools
@@ -40,8 +41,9 @@ from megatron.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.failures import RunFailure
 from megatron.config.lr_schedule import LRSchedule, resolve_with_checkpoint
 from megatron.config.training import CheckpointConfig
+from megatron.checkpoint import layout as folder_layout  # (`layout` is the parallel sizes')
+from megatron.checkpoint.layout import TRACKER  # noqa: F401 - re-exported: io's callers use it
 
-TRACKER = "latest_checkpointed_iteration.txt"
 TEST_PAUSE_ENV = "MEGATRON_CHECKPOINT_TEST_PAUSE_S"
 """Tests only: "SECONDS" or "ITERATION:SECONDS" to sleep after the engine files of a save are
 written and before the rename, so that a test can kill the process mid-save."""
@@ -60,8 +62,8 @@ class CheckpointError(RunFailure):
     on every rank unless `rank_local`)."""
 
 
-def tag_for(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
+tag_for = folder_layout.iteration_folder_name
+"""The iteration folder's name (DeepSpeed's checkpoint tag): megatron/checkpoint/layout.py."""
 
 
 def fsync_dir(path: Path) -> None:
@@ -188,8 +190,7 @@ def prune(root: Path, keep_last: int) -> List[Path]:
     always kept; folders being written, `iter_N.tmp`, are never touched); returns the removed.
     Called after the tracker names the newest, so a crash mid-removal loses only old ones."""
     current = read_tracker(root)
-    done = sorted((int(p.name[len("iter_"):]), p) for p in root.glob("iter_*")
-                  if p.is_dir() and p.name[len("iter_"):].isdigit())
+    done = folder_layout.iteration_folders(root)
     removed = []
     for iteration, path in done[:max(len(done) - keep_last, 0)]:
         if iteration == current:
@@ -199,24 +200,22 @@ def prune(root: Path, keep_last: int) -> List[Path]:
         os.replace(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(path)
-    for stale in root.glob("iter_*.removing"):  # an earlier run's interrupted removal
+    # an earlier run's interrupted removal
+    for stale in root.glob(f"{folder_layout.ITERATION_PREFIX}*.removing"):
         shutil.rmtree(stale, ignore_errors=True)
     return removed
 
 
 def read_tracker(load_dir: Path) -> Optional[int]:
-    """The newest complete checkpoint's iteration, or None when the folder has none."""
-    tracker = load_dir / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    if text == "release":
-        raise CheckpointError(f"{tracker} says 'release' (a Megatron-LM release checkpoint); "
-                              f"loading those is not available yet")
+    """The newest complete checkpoint's iteration, or None when the folder has none.
+
+    Raises:
+        CheckpointError: a tracker that names no iteration (megatron/checkpoint/layout.py).
+    """
     try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number") from None
+        return folder_layout.read_tracker(load_dir)
+    except folder_layout.TrackerError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def read_meta(load_dir: Path, iteration: int) -> Dict[str, Any]:

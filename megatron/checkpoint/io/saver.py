@@ -40,15 +40,14 @@ import torch.distributed as dist
 
 from megatron.checkpoint.io.async_save import HostBuffers, Writer, snapshot, write_file
 from megatron.checkpoint.io.checkpointing import (
-    TRACKER,
     CheckpointError,
     fsync_dir,
     pause_for_tests,
     prune,
     rng_state,
-    tag_for,
     write_atomic,
 )
+from megatron.checkpoint.layout import ITERATION_PREFIX, iteration_folder_name, write_tracker
 
 
 class SaveFailed(CheckpointError):
@@ -125,11 +124,11 @@ class Saver:
             self._warn(e)
         waited = time.monotonic() - began
         rank = dist.get_rank()
-        tmp = self.root / (tag_for(iteration) + ".tmp")
+        tmp = self.root / (iteration_folder_name(iteration) + ".tmp")
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            keep = {tag_for(p.iteration) + ".tmp" for p in self.held}
-            for stale in self.root.glob("iter_*.tmp"):
+            keep = {iteration_folder_name(p.iteration) + ".tmp" for p in self.held}
+            for stale in self.root.glob(f"{ITERATION_PREFIX}*.tmp"):
                 if stale.name not in keep:
                     shutil.rmtree(stale, ignore_errors=True)
         dist.barrier()
@@ -232,7 +231,8 @@ class Saver:
         dist.barrier()
         if dist.get_rank() == 0:
             for p in doomed:
-                shutil.rmtree(self.root / (tag_for(p.iteration) + ".tmp"), ignore_errors=True)
+                shutil.rmtree(self.root / (iteration_folder_name(p.iteration) + ".tmp"),
+                              ignore_errors=True)
         return [p.iteration for p in doomed]
 
     def close(self) -> None:
@@ -257,7 +257,7 @@ class Saver:
         if not_done:
             return None
         self.pending = None
-        tmp = self.root / (tag_for(pending.iteration) + ".tmp")
+        tmp = self.root / (iteration_folder_name(pending.iteration) + ".tmp")
         if failed:
             if dist.get_rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -284,8 +284,8 @@ class Saver:
     def _commit_agreed(self, pending: _Pending, barrier: bool = False) -> Path:
         """Rank 0 commits a save every rank has written (barrier: the others wait for it, and
         the step's hold time includes the commit)."""
-        tmp = self.root / (tag_for(pending.iteration) + ".tmp")
-        final = self.root / tag_for(pending.iteration)
+        tmp = self.root / (iteration_folder_name(pending.iteration) + ".tmp")
+        final = self.root / iteration_folder_name(pending.iteration)
         if dist.get_rank() == 0:
             self._commit(tmp, final, pending)
         if barrier:
@@ -314,8 +314,7 @@ class Saver:
         else:
             os.replace(tmp, final)
         fsync_dir(self.root)
-        write_atomic(self.root / TRACKER, f"{pending.iteration}\n")
-        write_atomic(self.root / "latest", final.name)
+        write_tracker(self.root, pending.iteration, write=write_atomic)
         if self.keep_last is not None:
             prune(self.root, self.keep_last)
 
