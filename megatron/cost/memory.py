@@ -173,96 +173,86 @@ def _validate(tp, dp, zero_stage, precision, offload_optimizer, offload_param, s
     return out
 
 
-def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                    zero_stage: int = 0, precision: str = "bf16", offload_optimizer: str = "none",
-                    offload_param: str = "none", micro_batch_size: int = 1,
-                    encoder_seq_length: int = 512, decoder_seq_length: int = 114,
-                    checkpoint_activations: bool = False, checkpoint_num_layers: int = 1,
-                    make_vocab_size_divisible_by: int = 128, attention_kernel: str = "fused",
-                    buckets: ZeroBuckets = ZeroBuckets(), device_type: str = "cuda",
-                    gradient_accumulation_steps: int = 1, pipeline_cut: Optional["Cut"] = None,
-                    pipeline_stage: int = 0, expert_parallel_size: int = 1) -> MemoryEstimate:
-    """Per-rank memory of training `config` with DeepSpeed ZeRO and Adam(W).
+def estimate_memory(layout: "Layout", device_type: str = "cuda", attention_kernel: str = "fused",
+                    pipeline_cut: Optional["Cut"] = None,
+                    pipeline_stage: int = 0) -> MemoryEstimate:
+    """Per-rank memory of training `layout` with DeepSpeed ZeRO and Adam(W).
 
     Args:
-        tensor_parallel_size, data_parallel_size: the parallel sizes.
-        zero_stage: 0-3. precision: 'fp32', 'bf16' or 'fp16' (16-bit: fp32 master weights).
-        offload_optimizer, offload_param: 'none', 'cpu' or 'nvme' (ZeRO-Offload / -Infinity).
-        micro_batch_size, encoder_seq_length, decoder_seq_length: one micro-batch.
-        checkpoint_activations, checkpoint_num_layers: as T5Model's.
+        layout: what a rank holds and computes (megatron.config.Layout): the model and how it is
+            built (vocabulary padding, activation checkpointing), the tensor, data and expert
+            parallel sizes, one micro-batch (size, sequence lengths) and the micro-batches per
+            step, the precision ('fp32', 'bf16' or 'fp16'; 16-bit: fp32 master weights), the
+            ZeRO stage and offload ('none', 'cpu' or 'nvme'), DeepSpeed's bucket sizes from its
+            JSON's zero_optimization (absent: DeepSpeed's defaults). With 'cpu' and more than one
+            micro-batch per step, stage 0-2 gradients live through the forward ('cuda' always
+            counts them). A Mixture-of-Experts model's experts are split over the expert-parallel
+            size: each rank holds E / EP of them, and ZeRO partitions their states over the
+            data-parallel size / EP ranks holding the same experts.
+        device_type: 'cuda' (device memory, everything alive at once) or 'cpu' (the resident
+            memory a CPU run adds to its interpreter and libraries; see the module docstring).
         attention_kernel: 'fused' (sdpa's flash / memory-efficient kernels: the model's 'auto' on
             CUDA) or 'eager' (probabilities kept: attention_backend 'eager', torch's math path,
             and what 'auto' runs on the CPU, model/eager_attention.py).
-        buckets: DeepSpeed's bucket sizes.
-        device_type: 'cuda' (device memory, everything alive at once) or 'cpu' (the resident
-            memory a CPU run adds to its interpreter and libraries; see the module docstring).
-        gradient_accumulation_steps: micro-batches per step; with 'cpu' and more than one,
-            stage 0-2 gradients live through the forward ('cuda' always counts them).
         pipeline_cut, pipeline_stage: with a cut of more than one stage, the memory of a rank
             of that stage (see the module docstring); None or one stage: no pipeline.
-        expert_parallel_size: a Mixture-of-Experts model's experts split over this many
-            data-parallel ranks: each holds E / EP of them, and ZeRO partitions their states
-            over the data-parallel size / EP ranks holding the same experts.
 
     Raises:
-        ValueError: an argument out of range or a combination DeepSpeed does not run.
-        ConfigError: the config does not split over tensor_parallel_size.
+        ValueError: a setting out of range or a combination DeepSpeed does not run.
+        ConfigError: the model does not split over the tensor-parallel size.
     """
-    sizes = {"micro_batch_size": micro_batch_size, "encoder_seq_length": encoder_seq_length,
-             "decoder_seq_length": decoder_seq_length,
-             "gradient_accumulation_steps": gradient_accumulation_steps}
-    problems = _validate(tensor_parallel_size, data_parallel_size, zero_stage, precision,
-                         offload_optimizer, offload_param, sizes, checkpoint_num_layers,
+    model, parallel, batch = layout.model, layout.parallel, layout.batch
+    config, tp, dp = model.t5, parallel.tensor_model_parallel_size, parallel.data_parallel_size
+    ep, precision, zero = parallel.expert_model_parallel_size, layout.precision.precision, \
+        layout.zero
+    e, d = layout.encoder_seq_length, layout.decoder_seq_length
+    micro_batches = batch.gradient_accumulation_steps
+    buckets = ZeroBuckets.from_zero_config(layout.deepspeed.get("zero_optimization", {}))
+    sizes = {"micro_batch_size": batch.micro_batch_size, "encoder_seq_length": e,
+             "decoder_seq_length": d, "gradient_accumulation_steps": micro_batches}
+    problems = _validate(tp, dp, zero.stage, precision, zero.offload_optimizer,
+                         zero.offload_param, sizes, model.checkpoint_num_layers,
                          attention_kernel, device_type)
     pipelined = pipeline_cut is not None and pipeline_cut.stages > 1
     if pipelined and pipeline_stage not in range(pipeline_cut.stages):
         problems.append(f"pipeline_stage must be 0 .. {pipeline_cut.stages - 1}, not "
                         f"{pipeline_stage!r}")
-    if pipelined and zero_stage not in (0, 1):
+    if pipelined and zero.stage not in (0, 1):
         problems.append("a pipeline runs ZeRO stage 0 or 1 only (DeepSpeed's pipeline engine)")
     if problems:
         raise ValueError("cannot estimate memory: " + "; ".join(problems))
-    tp = tensor_parallel_size
-    shape = ActivationShape(micro_batch_size, config.d_model, config.inner_dim // tp,
+    shape = ActivationShape(batch.micro_batch_size, config.d_model, config.inner_dim // tp,
                             config.d_ff // tp, config.num_heads // tp,
                             4 if precision == "fp32" else 2, precision == "fp16",
                             config.dropout_rate > 0, attention_kernel, config)
-    vocab = config.padded_vocab_size(make_vocab_size_divisible_by, tp) // tp
+    divisor = model.make_vocab_size_divisible_by
+    vocab = config.padded_vocab_size(divisor, tp) // tp
     if pipelined:
-        numels = stage_parameter_numels(config, pipeline_cut, pipeline_stage, tp,
-                                        make_vocab_size_divisible_by, expert_parallel_size)
-        activations = _stage_activations(shape, tp, vocab, encoder_seq_length,
-                                         decoder_seq_length, pipeline_cut, pipeline_stage,
-                                         gradient_accumulation_steps,
-                                         checkpoint_num_layers if checkpoint_activations else 0)
-        experts = {n for n in numels if is_expert_parameter(n)} if expert_parallel_size > 1 \
-            else set()
+        numels = stage_parameter_numels(config, pipeline_cut, pipeline_stage, tp, divisor, ep)
+        activations = _stage_activations(shape, tp, vocab, e, d, pipeline_cut, pipeline_stage,
+                                         micro_batches, model.checkpoint_num_layers
+                                         if model.checkpoint_activations else 0)
+        experts = {n for n in numels if is_expert_parameter(n)} if ep > 1 else set()
         return _stage_estimate([n for name, n in numels.items() if name not in experts],
-                               data_parallel_size, zero_stage, precision, offload_optimizer,
-                               buckets, device_type, activations,
-                               [numels[name] for name in experts],
-                               data_parallel_size // expert_parallel_size)
-    numels = parameter_numels(config, tensor_parallel_size, make_vocab_size_divisible_by,
-                              expert_parallel_size)
+                               dp, zero.stage, precision, zero.offload_optimizer, buckets,
+                               device_type, activations, [numels[name] for name in experts],
+                               dp // ep)
+    numels = parameter_numels(config, tp, divisor, ep)
+    states = (zero.stage, precision, zero.offload_optimizer, zero.offload_param, buckets)
     params, grads, optimizer, buffers, step, offloaded = _model_states(
-        list(numels.values()), data_parallel_size, zero_stage, precision, offload_optimizer,
-        offload_param, buckets)
-    if config.is_moe and expert_parallel_size > 1:  # the experts' states over expert-data ranks
+        list(numels.values()), dp, *states)
+    if config.is_moe and ep > 1:  # the experts' states over expert-data ranks
         dense = [n for name, n in numels.items() if not is_expert_parameter(name)]
         expert = [n for name, n in numels.items() if is_expert_parameter(name)]
-        parts = [_model_states(dense, data_parallel_size, zero_stage, precision,
-                               offload_optimizer, offload_param, buckets),
-                 _model_states(expert, data_parallel_size // expert_parallel_size, zero_stage,
-                               precision, offload_optimizer, offload_param, buckets)]
+        parts = [_model_states(dense, dp, *states), _model_states(expert, dp // ep, *states)]
         params, grads, optimizer, _, step, offloaded = (
             sum(values) for values in zip(*parts))
-    saved, activations = micro_batch_activations(shape, tp, vocab, encoder_seq_length,
-                                                 decoder_seq_length, checkpoint_activations,
-                                                 checkpoint_num_layers)
+    saved, activations = micro_batch_activations(shape, tp, vocab, e, d,
+                                                 model.checkpoint_activations,
+                                                 model.checkpoint_num_layers)
     if device_type == "cpu":
-        return _host_estimate(list(numels.values()), data_parallel_size, zero_stage, precision,
-                              offload_optimizer, offload_param, buckets, saved, activations,
-                              gradient_accumulation_steps)
+        return _host_estimate(list(numels.values()), dp, *states, saved, activations,
+                              micro_batches)
     return MemoryEstimate(parameters=params, gradients=grads, optimizer_states=optimizer,
                           activations=activations, activations_saved=saved, buffers=buffers,
                           total=params + grads + optimizer + buffers + max(activations, step),
@@ -272,35 +262,19 @@ def estimate_memory(config: T5Config, tensor_parallel_size: int = 1, data_parall
 def estimate_run(config: "Layout", device_type: str, stage: Optional[int] = None,
                  cut: Optional["Cut"] = None) -> MemoryEstimate:
     """`estimate_memory` for a run's layout (`RunConfig.layout()`, or `layout_from_flags` in
-    megatron/arguments.py) on `device_type` ('cuda' or 'cpu'): its model,
-    layout, batch, precision, ZeRO and offload, DeepSpeed's buckets from its JSON; the attention
-    kernel that the model's 'auto' backend picks there (fused on CUDA, eager on the CPU). What
-    `--dry-run`, the training bench and the planner share. With a pipeline: a rank of `stage`,
-    or with None of the stage with the largest total (`estimate_stages` gives them all); `cut`:
-    the layout's `pipeline_cut()` when the caller has it already."""
-    model, parallel = config.model, config.parallel
-    if parallel.pipeline_model_parallel_size == 1:
+    megatron/arguments.py) on `device_type` ('cuda' or 'cpu'), with the attention kernel that
+    the model's 'auto' backend picks there (fused on CUDA, eager on the CPU). What `--dry-run`,
+    the training bench and the planner share. With a pipeline: a rank of `stage`, or with None
+    of the stage with the largest total (`estimate_stages` gives them all); `cut`: the layout's
+    `pipeline_cut()` when the caller has it already."""
+    if config.parallel.pipeline_model_parallel_size == 1:
         cut = None
     elif cut is None:
         cut = config.pipeline_cut()
     if cut is not None and stage is None:
         return max(estimate_stages(config, device_type, cut), key=lambda e: e.total)
     kernel = "fused" if device_type == "cuda" else "eager"
-    return estimate_memory(
-        model.t5, tensor_parallel_size=parallel.tensor_model_parallel_size,
-        data_parallel_size=parallel.data_parallel_size, zero_stage=config.zero.stage,
-        precision=config.precision.precision, offload_optimizer=config.zero.offload_optimizer,
-        offload_param=config.zero.offload_param, micro_batch_size=config.batch.micro_batch_size,
-        encoder_seq_length=config.encoder_seq_length,
-        decoder_seq_length=config.decoder_seq_length,
-        checkpoint_activations=model.checkpoint_activations,
-        checkpoint_num_layers=model.checkpoint_num_layers,
-        make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
-        attention_kernel=kernel, device_type=device_type,
-        buckets=ZeroBuckets.from_zero_config(config.deepspeed.get("zero_optimization", {})),
-        gradient_accumulation_steps=config.batch.gradient_accumulation_steps,
-        pipeline_cut=cut, pipeline_stage=stage or 0,
-        expert_parallel_size=getattr(parallel, "expert_model_parallel_size", 1))
+    return estimate_memory(config, device_type, kernel, cut, stage or 0)
 
 
 def estimate_stages(config: "Layout", device_type: str,

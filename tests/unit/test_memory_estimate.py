@@ -11,7 +11,7 @@ from megatron.model import T5Config, T5Model
 from megatron.model.config import ConfigError
 from megatron.model.meta import count_parameters, num_parameters, parameter_numels
 from megatron.tensor_parallel.random import model_parallel_seed
-from megatron.cost.memory import ZeroBuckets, estimate_memory
+from memory_layouts import estimate
 
 SMALL = dict(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)
 BATCH, ENC_LEN, DEC_LEN = 2, 64, 16
@@ -55,13 +55,13 @@ def test_tensor_parallel_parameter_count_by_hand():
 # Model states -------------------------------------------------------------------------------
 STATES_CONFIG = T5Config(vocab_size=1000, d_model=1000, d_kv=1, d_ff=4, num_layers=1,
                          num_heads=4)
-NO_BUFFERS = ZeroBuckets(reduce_bucket_size=1, stage3_max_live_parameters=0,
-                         stage3_param_persistence_threshold=0)
+NO_BUFFERS = dict(reduce_bucket_size=1, stage3_max_live_parameters=0,
+                  stage3_param_persistence_threshold=0)  # DeepSpeed's zero_optimization
 
 
 def states(**kwargs):
     """An estimate dominated by one 1000 x 1000 embedding, and its parameter count."""
-    return estimate_memory(STATES_CONFIG, make_vocab_size_divisible_by=1000, **kwargs), \
+    return estimate(STATES_CONFIG, make_vocab_size_divisible_by=1000, **kwargs), \
         count_parameters(STATES_CONFIG, 1, 1000)
 
 
@@ -69,7 +69,7 @@ def states(**kwargs):
     (0, (2, 2, 12)), (1, (2, 2, 12 / 4)), (2, (2, 2 / 4, 12 / 4)), (3, (2 / 4, 2 / 4, 12 / 4))])
 def test_zero_stages_bf16_by_hand(stage, per_param):
     est, psi = states(zero_stage=stage, data_parallel_size=4, precision="bf16",
-                      buckets=NO_BUFFERS)
+                      zero_optimization=NO_BUFFERS)
     got = (est.parameters, est.gradients, est.optimizer_states)
     assert got == pytest.approx([x * psi for x in per_param], abs=12)  # ceil(psi / 4)
     step = 4 * (psi if stage == 0 else math.ceil(psi / 4))  # fp32 gradients at the step
@@ -78,24 +78,24 @@ def test_zero_stages_bf16_by_hand(stage, per_param):
 
 def test_fp32_master_weights_only_where_deepspeed_clones_them():
     for stage, master in ((0, 0), (1, 4), (2, 4), (3, 0)):
-        est, psi = states(zero_stage=stage, precision="fp32", buckets=NO_BUFFERS)
+        est, psi = states(zero_stage=stage, precision="fp32", zero_optimization=NO_BUFFERS)
         assert est.optimizer_states == (8 + master) * psi
         assert est.parameters == est.gradients == 4 * psi
 
 
 def test_buckets_are_deepspeeds_transient_buffers():
-    buckets = ZeroBuckets.from_zero_config({"reduce_bucket_size": 1000, "overlap_comm": True,
-                                            "stage3_max_live_parameters": 5000})
-    assert states(zero_stage=2, buckets=buckets)[0].buffers == 2 * 2 * 1000
-    assert states(zero_stage=3, buckets=buckets)[0].buffers == 2 * 1000 + 2 * 5000
+    buckets = {"reduce_bucket_size": 1000, "overlap_comm": True,
+               "stage3_max_live_parameters": 5000}
+    assert states(zero_stage=2, zero_optimization=buckets)[0].buffers == 2 * 2 * 1000
+    assert states(zero_stage=3, zero_optimization=buckets)[0].buffers == 2 * 1000 + 2 * 5000
     est, psi = states(zero_stage=0, data_parallel_size=2)
     assert est.buffers == 2 * psi  # the flattened all-reduce bucket, at most the model
 
 
 def test_offload_moves_optimizer_states_and_gradient_partition_off_the_device():
-    on, psi = states(zero_stage=2, data_parallel_size=2, buckets=NO_BUFFERS)
+    on, psi = states(zero_stage=2, data_parallel_size=2, zero_optimization=NO_BUFFERS)
     off, _ = states(zero_stage=2, data_parallel_size=2, offload_optimizer="cpu",
-                    buckets=NO_BUFFERS)
+                    zero_optimization=NO_BUFFERS)
     shard = math.ceil(psi / 2)
     assert off.optimizer_states == 0 and off.gradients == 0
     assert off.offloaded == 12 * shard + 4 * shard  # master + moments, fp32 gradient partition
@@ -103,8 +103,8 @@ def test_offload_moves_optimizer_states_and_gradient_partition_off_the_device():
     assert off.total == on.total - on.optimizer_states - on.gradients \
         - max(on.activations, 4 * shard) + off.activations
     both, _ = states(zero_stage=3, data_parallel_size=2, offload_optimizer="nvme",
-                     offload_param="nvme", buckets=ZeroBuckets(stage3_max_live_parameters=0,
-                                                               reduce_bucket_size=1))
+                     offload_param="nvme", zero_optimization=dict(stage3_max_live_parameters=0,
+                                                                  reduce_bucket_size=1))
     small = [n for n in parameter_numels(STATES_CONFIG, 1, 1000).values() if n <= 100_000]
     assert both.parameters == 2 * sum(small)  # below the persistence threshold: kept whole
     assert both.optimizer_states == both.gradients == 0
@@ -113,8 +113,8 @@ def test_offload_moves_optimizer_states_and_gradient_partition_off_the_device():
 
 def test_tensor_parallelism_divides_the_sharded_parts():
     config = T5Config(**SMALL)
-    one = estimate_memory(config, tensor_parallel_size=1, zero_stage=0, precision="bf16")
-    two = estimate_memory(config, tensor_parallel_size=2, zero_stage=0, precision="bf16")
+    one = estimate(config, tensor_parallel_size=1, zero_stage=0, precision="bf16")
+    two = estimate(config, tensor_parallel_size=2, zero_stage=0, precision="bf16")
     psi1, psi2 = count_parameters(config, 1), count_parameters(config, 2)
     norms = 10 * 64 + 2 * 64  # layer norms stay whole on every rank
     assert psi2 == (psi1 - norms) // 2 + norms
@@ -125,8 +125,8 @@ def test_tensor_parallelism_divides_the_sharded_parts():
 def test_fused_attention_keeps_less_than_eager_and_the_table_prints():
     config = T5Config(**SMALL)
     kw = dict(micro_batch_size=8, encoder_seq_length=512, decoder_seq_length=128)
-    fused = estimate_memory(config, attention_kernel="fused", **kw)
-    eager = estimate_memory(config, attention_kernel="eager", **kw)
+    fused = estimate(config, attention_kernel="fused", **kw)
+    eager = estimate(config, attention_kernel="eager", **kw)
     assert fused.activations < eager.activations
     lines = fused.table()
     assert len(lines) == 8 and lines[6].startswith("total on device")
@@ -135,11 +135,11 @@ def test_fused_attention_keeps_less_than_eager_and_the_table_prints():
 def test_errors_name_the_argument():
     config = T5Config(**SMALL)
     with pytest.raises(ValueError, match="offload_param needs ZeRO stage 3"):
-        estimate_memory(config, zero_stage=2, offload_param="cpu")
+        estimate(config, zero_stage=2, offload_param="cpu")
     with pytest.raises(ValueError, match="precision"):
-        estimate_memory(config, precision="fp8")
+        estimate(config, precision="fp8")
     with pytest.raises(ValueError, match="micro_batch_size"):
-        estimate_memory(config, micro_batch_size=0)
+        estimate(config, micro_batch_size=0)
 
 
 # Activations --------------------------------------------------------------------------------
@@ -230,7 +230,7 @@ def test_activations_match_the_saved_tensors(ff, dropout, checkpoint, chunk, pre
                       dropout_rate=dropout)
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     m = measure(config, checkpoint, chunk, dtype)
-    est = estimate_memory(config, precision=precision, micro_batch_size=BATCH,
+    est = estimate(config, precision=precision, micro_batch_size=BATCH,
                           encoder_seq_length=ENC_LEN, decoder_seq_length=DEC_LEN,
                           checkpoint_activations=checkpoint, checkpoint_num_layers=chunk,
                           attention_kernel="eager")

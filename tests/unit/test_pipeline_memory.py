@@ -12,7 +12,8 @@ from megatron.model import T5Config
 from megatron.pipeline.partition import cut_model
 from megatron.tensor_parallel.group import SINGLE
 from megatron.tensor_parallel.random import checkpoint, model_parallel_seed
-from megatron.cost.memory import estimate_memory, stage_parameter_numels
+from megatron.cost.memory import stage_parameter_numels
+from memory_layouts import estimate
 
 SMALL = dict(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=4, num_heads=4)
 MOE = dict(num_experts=4, router_type="topk", router_topk=2, encoder_sparse_step=2)
@@ -112,7 +113,7 @@ def test_stage_activations_match_the_kept_tensors(ff, dropout, chunk, precision,
         last = s == stages - 1
         kept, out = run_stage(layers, params, inputs, chunk, labels if last else None,
                               config.vocab_size)
-        est = estimate_memory(config, precision=precision, micro_batch_size=BATCH,
+        est = estimate(config, precision=precision, micro_batch_size=BATCH,
                               encoder_seq_length=ENC_LEN, decoder_seq_length=DEC_LEN,
                               checkpoint_activations=chunk > 0, checkpoint_num_layers=chunk or 1,
                               attention_kernel="eager", zero_stage=1, pipeline_cut=cut,
@@ -141,7 +142,7 @@ def test_expert_states_of_a_stage_by_hand():
         dense = sum(numels.values()) - experts
         assert experts > 0 and 2 * experts == sum(n for name, n in whole.items()
                                                   if is_expert_parameter(name))
-        est = estimate_memory(config, precision="fp32", zero_stage=1, data_parallel_size=4,
+        est = estimate(config, precision="fp32", zero_stage=1, data_parallel_size=4,
                               pipeline_cut=cut, pipeline_stage=s, expert_parallel_size=2)
         assert (est.parameters, est.gradients, est.optimizer_states) == \
             (4 * (dense + experts), 4 * (dense + experts), 12 * (-(-dense // 4) - (-experts // 2)))
@@ -155,8 +156,8 @@ def test_in_flight_micro_batches_under_1f1b():
               zero_stage=1, pipeline_cut=cut)
     for m in (1, 2, 8):
         for s in range(4):
-            one = estimate_memory(config, pipeline_stage=s, gradient_accumulation_steps=1, **kw)
-            est = estimate_memory(config, pipeline_stage=s, gradient_accumulation_steps=m, **kw)
+            one = estimate(config, pipeline_stage=s, gradient_accumulation_steps=1, **kw)
+            est = estimate(config, pipeline_stage=s, gradient_accumulation_steps=m, **kw)
             assert est.in_flight == min(4 - s, m)
             if s < 3:
                 assert est.activations_saved == est.in_flight * one.activations_saved
@@ -172,7 +173,7 @@ def test_bf16_zero1_pipeline_states_by_hand():
     cut = cut_model(config, 2, 1, ENC_LEN, DEC_LEN)
     for s in range(2):
         psi = sum(stage_parameter_numels(config, cut, s, 1, 128).values())
-        est = estimate_memory(config, precision="bf16", zero_stage=1, data_parallel_size=4,
+        est = estimate(config, precision="bf16", zero_stage=1, data_parallel_size=4,
                               pipeline_cut=cut, pipeline_stage=s)
         assert (est.parameters, est.gradients, est.optimizer_states) == \
             (2 * psi, 6 * psi, 12 * -(-psi // 4))
@@ -182,8 +183,8 @@ def test_pipeline_refuses_zero_2_and_a_bad_stage():
     config = T5Config(**SMALL)
     cut = cut_model(config, 2)
     with pytest.raises(ValueError, match="ZeRO stage 0 or 1"):
-        estimate_memory(config, zero_stage=2, pipeline_cut=cut)
+        estimate(config, zero_stage=2, pipeline_cut=cut)
     with pytest.raises(ValueError, match="pipeline_stage must be 0 .. 1"):
-        estimate_memory(config, pipeline_cut=cut, pipeline_stage=2)
+        estimate(config, pipeline_cut=cut, pipeline_stage=2)
     # one stage is no pipeline: the same numbers as without a cut
-    assert estimate_memory(config, pipeline_cut=cut_model(config, 1)) == estimate_memory(config)
+    assert estimate(config, pipeline_cut=cut_model(config, 1)) == estimate(config)
