@@ -37,8 +37,8 @@ from typing import Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_training import prepare_data, run_torchrun, train_flags  # noqa: E402
-from bench.common import WORK, machine_line, write_section  # noqa: E402
+from bench.common import WORK, machine_line, prepare_data, run_torchrun, train_flags, \
+    write_section  # noqa: E402
 
 MODEL = dict(vocab_size=8100, d_model=768, d_kv=64, d_ff=2048, num_layers=4,
              num_decoder_layers=4, num_heads=12, feed_forward_proj="gated-gelu",

@@ -62,17 +62,20 @@ from typing import TYPE_CHECKING, Dict, List, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_training import (  # noqa: E402
+from bench.common import (  # noqa: E402
     GIB,
     MODEL,
-    _busy_seconds,
-    _deepspeed_version,
-    _own_seconds,
+    REPO,
+    WORK,
+    busy_seconds,
+    deepspeed_version,
+    machine_line,
+    own_seconds,
     prepare_data,
     run_torchrun,
     train_flags,
+    write_section,
 )
-from bench.common import REPO, WORK, machine_line, write_section  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -146,7 +149,7 @@ def measure(cmd: Sequence[str], log: Path, interval: float = 0.01) -> Measure:
     peak. Exits with the log's tail if the command fails."""
     import psutil
 
-    busy, own = _busy_seconds(), _own_seconds()
+    busy, own = busy_seconds(), own_seconds()
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(list(cmd), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
@@ -178,7 +181,7 @@ def measure(cmd: Sequence[str], log: Path, interval: float = 0.01) -> Measure:
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed (exit {proc.returncode}); its output ({log}):\n"
                  + "".join(open(log).readlines()[-30:]))
-    others = max(0.0, (_busy_seconds() - busy) - (_own_seconds() - own)) / wall
+    others = max(0.0, (busy_seconds() - busy) - (own_seconds() - own)) / wall
     return Measure(wall_s=wall, hwm=usage.ru_maxrss * 1024, anon=peak["RssAnon"],
                    file=peak["RssFile"], hwm_sampled=peak["VmHWM"], samples=peak["samples"],
                    children=peak["children"], others_cpu=others)
@@ -433,7 +436,7 @@ def report(data: dict) -> str:
     return _wrap(f"""## checkpoint conversion (ours against DeepSpeed's zero_to_fp32, ZeRO-3)
 
 Command: `{command}` ({data['wall_s'] / 60:.1f} min)
-Machine: {machine_line()}, torch {torch.__version__}, DeepSpeed {_deepspeed_version()}.
+Machine: {machine_line()}, torch {torch.__version__}, DeepSpeed {deepspeed_version()}.
 Checkpoints: ZeRO-3, DP=2 (`torchrun --nproc_per_node 2`, gloo), fp32, AdamW, one step with
 `--save` (micro batch 1, encoder 64 tokens); vocabulary 8100 padded to 8192, untied, gated-gelu,
 d_kv 64; {ck_lines}{train_note}. Almost all of a checkpoint is the two ranks' optimizer files
@@ -530,7 +533,7 @@ def _g(n: float) -> str:
 
 def _params(model: dict) -> str:
     from megatron.model.config import T5Config
-    from megatron.cost.memory import count_parameters
+    from megatron.model.meta import count_parameters
 
     return f"{count_parameters(T5Config(**model), 1, 128) / 1e6:.1f} M parameters"
 

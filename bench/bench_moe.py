@@ -69,16 +69,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_training import (  # noqa: E402
-    _busy_seconds,
-    _deepspeed_version,
-    _own_seconds,
+from bench.common import (  # noqa: E402
+    WORK,
+    allocated,
+    busy_seconds,
+    deepspeed_version,
     gib,
+    machine_line,
+    own_seconds,
     prepare_data,
     run_torchrun,
     train_flags,
+    write_section,
 )
-from bench.common import WORK, allocated, machine_line, write_section  # noqa: E402
 
 SMALL = dict(vocab_size=8100, d_model=128, d_kv=32, d_ff=512, num_layers=2,
              num_decoder_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
@@ -418,14 +421,14 @@ def compare_layers(args) -> dict:
             hidden = torch.randn(shape, generator=g).requires_grad_()
             grad = torch.randn(shape, generator=g)
             times = {"ours": [], "deepspeed": []}
-            started, busy, own = time.perf_counter(), _busy_seconds(), _own_seconds()
+            started, busy, own = time.perf_counter(), busy_seconds(), own_seconds()
             for i in range(args.layer_repeats + 2):
                 for name, layer in (("ours", ours), ("deepspeed", theirs)):
                     began = time.perf_counter()
                     layer_call(layer, hidden, grad, name == "ours")
                     if i >= 2:
                         times[name].append(time.perf_counter() - began)
-            others = max(0.0, (_busy_seconds() - busy) - (_own_seconds() - own)) \
+            others = max(0.0, (busy_seconds() - busy) - (own_seconds() - own)) \
                 / (time.perf_counter() - started)
             memory = {name: layer_memory(layer, hidden, grad, name == "ours")
                       for name, layer in (("ours", ours), ("deepspeed", theirs))}
@@ -569,7 +572,7 @@ def command_line(part: str, args) -> str:
 
 
 def machine() -> str:
-    return (f"{machine_line()}, torch {torch.__version__}, DeepSpeed {_deepspeed_version()}")
+    return (f"{machine_line()}, torch {torch.__version__}, DeepSpeed {deepspeed_version()}")
 
 
 # The report ---------------------------------------------------------------------------------

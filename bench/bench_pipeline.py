@@ -66,16 +66,18 @@ from typing import Dict, List, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_training import (  # noqa: E402
+from bench.common import (  # noqa: E402
     ENC_LEN,
-    _count,
-    _deepspeed_version,
+    WORK,
+    deepspeed_version,
     gib,
+    machine_line,
+    model_size,
     prepare_data,
     run_torchrun,
     train_flags,
+    write_section,
 )
-from bench.common import WORK, machine_line, write_section  # noqa: E402
 
 GLOBAL_BATCH = 8
 PP2 = ["--pipeline-model-parallel-size", "2"]
@@ -429,8 +431,8 @@ def report(speed_rows: List[SpeedRow], bubble_rows: List[BubbleRow], args, wall:
 
 Command: `{command}` ({wall / 60:.1f} min){f" at commit {commit}" if commit else ""}
 
-Machine: {machine_line()}, torch {torch.__version__}, DeepSpeed {_deepspeed_version()}; gloo, one
-thread per rank (OMP_NUM_THREADS=1). Model and data: bench_training's ({_count()} parameters,
+Machine: {machine_line()}, torch {torch.__version__}, DeepSpeed {deepspeed_version()}; gloo, one
+thread per rank (OMP_NUM_THREADS=1). Model and data: bench_training's ({model_size()} parameters,
 d_model 512, 4 + 4 layers, encoder {ENC_LEN} / decoder 58 tokens, fp32, AdamW, dropout 0). The
 pipeline's cut by layer cost: {"; ".join(bubble_rows[0].cut)}.
 

@@ -188,7 +188,7 @@ def single_process_step(work: Path, steps: int = 8, skip: int = 2) -> float:
     such runs at once so that both cores are busy as in the compared runs: what fixes the
     compute efficiency (the matrix products measured above reach only part of it: attention,
     norms, activations, the loss). Not one of the compared layouts."""
-    from bench.bench_training import STEP_RE, prepare_data, train_flags
+    from bench.common import STEP_RE, prepare_data, train_flags
 
     paths = prepare_data(work.parent / "training")
     flags = train_flags(paths, "model", steps, ["--zero-stage", "0"])
@@ -266,7 +266,7 @@ def predict(model_json: Path, flags_by_name: Dict[str, List[str]], cal: Dict[str
 def measured(work: Path) -> Dict[str, dict]:
     """{name: {"step": the fastest round's mean step (s), "flags": layout flags}} from
     bench_training's and bench_pipeline's results."""
-    from bench.bench_training import CONFIGS
+    from bench.common import CONFIGS
 
     out = {}
     training = work.parent / "training" / "results.json"

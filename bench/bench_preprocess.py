@@ -25,19 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO, WORK, machine_line, make_english_jsonl, run_measured, write_section
+from bench.common import REPO, WORK, machine_line, make_english_jsonl, run_measured, \
+    tokenizer_model, write_section
 
 MEGATRON = {"steady": 8.4, "end_to_end": 3.6, "limit": 11.7}
-
-
-def tokenizer_model(vocab: int) -> Path:
-    prefix = WORK / f"spm_en_{vocab}"
-    if not prefix.with_suffix(".model").exists():
-        src = make_english_jsonl(WORK / "en_4mb.jsonl", 4)
-        run_measured([sys.executable, str(REPO / "data_tools" / "train_tokenizer.py"), "--input",
-                      str(src), "--output-prefix", str(prefix), "--vocab-size", str(vocab),
-                      "--character-coverage", "1.0"])
-    return prefix.with_suffix(".model")
 
 
 def tokenizer_limit(model: Path, jsonl: Path, threads: int) -> float:

@@ -21,8 +21,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_preprocess import tokenizer_model
-from bench.common import REPO, WORK, corpora_dir, machine_line, run_measured, write_section
+from bench.common import REPO, WORK, corpora_dir, machine_line, run_measured, tokenizer_model, \
+    write_section
 
 OPEN = """
 import sys, time

@@ -29,219 +29,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO, WORK, corpora_dir, machine_line, write_section  # noqa: E402
+from bench.common import (  # noqa: E402
+    ALLOCATOR_NEUTRAL,
+    CONFIGS,
+    ENC_LEN,
+    GIB,
+    WORK,
+    deepspeed_version,
+    gib,
+    machine_line,
+    model_size,
+    native_bf16,
+    prepare_data,
+    run_torchrun,
+    train_flags,
+    write_section,
+)
 
-MODEL = dict(vocab_size=8100, d_model=512, d_kv=64, d_ff=1024, num_layers=4,
-             num_decoder_layers=4, num_heads=8, feed_forward_proj="gated-gelu",
-             tie_word_embeddings=False, dropout_rate=0.0)
-TINY = dict(MODEL, d_model=64, d_kv=32, d_ff=128, num_layers=1, num_decoder_layers=1,
-            num_heads=2)
-CORPORA = ("en_wikitext2.jsonl", "en_shakespeare.jsonl")
-MICRO_BATCH, ENC_LEN = 4, 256
-GIB = 2 ** 30
-
-CONFIGS = [
-    ("ZeRO 0", ["--zero-stage", "0"]),
-    ("ZeRO 1", ["--zero-stage", "1"]),
-    ("ZeRO 2", ["--zero-stage", "2"]),
-    ("ZeRO 3", ["--zero-stage", "3"]),
-    ("ZeRO 2 + offload optimizer", ["--zero-stage", "2", "--offload-optimizer", "cpu"]),
-    ("ZeRO 3 + offload optimizer, params", ["--zero-stage", "3", "--offload-optimizer", "cpu",
-                                            "--offload-param", "cpu"]),
-]
 BF16 = ("bf16, ZeRO 1", ["--zero-stage", "1", "--bf16"])
-STEP_RE = re.compile(r" iteration\s+(\d+)/.*\| mem: ([\d.]+) GiB \|.*\| step: ([\d.]+) s")
-
-
-def native_bf16() -> bool:
-    """Whether this CPU has bf16 matrix instructions (else torch emulates bf16 GEMMs)."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-# Data ---------------------------------------------------------------------------------------
-def prepare_data(work: Path) -> Dict[str, Path]:
-    """Tokenizer, .bin/.idx and the two model JSONs under `work` (reused when present)."""
-    work.mkdir(parents=True, exist_ok=True)
-    inputs = [str(corpora_dir() / name) for name in CORPORA]
-    tokenizer, prefix = work / "spm.model", work / "en"
-    if not tokenizer.exists():
-        _check([sys.executable, str(REPO / "data_tools" / "train_tokenizer.py"), "--input",
-                *inputs, "--output-prefix", str(work / "spm"), "--vocab-size", "8000",
-                "--character-coverage", "1.0"])
-    if not Path(f"{prefix}_text_document.idx").exists():
-        _check([sys.executable, str(REPO / "data_tools" / "preprocess_data.py"), "--input",
-                *inputs, "--output-prefix", str(prefix), "--tokenizer-model", str(tokenizer),
-                "--append-eod", "--workers", "2", "--no-progress"])
-    paths = {"tokenizer": tokenizer, "data": Path(f"{prefix}_text_document")}
-    for name, fields in (("model", MODEL), ("tiny", TINY)):
-        paths[name] = work / f"{name}.json"
-        paths[name].write_text(json.dumps(fields, indent=1) + "\n")
-    return paths
-
-
-def _check(cmd: Sequence[str]) -> None:
-    proc = subprocess.run(list(cmd), capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}")
-
-
-def train_flags(paths: Dict[str, Path], model: str, steps: int, extra: Sequence[str]) -> List[str]:
-    return ["--data-path", str(paths["data"]), "--tokenizer-model", str(paths["tokenizer"]),
-            "--model-config", str(paths[model]), "--micro-batch-size", str(MICRO_BATCH),
-            "--encoder-seq-length", str(ENC_LEN), "--lr", "1e-4", "--train-iters", str(steps),
-            "--split", "1000,0,0", "--eval-iters", "0", "--log-interval", "1",
-            "--num-workers", "0", *extra]
-
-
-# One run ------------------------------------------------------------------------------------
-ALLOCATOR_NEUTRAL = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-"""glibc then maps every block of 128 KiB or more on its own and unmaps it when freed, so the
-resident set follows the live tensors; by default it raises that threshold as blocks are freed
-and keeps freed memory in its heaps, and the resident set creeps up step after step."""
-
-
-@dataclass
-class Run:
-    step_s: Dict[int, float] = field(default_factory=dict)
-    """iteration -> rank 0's logged step time."""
-    logged_at: Dict[int, float] = field(default_factory=dict)
-    """iteration -> when its log line arrived (perf_counter)."""
-    logged_mem: float = 0.0
-    """rank 0's last `mem:` field (its ru_maxrss), bytes."""
-    hwm: Dict[int, int] = field(default_factory=dict)
-    """rank -> peak resident bytes (VmHWM)."""
-    rss: List[tuple] = field(default_factory=list)
-    """(time, rank, VmRSS bytes) samples."""
-    wall_s: float = 0.0
-    others_cpu: float = 0.0
-    """CPU time the rest of the machine used meanwhile, in cores (busy time in /proc/stat less
-    this process and its children's): other jobs on the host slow the run."""
-
-    def between_steps(self) -> int:
-        """The lowest resident set during step 2 (at its start no activations exist yet), the
-        higher of the two ranks. A step shorter than the sampling interval (the tiny model's)
-        takes the samples within half a second of it."""
-        start, end = self.logged_at[1], self.logged_at[2]
-        lows = []
-        for k in (0, 1):
-            for slack in (0.0, 0.5):
-                found = [r for t, rank, r in self.rss
-                         if rank == k and start - slack <= t <= end + slack]
-                if found:
-                    lows.append(min(found))
-                    break
-            else:
-                raise RuntimeError(f"no resident-set sample of rank {k} around step 2")
-        return max(lows)
-
-
-def _status(pid: int) -> Optional[Dict[str, int]]:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f
-                    if line.startswith(("VmHWM:", "VmRSS:"))}
-    except (OSError, ValueError):
-        return None
-
-
-def _busy_seconds() -> float:
-    """CPU seconds the whole machine has spent busy (all but idle and iowait) since boot."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_seconds() -> float:
-    import resource
-
-    return sum(getattr(resource.getrusage(who), kind) for who in
-               (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for kind in ("ru_utime", "ru_stime"))
-
-
-def _rank_of(pid: int) -> Optional[int]:
-    try:
-        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-    except OSError:
-        return None
-    for item in env:
-        if item.startswith(b"RANK="):
-            return int(item[5:])
-    return None
-
-
-def run_torchrun(flags: Sequence[str], log: Path, env: Optional[Dict[str, str]] = None,
-                 interval: float = 0.05, nproc: int = 2,
-                 module: str = "megatron.pretrain_t5") -> Run:
-    """`torchrun --nproc_per_node NPROC -m MODULE FLAGS` with `env` added; its output goes to
-    `log`. The ranks are torchrun's children, told apart by RANK in their environment."""
-    import psutil
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(29500 + os.getpid() % 1000), "-m", module, *flags]
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    run, ranks = Run(), {}
-    start, busy, own = time.perf_counter(), _busy_seconds(), _own_seconds()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=full_env, text=True)
-    launcher = psutil.Process(proc.pid)
-
-    def sample():
-        while proc.poll() is None:
-            try:
-                children = launcher.children()
-            except psutil.NoSuchProcess:
-                break
-            now = time.perf_counter()
-            for child in children:
-                if ranks.get(child.pid) is None:
-                    ranks[child.pid] = _rank_of(child.pid)
-                status, rank = _status(child.pid), ranks[child.pid]
-                if status and rank is not None and "VmHWM" in status:
-                    run.hwm[rank] = max(run.hwm.get(rank, 0), status["VmHWM"])
-                    run.rss.append((now, rank, status["VmRSS"]))
-            time.sleep(interval)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    lines = []
-    with open(log, "w") as out:
-        for line in proc.stdout:
-            out.write(line)
-            lines.append(line)
-            match = STEP_RE.match(line)
-            if match:
-                iteration = int(match.group(1))
-                run.logged_at[iteration] = time.perf_counter()
-                run.step_s[iteration] = float(match.group(3))
-                run.logged_mem = float(match.group(2)) * GIB
-    proc.wait()
-    sampler.join()
-    run.wall_s = time.perf_counter() - start
-    run.others_cpu = max(0.0, (_busy_seconds() - busy) - (_own_seconds() - own)) / run.wall_s
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed (exit {proc.returncode}); its output: {log}\n"
-                 + "".join(lines[-30:]))
-    if sorted(run.hwm) != list(range(nproc)):
-        sys.exit(f"could not read the peak memory of every rank (got ranks {sorted(run.hwm)})")
-    return run
-
 
 # The estimates ------------------------------------------------------------------------------
 def dry_run_total(config, device: str) -> float:
@@ -250,11 +65,11 @@ def dry_run_total(config, device: str) -> float:
     import dataclasses
     import io
 
-    from megatron.pretrain_t5 import dry_run
+    from megatron.cost.report import print_dry_run
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        dry_run(dataclasses.replace(config, dry_run_device=device))
+        print_dry_run(dataclasses.replace(config, dry_run_device=device))
     match = re.search(r"total on device\s+([\d.]+) GiB", printed.getvalue())
     if match is None:
         sys.exit(f"no 'total on device' line in the dry run's output:\n{printed.getvalue()}")
@@ -306,10 +121,6 @@ class Row:
     @property
     def speed(self) -> float:
         return max(self.speeds)
-
-
-def gib(n: float) -> str:
-    return f"{n / GIB:.3f}"
 
 
 def new_row(name: str, extra: Sequence[str], paths, args) -> Row:
@@ -439,10 +250,10 @@ def report(rows: List[Row], args, wall: float) -> str:
     return f"""## training (ZeRO stages on CPU)
 
 Command: `{command}` ({wall / 60:.1f} min)
-Machine: {machine_line()}, torch {torch.__version__}, DeepSpeed {_deepspeed_version()}; two
+Machine: {machine_line()}, torch {torch.__version__}, DeepSpeed {deepspeed_version()}; two
 processes under `torchrun --nproc_per_node 2`, gloo, one thread each. Model: d_model 512, 8 heads
 x 64, d_ff 1024 gated-gelu, 4 + 4 layers, untied, vocabulary 8100 padded to 8192
-({_count()} parameters); encoder {ENC_LEN} / decoder {rows[0].decoder_seq_length} tokens, micro
+({model_size()} parameters); encoder {ENC_LEN} / decoder {rows[0].decoder_seq_length} tokens, micro
 batch 4 per rank (global 8), fp32, AdamW, dropout 0. Data: the English test corpora (3.6 MB),
 SentencePiece 8000 pieces + 100 sentinels.
 
@@ -496,19 +307,6 @@ def _gaps(gaps: List[tuple]) -> str:
                  "the parameters accounts for it (checked by walking them after a step): memory "
                  "held inside DeepSpeed's or gloo's native code, left out of the estimate.")
     return text
-
-
-def _deepspeed_version() -> str:
-    import deepspeed
-
-    return deepspeed.__version__
-
-
-def _count() -> str:
-    from megatron.model.config import T5Config
-    from megatron.cost.memory import count_parameters
-
-    return f"{count_parameters(T5Config(**MODEL), 1, 128) / 1e6:.1f} M"
 
 
 def _bucket_gib() -> str:

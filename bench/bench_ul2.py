@@ -45,8 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_training import _busy_seconds, _own_seconds  # noqa: E402
-from bench.common import REPO, corpora_dir, machine_line  # noqa: E402
+from bench.common import REPO, busy_seconds, corpora_dir, machine_line, own_seconds  # noqa: E402
 
 CORPORA = ("en_wikitext2.jsonl", "en_shakespeare.jsonl", "zh_cmrc2018_wiki.jsonl",
            "zh_cmrc2019_stories.jsonl")
@@ -133,7 +132,7 @@ def loader_pass(dataset, batch: int, workers: int) -> Tuple[float, float]:
     from megatron.training.loaders import collate_tensors
 
     sampler = PretrainingSampler(len(dataset), 0, batch, 0, 1, drop_last=True)
-    start, cpu = time.perf_counter(), _own_seconds()
+    start, cpu = time.perf_counter(), own_seconds()
     seen = 0
     batches = iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
                                                collate_fn=collate_tensors, num_workers=workers))
@@ -141,7 +140,7 @@ def loader_pass(dataset, batch: int, workers: int) -> Tuple[float, float]:
         seen += b["encoder_input_ids"].shape[0]
     del batches
     wall = time.perf_counter() - start
-    return seen / wall, seen / max(_own_seconds() - cpu, 1e-9)
+    return seen / wall, seen / max(own_seconds() - cpu, 1e-9)
 
 
 def denoiser_costs(dataset, ul2, span, count: int, repeats: int = 3) -> List[tuple]:
@@ -198,12 +197,12 @@ class OthersCpu:
     this process's and its reaped children's (the loader workers, the training runs)."""
 
     def start(self) -> "OthersCpu":
-        self.t, self.busy, self.own = time.perf_counter(), _busy_seconds(), _own_seconds()
+        self.t, self.busy, self.own = time.perf_counter(), busy_seconds(), own_seconds()
         return self
 
     def stop(self) -> float:
         wall = time.perf_counter() - self.t
-        return max(0.0, (_busy_seconds() - self.busy) - (_own_seconds() - self.own)) / wall
+        return max(0.0, (busy_seconds() - self.busy) - (own_seconds() - self.own)) / wall
 
 
 def expected_targets(ul2, raw: int) -> List[tuple]:
