@@ -1,50 +1,21 @@
 """Mixture-of-Experts feed-forward: a router, the experts as grouped weights, expert parallelism.
 
-The layer replaces the dense feed-forward (`T5DenseActDense`) of the blocks the config makes
-sparse (`T5Config.sparse_blocks`); its names follow Hugging Face's SwitchTransformers
-(`mlp.router.classifier`, `mlp.experts`), with the experts' weights stacked: `experts.wi`
+The layer (`SparseMLP`) replaces the dense feed-forward (`T5DenseActDense`) of the blocks the
+config makes sparse (`T5Config.sparse_blocks`). Names follow Hugging Face's SwitchTransformers
+(`mlp.router.classifier`, `mlp.experts`), the experts' weights stacked: `experts.wi`
 [experts, d_ff, d_model] (`wi_0`, `wi_1` when gated) and `experts.wo` [experts, d_model, d_ff],
 so that expert e is Hugging Face's `experts.expert_{e}.wi` / `.wo`.
 
-**Routing** (`route`), in float32 whatever the training precision, per sequence: a token's
-routing depends on its own sequence only, so every data- and expert-parallel layout routes alike.
-- 'switch' (Switch Transformer): top-1; the expert's output is scaled by its probability.
-- 'topk' (GShard, ST-MoE): the k most probable experts, their probabilities renormalised to 1.
-- 'base' (BASE layers, CPM-2-MoE): in training, a balanced assignment (each expert gets the
-  same number of a sequence's tokens, up to one, the total router score maximal;
-  model/balanced_assignment.py); in evaluation greedy top-1. The output is scaled by the sigmoid
-  of the chosen expert's logit (the router's only gradient), and no balancing loss is added.
-- Optional jitter (training): the router's input multiplied by uniform noise in
-  [1 - jitter, 1 + jitter], as Switch and Hugging Face do.
-- Optional expert bias (auxiliary-loss-free balancing, DeepSeek-V3): a per-expert bias added to
-  the probabilities for the choice only (the gate weights stay the unbiased probabilities),
-  moved after each optimizer step by `update_expert_bias` toward equal load.
+- `route` routes in float32, per sequence ('switch', 'topk', 'base'), and keeps at most the
+  capacity C = ceil(factor x k x length / experts) of a sequence's token choices per expert
+  (dropless when no capacity is set); a dropped choice contributes zero and is counted.
+- `load_balancing_loss` and `router_z_loss` are Switch's and ST-MoE's balancing losses (not for
+  'base'), carried to the objective; `update_expert_bias` moves the auxiliary-loss-free bias.
+- `Experts` is one grouped matrix multiply over the local experts, d_ff split over the
+  tensor-parallel ranks; with `ExpertParallel` the token choices go to their expert's rank and
+  back by all-to-all.
 
-**Capacity**: dropless by default (every token reaches its k experts). With a capacity C, an
-expert takes at most C of a sequence's token choices, first choices before second ones and
-earlier positions first; a choice over capacity is dropped (its expert output is zero, the
-residual carries the token) and counted. C = ceil(factor x k x length / experts) with
-`expert_capacity_factor` in training and `eval_expert_capacity_factor` in evaluation, or
-Hugging Face's `expert_capacity` (a count per sequence) when no factor is set.
-
-**Balancing losses** (not for 'base'): per sequence, Switch's E x sum_e f_e P_e (f_e: the
-fraction of the sequence's tokens choosing e among their k, before capacity; P_e: the mean
-router probability of e) and ST-MoE's z-loss mean(logsumexp(logits)^2); averaged over the batch
-and over the stack's sparse layers, times `router_aux_loss_coef` and `router_z_loss_coef`. Hugging
-Face's SwitchTransformers averages the z-loss the same way; its auxiliary loss takes f and P
-averaged over a stack's sparse layers before their product, which equals ours when a stack has one
-sparse layer.
-
-**Experts** run as one grouped matrix multiply over the local experts
-(`torch.nn.functional.grouped_mm`: on CPU in float32, bfloat16 and float16, on CUDA its grouped
-GEMM kernels for bfloat16, for widths of a multiple of 16 bytes; otherwise a batched multiply of
-the experts' rows padded to the busiest one). Their d_ff is split over the tensor-parallel ranks as the dense feed-forward's is (each rank
-computes its slice for every routed token; one all-reduce after the combination), so an expert's
-weights are divided by TP, not replicated.
-
-**Expert parallelism** (`ExpertParallel`): the experts are split over EP ranks of the
-data-parallel group; the token choices go to the rank of their expert and back by all-to-all
-(uneven splits; the counts are exchanged first).
+See docs/model-and-moe.md.
 """
 
 from __future__ import annotations

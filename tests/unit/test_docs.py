@@ -9,7 +9,8 @@
   read from that tool's own `--help` (torchrun's and sbatch's too); the arguments of a launch/
   script are the trainer's. Placeholders (`...`, `<...>`, `[...]` brackets) are dropped; the
   flags inside brackets are still checked.
-- The planner's report quoted in the README is the planner's output for the quoted command.
+- The `--dry-run` reports and the planner's report quoted in the docs are what the quoted
+  commands print.
 - "`name(...)` (in `path.py`)" names a function that path defines.
 
 Nothing is skipped: a command this test cannot place is a failure naming its file and line; the
@@ -278,7 +279,7 @@ def check_pip(where: str, args: List[str], problems: List[str]) -> None:
 
 def test_every_command_names_a_real_tool_and_real_flags():
     commands = all_commands()
-    assert len(commands) > 30, commands  # the README's day with the tools, at least
+    assert len(commands) > 30, commands  # the README's day with the tools and the docs' commands
     problems: List[str] = []
     for where, command in commands:
         try:
@@ -288,6 +289,16 @@ def test_every_command_names_a_real_tool_and_real_flags():
     assert not problems, "\n".join(problems)
     for word, why in NOT_OURS.items():  # no stale exemption
         assert any(word in command for _, command in commands), (word, why)
+
+
+def test_the_docs_pages_are_checked_too():
+    """The commands and snippets of every page with code are read, docs/ as well as README."""
+    with_code = {p.relative_to(REPO).as_posix() for p in DOCS
+                 if "```" in p.read_text(encoding="utf-8")}
+    read = {where.rsplit(":", 1)[0] for where, _ in all_commands()} | \
+        {b.where.rsplit(":", 1)[0] for b in fenced_blocks()}
+    assert {"README.md", "docs/data.md", "docs/training.md", "docs/checkpoints.md"} <= with_code
+    assert with_code <= read, with_code - read
 
 
 def test_the_flag_check_catches_what_it_should():
@@ -419,7 +430,7 @@ def trainer_flags_before(block: Block) -> List[str]:
     return found
 
 
-def test_the_dry_run_reports_in_the_readme_are_the_trainers(prepared_folder):
+def test_the_dry_run_reports_in_the_docs_are_the_trainers(prepared_folder):
     """The quoted `--dry-run` reports are what the command prints, run in a folder holding the
     files it names: '<the GPU flags above>' is the torchrun command above it, DATA=...,
     TOKENIZER=..., OUT=... are the session's corpus and tokenizer and a folder."""
@@ -445,11 +456,11 @@ def test_the_dry_run_reports_in_the_readme_are_the_trainers(prepared_folder):
         assert_quoted(block, quoted, proc.stdout.splitlines())
 
 
-def test_the_planner_report_in_the_readme_is_the_planners(capsys):
+def test_the_planner_report_in_the_docs_is_the_planners(capsys):
     from megatron.plan.__main__ import main as plan_main
 
     runs = quoted_runs(lambda command: command.startswith("python -m megatron.plan"))
-    assert runs, "the README quotes no planner report"
+    assert runs, "the docs quote no planner report"
     for block, command, quoted in runs:
         argv = shlex.split(command)[3:]
         assert plan_main(argv) == 0
