@@ -2,7 +2,7 @@
 # CPM-2's 11B encoder-decoder run, its seed command line nearly as it was (CPM-2 flag spellings
 # kept on purpose): fp32, ZeRO-3, micro batch 48 per GPU, 8 nodes x 8 GPUs = global batch 3072.
 # The model is configs/model/cpm2-11b.json, DeepSpeed configs/deepspeed/cpm2_11b_zero3_fp32.json.
-# See README.md, "Migrating from CPM-2-Pretrain".
+# See docs/migrating.md, "From CPM-2-Pretrain".
 #
 #   DATA=data/mix_cpm2_t5_document TOKENIZER=bpe_cn OUT=runs/cpm2 \
 #       LAUNCHER="sbatch --nodes 8 --gpus-per-node 8 launch/slurm/pretrain_t5.sbatch" \

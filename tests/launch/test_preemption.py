@@ -44,7 +44,7 @@ def test_sigterm_to_torchrun_saves_and_resumes_exactly(tiny_data, tmp_path, work
             os.killpg(run.pid, signal.SIGKILL)
             run.wait(10)
     describe = f"{output[-4000:]}\n{tail(out / 'log.txt')}"
-    # torchrun itself ends in exit 1 on SIGTERM (README, "Preemption"); its workers save and
+    # torchrun itself ends in exit 1 on SIGTERM (docs/slurm.md, "Preemption"); its workers save and
     # exit 0, with no traceback of theirs ("[rankN]:" lines) and no dead loader worker
     assert run.returncode == 1, describe
     assert "DataLoader worker" not in output, describe

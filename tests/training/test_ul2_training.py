@@ -12,7 +12,7 @@ from train_workers import base_argv, losses, run_pretrain
 pytestmark = pytest.mark.slow
 
 # The paper's seven with the X spans of 64 cut to 8 and 16: a 64-token encoder's window holds
-# no span of 64 (README, UL2: a denoiser's noise must hold one span of its mean length).
+# no span of 64 (docs/ul2.md: a denoiser's noise must hold one span of its mean length).
 PAPER_AT_64 = ('[{"kind": "R", "mean_span": 3, "rate": 0.15}, {"kind": "R", "mean_span": 8, '
                '"rate": 0.15}, {"kind": "S"}, {"kind": "X", "mean_span": 3, "rate": 0.5}, '
                '{"kind": "X", "mean_span": 8, "rate": 0.5}, {"kind": "X", "mean_span": 8, '

@@ -16,7 +16,7 @@ with any number of loader workers:
   default, the t5 library's): the prefix length is uniform over [1, L - 1]. "density": uniform
   over [max(1, round((1 - 2 r)(L - 1))), L - 1] with the S denoiser's rate r, so that the
   target is r of the window on average (the reading of Megatron-LM PR #268 and of the UL2
-  paper's "S (r = 0.25)"); see the README.
+  paper's "S (r = 0.25)"); see docs/ul2.md.
 - Mode tokens: `[NLU]` for R, `[NLG]` for X, `[S2S]` for S (the paper's; a piece of the
   vocabulary is its one id, as `train_tokenizer.py --ul2-mode-tokens` makes them, other strings
   are tokenized by the run's tokenizer, or given as ids), prepended to the encoder input; off
@@ -173,7 +173,7 @@ class UL2Config:
             return [f"--encoder-seq-length {encoder_length} is too short for UL2 with these "
                     f"mode tokens"]
         for d in self._drawn:
-            # The one rule for every mean span (README, UL2): the window's noise holds one span
+            # The one rule for every mean span (docs/ul2.md): the window's noise holds one span
             # of it, else t5's one span of all the noise would silently be far shorter.
             if d.kind != "S" and not self._holds_a_span(encoder_length, d):
                 out.append(f"--ul2-denoisers: {d.describe()}: a {raw}-token window "
