@@ -29,10 +29,18 @@ profiler off, or outside the window, `ranges(name)` is a shared null context:
                           pipeline:load-micro-batch (with data-wait inside on the first and
                           last stage)
     comm:pipeline-sums    (pipeline) the all-reduce of the step's loss and token counts
+    train-step            (once megatron/training/loop.py opens it) one whole training step
+    comm:all-to-all       (once megatron/model/moe.py opens it) an expert-parallel all-to-all:
+                          the counts' exchange, the rows there and back, forward and backward
+
+A call site may give a range its bytes, `ranges(name, nbytes)`: the profiler ignores them, the
+timing listeners (megatron/training/timing.py) get them. With listeners registered, every rank
+times its ranges (the profiler's recording still only in the window of a profiled rank).
 
 DeepSpeed is reached without patching its classes: the engine's `allreduce_gradients` and the
 pipeline engine's instruction table are replaced on the one engine instance, and only on a
-profiled rank.
+profiled or timed rank. The model's modules whose class declares `ranges` (the MoE layers) get
+the step's.
 """
 
 from __future__ import annotations
@@ -42,9 +50,10 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Callable, ContextManager, List, Mapping, Optional
+from typing import Callable, ContextManager, List, Mapping, Optional, Sequence
 
 from megatron.config.training import ProfileConfig
+from megatron.training import timing
 
 DATA_WAIT = "data-wait"
 FORWARD = "forward"
@@ -57,6 +66,8 @@ CHECKPOINT_SAVE = "checkpoint-save"
 EVALUATION = "evaluation"
 PIPELINE_BATCH = "pipeline-train-batch"
 PIPELINE_SUMS = "comm:pipeline-sums"
+TRAIN_STEP = "train-step"
+ALL_TO_ALL = "comm:all-to-all"
 
 PIPELINE_INSTRUCTIONS = {
     "ForwardPass": FORWARD,
@@ -75,11 +86,12 @@ PIPELINE_INSTRUCTIONS = {
 NO_RANGE = contextlib.nullcontext()
 """What `ranges` gives when nothing is recorded (reusable: nullcontext keeps no state)."""
 
-Ranges = Callable[[str], ContextManager]
+Ranges = Callable[..., ContextManager]
+"""ranges(name) or ranges(name, nbytes): a context around the named part of a step."""
 
 
-def no_range(name: str) -> ContextManager:
-    """The ranges of an unprofiled step: nothing."""
+def no_range(name: str, nbytes: int = 0) -> ContextManager:
+    """The ranges of an unprofiled, untimed step: nothing."""
     return NO_RANGE
 
 
@@ -157,26 +169,34 @@ class StepProfiler:
         rank: this process's global rank.
         device_type: 'cuda' adds CUDA activity to the CPU's.
         log: where a line about the trace goes (rank 0's writer; print elsewhere).
+        listeners: the range timers (megatron/training/timing.py); None: those registered
+            there now.
     """
 
     def __init__(self, config: Optional[ProfileConfig] = None, rank: int = 0,
-                 device_type: str = "cpu", log: Callable[[str], None] = print) -> None:
+                 device_type: str = "cpu", log: Callable[[str], None] = print,
+                 listeners: Optional[Sequence[timing.RangeListener]] = None) -> None:
         config = config or ProfileConfig()
         self.config = config
         self.enabled = config.enabled and rank in config.ranks
         self.rank, self.device_type, self.log = rank, device_type, log
+        self.listeners = timing.listeners() if listeners is None else tuple(listeners)
         self.path: Optional[Path] = None
         """The trace written (None until then)."""
         self._profiler = None
         self._first = 0
         self._done = not self.enabled
-        self._range: Ranges = no_range
+        self._range: Ranges = self._with_listeners(no_range)
 
-    def ranges(self, name: str) -> ContextManager:
-        """The named range `name`: recorded inside the window, a null context elsewhere."""
-        return self._range(name)
+    def ranges(self, name: str, nbytes: int = 0) -> ContextManager:
+        """The named range `name`: recorded inside the window, a null context elsewhere;
+        timed by the listeners, if any, everywhere."""
+        return self._range(name, nbytes)
 
-    def _recorded_range(self, name: str) -> ContextManager:
+    def _with_listeners(self, ranges: Ranges) -> Ranges:
+        return timing.TimedRanges(self.listeners, ranges) if self.listeners else ranges
+
+    def _recorded_range(self, name: str, nbytes: int = 0) -> ContextManager:
         import torch
 
         return torch.profiler.record_function(name)
@@ -214,14 +234,14 @@ class StepProfiler:
         self._profiler.step_num = iteration + 1  # the iteration the next step is logged as
         self._first = iteration + 1
         self._profiler.start()
-        self._range = self._recorded_range
+        self._range = self._with_listeners(self._recorded_range)
 
     def finish(self) -> Optional[Path]:
         """Stop recording (if recording) and write the trace; its path, or None."""
         if self._profiler is None:
             return self.path
         profiler, self._profiler = self._profiler, None
-        self._range = no_range
+        self._range = self._with_listeners(no_range)
         self._done = True
         last = profiler.step_num
         profiler.stop()
@@ -239,13 +259,21 @@ class StepProfiler:
     def instrument(self, step) -> None:
         """Give a TrainStep (megatron/training/step.py, megatron/training/pipeline_step.py) this
         profiler's ranges, and put ranges around DeepSpeed's gradient reduction (and, on a
-        pipeline engine, around each instruction of its schedule). Only on a profiled rank."""
-        if not self.enabled:
+        pipeline engine, around each instruction of its schedule), and to the model's modules
+        whose class declares `ranges`. Only on a profiled or timed rank; the timing listeners
+        are then told the step."""
+        if not (self.enabled or self.listeners):
             return
         step.ranges = self.ranges
+        for listener in self.listeners:
+            listener.attach(step)
         engine = getattr(step, "engine", None)
         if engine is None:
             return
+        model = getattr(engine, "module", None)
+        for module in model.modules() if model is not None else ():
+            if hasattr(type(module), "ranges"):  # e.g. the MoE layers' all-to-all
+                module.ranges = self.ranges
         table = getattr(type(engine), "_INSTRUCTION_MAP", None)
         if isinstance(table, dict):  # DeepSpeed's PipelineEngine: its _exec_schedule reads
             # self._INSTRUCTION_MAP, so a copy on the instance takes effect for this engine only
