@@ -26,8 +26,10 @@ from megatron.data.data_args import (
     check_data_args,
     data_config_from_args,
     sample_counts_from_args,
+    storage_settings_from_args,
     tokenizer_spec_from_args,
 )
+from megatron.data.storage.object_storage import ObjectStorage
 from megatron.data.datasets.t5_dataset import T5SpecialTokens
 from megatron.data.tokenizers.tokenizer import build_tokenizer
 
@@ -50,7 +52,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tokenizer = build_tokenizer(spec, extra_ids=args.vocab_extra_ids)
         tokens = T5SpecialTokens.from_tokenizer(tokenizer, whole_word=args.whole_word_masking)
         counts = sample_counts_from_args(args)
-        datasets = build_datasets(data_config_from_args(args), tokens, counts)
+        datasets = build_datasets(data_config_from_args(args), tokens, counts,
+                                  ObjectStorage(storage_settings_from_args(vars(args))))
     except (OSError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

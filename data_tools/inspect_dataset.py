@@ -54,7 +54,8 @@ def histogram_lines(lengths: np.ndarray, bins: int, width: int = 40) -> List[str
 
 def print_samples(args, rest: Sequence[str]) -> int:
     """--samples N: the first N training samples as the trainer builds them (module docstring)."""
-    from megatron.data.data_args import add_data_args
+    from megatron.data.data_args import add_data_args, storage_settings_from_args
+    from megatron.data.storage.object_storage import ObjectStorage
 
     parser = add_data_args(argparse.ArgumentParser(prog="inspect_dataset.py --samples"),
                            schedule=False)
@@ -65,16 +66,18 @@ def print_samples(args, rest: Sequence[str]) -> int:
     flags.train_iters = flags.train_iters or args.samples
     flags.global_batch_size = flags.global_batch_size or 1
     flags.eval_interval, flags.eval_iters = 0, 0
+    # the index copies of s3:// data where the trainer's go (not in the temporary folder below)
+    storage = ObjectStorage(storage_settings_from_args(vars(flags)))
     if flags.data_cache_path is not None:
-        return _print_samples(args, flags)
+        return _print_samples(args, flags, storage)
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="inspect-dataset-") as cache:
         flags.data_cache_path = cache  # nothing left beside the user's data
-        return _print_samples(args, flags)
+        return _print_samples(args, flags, storage)
 
 
-def _print_samples(args, flags) -> int:
+def _print_samples(args, flags, storage) -> int:
     import json
 
     from megatron.data.datasets.builder import build_datasets
@@ -101,7 +104,7 @@ def _print_samples(args, flags) -> int:
                                     extra_ids=flags.vocab_extra_ids)
         tokens = T5SpecialTokens.from_tokenizer(tokenizer, whole_word=config.t5.whole_word)
         count = flags.train_iters * flags.global_batch_size
-        dataset = build_datasets(config, tokens, (count, 0, 0))["train"]
+        dataset = build_datasets(config, tokens, (count, 0, 0), storage)["train"]
     except (OSError, ValueError) as e:  # a missing or bad dataset, settings it refuses
         print(f"error: {e}", file=sys.stderr)
         return 2

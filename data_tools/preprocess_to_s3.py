@@ -9,18 +9,21 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Callable
+from typing import Callable, Optional
 
 from megatron.data.storage import object_storage
+from megatron.data.storage.object_storage import ObjectStorage
 
 
-def run_to_object_storage(args: argparse.Namespace,
-                          run: Callable[[argparse.Namespace], int]) -> int:
+def run_to_object_storage(args: argparse.Namespace, run: Callable[[argparse.Namespace], int],
+                          storage: Optional[ObjectStorage] = None) -> int:
     """--output-prefix s3://...: preprocess into a node-local staging folder (atomic as for
     local output), then upload each dataset's .bin, then its sidecar, then its .idx
     (multipart), so that a reader never finds an index without its data; the staging folder is
     removed either way, and a failed upload removes what it had put. The destination is checked
-    writable before anything is tokenized."""
+    writable before anything is tokenized. `storage`: what uploads (None: the default
+    settings)."""
+    storage = storage if storage is not None else ObjectStorage()
     remote = args.output_prefix
     try:
         object_storage.split_url(remote)
@@ -36,7 +39,7 @@ def run_to_object_storage(args: argparse.Namespace,
         return 2
     try:
         try:
-            _check_writable(remote, staging)
+            _check_writable(storage, remote, staging)
         except (object_storage.ObjectStorageError, OSError) as e:
             print(f"error: --output-prefix {remote} is not writable: {e}; nothing was done",
                   file=sys.stderr)
@@ -53,13 +56,13 @@ def run_to_object_storage(args: argparse.Namespace,
         try:
             for name in names:
                 target = remote + name[len(os.path.basename(remote)):]
-                object_storage.upload(os.path.join(staging, name), target)
+                storage.upload(os.path.join(staging, name), target)
                 uploaded.append(target)
                 print(f"uploaded {target}", file=sys.stderr)
         except (object_storage.ObjectStorageError, OSError) as e:
             for target in reversed(uploaded):
                 try:
-                    object_storage.delete(target)
+                    storage.delete(target)
                 except object_storage.ObjectStorageError:  # best effort: the error below
                     pass
             print(f"error: {e}; nothing was left under {remote}", file=sys.stderr)
@@ -69,14 +72,14 @@ def run_to_object_storage(args: argparse.Namespace,
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _check_writable(remote: str, staging: str) -> None:
+def _check_writable(storage: ObjectStorage, remote: str, staging: str) -> None:
     """Put and delete an empty probe object beside `remote` (a missing bucket, refused
     credentials or a read-only key raise ObjectStorageError before any work)."""
     probe = os.path.join(staging, ".write-check")
     open(probe, "wb").close()
     target = f"{remote}.write-check-{os.getpid()}"
     try:
-        object_storage.upload(probe, target)
-        object_storage.delete(target)
+        storage.upload(probe, target)
+        storage.delete(target)
     finally:
         os.unlink(probe)

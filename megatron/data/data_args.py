@@ -26,7 +26,7 @@ from megatron.data.datasets.builder import (
 )
 from megatron.data.storage.data_meta import APPEND_EOD_MODES, SAMPLE_DOCUMENTS
 from megatron.data.storage.indexed_dataset import IMPLS
-from megatron.data.storage.object_storage import StorageSettings
+from megatron.data.storage.object_storage import ObjectStorage, StorageSettings
 from megatron.data.datasets.ul2 import (
     DEFAULT_MODE_TOKENS,
     S_PREFIX,
@@ -54,7 +54,8 @@ class DataSettings:
     tokenizer_type: str = "SentencePieceTokenizer"
     """`megatron.data.tokenizers.tokenizer.TOKENIZER_TYPES`: which tokenizer reads `tokenizer_model`."""
     object_storage: StorageSettings = StorageSettings()
-    """How s3:// prefixes are read (the --object-storage-* flags)."""
+    """How s3:// prefixes are read (the --object-storage-* flags): the loaders read through an
+    ObjectStorage made from it."""
 
     @property
     def tokenizer(self) -> TokenizerSpec:
@@ -378,9 +379,9 @@ def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
     storage = storage_settings_from_args(flags)
     storage_problems = object_storage_problems(storage, flags.get("data_timeout_minutes"))
     problems += storage_problems
-    object_storage.configure(**dataclasses.asdict(storage))  # read below and by the loaders
+    store = ObjectStorage(storage)  # what the checks below read through
     if flags["data_path"] is not None and not storage_problems:
-        problems += data_file_problems(flags["data_path"], flags["data_impl"])
+        problems += data_file_problems(flags["data_path"], flags["data_impl"], store)
     if flags["num_workers"] < 0:
         problems.append("--num-workers must be >= 0")
     if schedule is None or flags["data_path"] is None:
@@ -400,7 +401,7 @@ def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
         # Before the model is built: whether documents end with EOD (data_meta.decide_eod).
         eos_id = _mode_tokenizer(tokenizer, flags["vocab_extra_ids"]).eos_id
         problems += eod_problems(dataset.data_path, eos_id, dataset.append_eod,
-                                 dataset.data_impl)
+                                 dataset.data_impl, store)
         if problems:
             return None, problems
     return DataSettings(dataset, tokenizer.path, flags["vocab_extra_ids"], flags["num_workers"],

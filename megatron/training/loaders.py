@@ -8,11 +8,10 @@ stops the run with one line naming it (`DataError`), not a worker's traceback.""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import os
-from typing import Dict, Iterator, List, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -21,6 +20,7 @@ from megatron import parallel_state
 from megatron.config.training import BatchConfig
 from megatron.data.datasets.builder import build_datasets, split_sample_counts
 from megatron.data.storage import object_storage
+from megatron.data.storage.object_storage import ObjectStorage
 from megatron.data.data_args import DataSettings
 from megatron.data.storage.readahead import ReadAheadBatchSampler, ReadAheadDataset
 from megatron.data.datasets.samplers import PretrainingSampler
@@ -111,15 +111,18 @@ class RunLoaders:
         return iter((self.train, self.valid, self.test))
 
 
-def build_run_datasets(data: DataSettings, batch: BatchConfig) -> Dict[str, object]:
+def build_run_datasets(data: DataSettings, batch: BatchConfig,
+                       storage: Optional[ObjectStorage] = None) -> Dict[str, object]:
     """{"train"|"valid"|"test": dataset or None}: the samples the run reads, in the order its
-    global batches take them (sample i of the split is the i-th one trained on); needs no
-    process group."""
+    global batches take them (sample i of the split is the i-th one trained on), s3:// data
+    through `storage` (None: one made from `data.object_storage`); needs no process group."""
     tokenizer = build_tokenizer(data.tokenizer, extra_ids=data.vocab_extra_ids)
     tokens = T5SpecialTokens.from_tokenizer(tokenizer, whole_word=data.dataset.t5.whole_word)
     counts = split_sample_counts(batch.train_iters, batch.global_batch_size, batch.eval_interval,
                                  batch.eval_iters)
-    return build_datasets(data.dataset, tokens, counts)
+    if storage is None:
+        storage = ObjectStorage(data.object_storage)
+    return build_datasets(data.dataset, tokens, counts, storage)
 
 
 def build_data(data: DataSettings, batch: BatchConfig, device_type: str,
@@ -130,8 +133,8 @@ def build_data(data: DataSettings, batch: BatchConfig, device_type: str,
     reads_batches: False on a pipeline stage that reads no batch (neither the first nor the
     last): its loaders hold as many placeholder batches as the others' and load nothing.
     """
-    object_storage.configure(**dataclasses.asdict(data.object_storage))
-    datasets = build_run_datasets(data, batch)
+    # the loaders' client, thread pool and caches (DataLoader workers, forked, make their own)
+    datasets = build_run_datasets(data, batch, ObjectStorage(data.object_storage))
     remote = any(object_storage.is_remote(p) for p in data.dataset.data_path)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()

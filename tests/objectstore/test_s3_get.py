@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from megatron.data.storage import object_storage
+from megatron.data.storage.object_storage import ObjectStorage, StorageSettings
 from megatron.data.storage.s3_get import RangedGetter
 
 
@@ -57,8 +58,7 @@ def blob(s3_server, s3_env):
     s3_server.make_bucket("sigv4")
     key = "dir with space/ü+=&~(1).bin"
     s3_server.client().put_object(Bucket="sigv4", Key=key, Body=data)
-    yield f"s3://sigv4/{key}", data
-    object_storage.configure(reader="sigv4")
+    return f"s3://sigv4/{key}", data
 
 
 def test_ranges_read_by_sigv4_are_the_objects_and_boto3s(blob):
@@ -69,11 +69,11 @@ def test_ranges_read_by_sigv4_are_the_objects_and_boto3s(blob):
     ranges += [(0, 1), (0, len(data)), (len(data) - 1, len(data))]
     got = {}
     for reader in ("sigv4", "boto3"):
-        object_storage.configure(reader=reader)
-        got[reader] = [object_storage.read_range(url, a, b) for a, b in ranges]
+        storage = ObjectStorage(StorageSettings(reader=reader))
+        got[reader] = [storage.read_range(url, a, b) for a, b in ranges]
     assert got["sigv4"] == got["boto3"] == [data[a:b] for a, b in ranges]
-    object_storage.configure(reader="sigv4")
-    bin_ = object_storage.RemoteBin.open(url)  # the loader's path: concurrent, pooled
+    storage = ObjectStorage(StorageSettings(reader="sigv4"))
+    bin_ = object_storage.RemoteBin.open(storage, url)  # the loader's path: concurrent, pooled
     futures = bin_.prefetch(ranges[:20])
     for f in futures:
         f.result()
@@ -83,12 +83,9 @@ def test_ranges_read_by_sigv4_are_the_objects_and_boto3s(blob):
 def test_a_wrong_secret_is_one_error_naming_the_range(blob, monkeypatch):
     url, _ = blob
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x" * 40)
-    object_storage.configure(reader="sigv4", retries=3, backoff_s=0.01)
-    try:
-        with pytest.raises(object_storage.ObjectStorageError) as e:
-            object_storage.read_range(url, 5, 50)
-    finally:
-        object_storage.configure(retries=8, backoff_s=0.1)
+    storage = ObjectStorage(StorageSettings(reader="sigv4", retries=3, backoff_s=0.01))
+    with pytest.raises(object_storage.ObjectStorageError) as e:
+        storage.read_range(url, 5, 50)
     assert str(e.value).startswith(f"{url} bytes [5, 50): ")
     assert "403" in str(e.value) or "Signature" in str(e.value)
     assert "attempts" not in str(e.value)  # not retried: retrying cannot fix it
@@ -115,14 +112,13 @@ def test_a_server_ignoring_the_range_is_refused_not_streamed(s3_env, monkeypatch
     thread.start()
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_port}")
-        object_storage.configure(reader="sigv4")
+        storage = ObjectStorage(StorageSettings(reader="sigv4"))
         with pytest.raises(object_storage.ObjectStorageError,
                            match=r"s3://any/key bytes \[0, 100\): RangeIgnored: the server "
                                  r"ignored the range: 200 without Content-Range, 262144 bytes"):
-            object_storage.read_range("s3://any/key", 0, 100)
+            storage.read_range("s3://any/key", 0, 100)
     finally:
         server.shutdown()
-        object_storage.reset()
 
 
 @pytest.mark.parametrize("verify", [None, False, "bundle"])
@@ -183,31 +179,25 @@ def closing_server(s3_env, monkeypatch):
 def test_a_kept_alive_connection_the_server_closed_is_replaced_at_once(closing_server):
     """One attempt only: the GET on a connection the server had closed goes again on a new
     one without needing the caller's retry; a chunked error answer is read for its code."""
-    try:
-        object_storage.configure(reader="sigv4", retries=1)
-        body = _ClosingServer.body
-        for a, b in [(0, 10), (5, 300), (4000, 4096), (1, 2)]:
-            assert object_storage.read_range("s3://any/key", a, b) == body[a:b]
-        with pytest.raises(object_storage.ObjectStorageError,
-                           match=r"s3://any/denied bytes \[0, 5\): AccessDenied"):
-            object_storage.read_range("s3://any/denied", 0, 5)
-    finally:
-        object_storage.configure(retries=8)
+    storage = ObjectStorage(StorageSettings(reader="sigv4", retries=1))
+    body = _ClosingServer.body
+    for a, b in [(0, 10), (5, 300), (4000, 4096), (1, 2)]:
+        assert storage.read_range("s3://any/key", a, b) == body[a:b]
+    with pytest.raises(object_storage.ObjectStorageError,
+                       match=r"s3://any/denied bytes \[0, 5\): AccessDenied"):
+        storage.read_range("s3://any/denied", 0, 5)
 
 
 def test_a_range_failing_in_a_prefetch_fails_its_own_reads_only(closing_server):
     """A prefetch's GETs go together; one refused fails the reads of its range, naming it,
     and the ranges after it, not fetched then, are read on demand."""
-    try:
-        object_storage.configure(reader="sigv4", merge_gap=0)
-        body = _ClosingServer.body
-        remote = object_storage.RemoteBin("s3://any/key", len(body))
-        for future in remote.prefetch([(0, 10), (666, 700), (3000, 3100)]):
-            future.exception()
-        assert bytes(remote.read(0, 10)) == body[0:10]
-        with pytest.raises(object_storage.ObjectStorageError,
-                           match=r"s3://any/key bytes \[666, 700\): AccessDenied"):
-            remote.read(666, 700)
-        assert bytes(remote.read(3000, 3100)) == body[3000:3100]
-    finally:
-        object_storage.configure(merge_gap=64 * 1024)
+    storage = ObjectStorage(StorageSettings(reader="sigv4", merge_gap=0))
+    body = _ClosingServer.body
+    remote = object_storage.RemoteBin(storage, "s3://any/key", len(body))
+    for future in remote.prefetch([(0, 10), (666, 700), (3000, 3100)]):
+        future.exception()
+    assert bytes(remote.read(0, 10)) == body[0:10]
+    with pytest.raises(object_storage.ObjectStorageError,
+                       match=r"s3://any/key bytes \[666, 700\): AccessDenied"):
+        remote.read(666, 700)
+    assert bytes(remote.read(3000, 3100)) == body[3000:3100]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron.data.storage import object_storage
+from megatron.data.storage.object_storage import ObjectStorage, StorageSettings
 from megatron.data.datasets.builder import DataConfig, build_datasets
 from megatron.data.storage.data_meta import SAMPLE_DOCUMENTS, read_meta
 from megatron.data.storage.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
@@ -17,12 +17,11 @@ from megatron.data.datasets.t5_dataset import T5DatasetConfig, T5SpecialTokens
 TOKENS = T5SpecialTokens(0, 1, 0, tuple(range(1999, 1899, -1)))
 
 
-@pytest.fixture(autouse=True)
-def fresh_client(s3_env, tmp_path):
-    object_storage.configure(cache_path=str(tmp_path / "node"), retries=3, timeout_s=5.0,
-                             backoff_s=0.01)
-    yield
-    object_storage.configure(cache_path=None, retries=8, timeout_s=30.0, backoff_s=0.1)
+@pytest.fixture
+def storage(s3_env, tmp_path):
+    """Each test's client reads its environment; index copies go to the test's folder."""
+    return ObjectStorage(StorageSettings(cache_path=str(tmp_path / "node"), retries=3,
+                                         timeout_s=5.0, backoff_s=0.01))
 
 
 def synthetic(prefix, n_docs, seed=3):
@@ -45,14 +44,14 @@ def upload(s3_server, bucket, key, local_prefix):
     return f"s3://{bucket}/{key}"
 
 
-def test_bytes_fetched_at_open_do_not_grow_with_the_corpus(s3_server, tmp_path):
+def test_bytes_fetched_at_open_do_not_grow_with_the_corpus(s3_server, tmp_path, storage):
     fetched = {}
     for name, n_docs in (("small", 300), ("large", 200_000)):
         url = upload(s3_server, "sizes", f"{name}_text_document",
                      synthetic(str(tmp_path / name), n_docs))
         config = DataConfig([url], split="100,0,0", data_cache_path=str(tmp_path / "cache"),
                             t5=T5DatasetConfig(encoder_seq_length=64, seed=1))
-        train = build_datasets(config, TOKENS, (24, 0, 0))["train"]
+        train = build_datasets(config, TOKENS, (24, 0, 0), storage)["train"]
         reader = train.indexed.remote
         at_open = (reader.fetched_bytes, reader.requests)
         samples = [train[i] for i in range(24)]
@@ -67,7 +66,7 @@ def test_bytes_fetched_at_open_do_not_grow_with_the_corpus(s3_server, tmp_path):
     assert total - at_open[0] < 24 * 2 * (64 * 1024 + 200) and total < size / 10
 
 
-def test_preprocess_uploads_the_sidecar(s3_server, train_data, tmp_path):
+def test_preprocess_uploads_the_sidecar(s3_server, train_data, tmp_path, storage):
     from data_tools import preprocess_data
 
     s3_server.client().create_bucket(Bucket="sidecar")
@@ -77,8 +76,8 @@ def test_preprocess_uploads_the_sidecar(s3_server, train_data, tmp_path):
                                str(staging), "--tokenizer-model", train_data.spm,
                                "--workers", "1", "--no-progress"])
     assert rc == 0
-    meta = read_meta("s3://sidecar/out/mix_text_document")
-    ds = IndexedDataset("s3://sidecar/out/mix_text_document")
+    meta = read_meta("s3://sidecar/out/mix_text_document", storage)
+    ds = IndexedDataset("s3://sidecar/out/mix_text_document", storage=storage)
     assert (meta.eod_appended, meta.documents, meta.tokens) == (False, ds.num_documents,
                                                                 ds.num_tokens)
     # no probe object left, nothing left in the staging folder
@@ -88,7 +87,7 @@ def test_preprocess_uploads_the_sidecar(s3_server, train_data, tmp_path):
     assert os.listdir(staging) == []
 
 
-def test_preprocess_into_a_missing_bucket_stops_before_any_work(s3_server, train_data,
+def test_preprocess_into_a_missing_bucket_stops_before_any_work(s3_server, s3_env, train_data,
                                                                  tmp_path, capsys):
     from data_tools import preprocess_data
 
@@ -105,7 +104,7 @@ def test_preprocess_into_a_missing_bucket_stops_before_any_work(s3_server, train
     assert os.listdir(staging) == []
 
 
-def test_the_staging_dir_flag_is_used(s3_server, train_data, tmp_path, capsys):
+def test_the_staging_dir_flag_is_used(s3_server, s3_env, train_data, tmp_path, capsys):
     from data_tools import preprocess_data
 
     blocker = tmp_path / "a-file"
@@ -117,13 +116,13 @@ def test_the_staging_dir_flag_is_used(s3_server, train_data, tmp_path, capsys):
     assert rc == 2 and f"--staging-dir {blocker / 'sub'}" in capsys.readouterr().err
 
 
-def test_index_caches_of_s3_data_are_not_nested_in_themselves(s3_server, tmp_path):
+def test_index_caches_of_s3_data_are_not_nested_in_themselves(s3_server, tmp_path, storage):
     url = upload(s3_server, "cachepath", "corpus/en/gut_text_document",
                  synthetic(str(tmp_path / "gut"), 300))
     cache = tmp_path / "cache"
     config = DataConfig([url], split="100,0,0", data_cache_path=str(cache),
                         t5=T5DatasetConfig(encoder_seq_length=64, seed=1))
-    build_datasets(config, TOKENS, (24, 0, 0))
+    build_datasets(config, TOKENS, (24, 0, 0), storage)
     folder = cache / "s3" / "cachepath" / "corpus" / "en" / "gut_text_document_cache"
     entries = sorted(os.listdir(folder))
     assert entries and all(e.startswith("gut_text_document_train-") for e in entries)

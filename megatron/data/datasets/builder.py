@@ -22,7 +22,8 @@ from megatron.data.storage.index_cache import cached_arrays
 from megatron.data.datasets.cpm2_dataset import CPM2Dataset, cpm2_prefixes, is_cpm2_prefix
 from megatron.data.storage import object_storage
 from megatron.data.storage.data_meta import decide_eod
-from megatron.data.storage.indexed_dataset import IndexedDataset, dataset_exists
+from megatron.data.storage.indexed_dataset import IndexedDataset, Read, dataset_exists
+from megatron.data.storage.object_storage import ObjectStorage
 from megatron.data.datasets.megatron_t5_dataset import MegatronT5Dataset, MegatronUL2Dataset
 from megatron.data.datasets.t5_dataset import (
     T5DatasetConfig,
@@ -66,8 +67,10 @@ def split_sample_counts(train_iters: int, global_batch_size: int, eval_interval:
             eval_iters * global_batch_size)
 
 
-def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
-    """(prefixes, weights or None for "proportional to size").
+def parse_data_path(data_path: Sequence[str], storage: Optional[ObjectStorage] = None
+                    ) -> Tuple[List[str], Optional[List[float]]]:
+    """(prefixes, weights or None for "proportional to size"); s3:// prefixes are looked up
+    through `storage` (None: the default settings).
 
     Raises:
         ValueError: a malformed weighted list, or a prefix without its .bin/.idx.
@@ -93,19 +96,24 @@ def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[
             raise ValueError(f"--data-path weights {weights} must be >= 0 with a positive sum")
     else:
         prefixes, weights = items, None
-    missing = [p for p in prefixes if not dataset_exists(p) and not is_cpm2_prefix(p)]
+    storage = storage if storage is not None else ObjectStorage()
+    missing = [p for p in prefixes
+               if not dataset_exists(p, storage) and not is_cpm2_prefix(p, storage)]
     if missing:
         raise ValueError("--data-path: no .bin/.idx pair (nor CPM-2's _context, _target, "
                          "_target_offset pairs) for " + ", ".join(missing))
     return prefixes, weights
 
 
-def data_file_problems(data_path: Sequence[str], impl: str = "infer") -> List[str]:
+def data_file_problems(data_path: Sequence[str], impl: str = "infer",
+                       storage: Optional[ObjectStorage] = None) -> List[str]:
     """Every `--data-path` dataset opened and checked as the run will open it (the index read and
     matched against its `.bin`: a truncated or foreign file is found here, not after the model is
-    built); one message per bad prefix, naming the file. Costs one read of each index."""
+    built; s3:// through `storage`); one message per bad prefix, naming the file. Costs one read
+    of each index."""
+    storage = storage if storage is not None else ObjectStorage()
     try:
-        prefixes, _ = parse_data_path(data_path)
+        prefixes, _ = parse_data_path(data_path, storage)
     except ValueError as e:
         return [str(e)]
     except OSError as e:  # object storage: a missing bucket, refused credentials, no answer
@@ -113,32 +121,34 @@ def data_file_problems(data_path: Sequence[str], impl: str = "infer") -> List[st
     problems = []
     for prefix in prefixes:
         try:
-            if is_cpm2_prefix(prefix) and not dataset_exists(prefix):
+            if is_cpm2_prefix(prefix, storage) and not dataset_exists(prefix, storage):
                 for part in cpm2_prefixes(prefix):
-                    IndexedDataset(part, impl, sequences_are_documents=True)
+                    IndexedDataset(part, impl, sequences_are_documents=True, storage=storage)
             else:
-                IndexedDataset(prefix, impl)
+                IndexedDataset(prefix, impl, storage=storage)
         except (OSError, ValueError) as e:
             problems.append(f"--data-path {prefix}: {e}")
     return problems
 
 
 def eod_problems(data_path: Sequence[str], eos_id: int, append_eod: str = "auto",
-                 impl: str = "infer") -> List[str]:
+                 impl: str = "infer", storage: Optional[ObjectStorage] = None) -> List[str]:
     """For objectives that pack documents: every token dataset of `--data-path` whose EOD cannot
     be decided as `--data-append-eod` asks (data_meta.decide_eod: its sidecar contradicted, its
     sampled documents disagreeing), one message per prefix. Reads each index, each sidecar and
-    a bounded sample of document ends; CPM-2 three-file data is left out (it has no EOD scan)."""
+    a bounded sample of document ends (s3:// through `storage`); CPM-2 three-file data is left
+    out (it has no EOD scan)."""
+    storage = storage if storage is not None else ObjectStorage()
     try:
-        prefixes, _ = parse_data_path(data_path)
+        prefixes, _ = parse_data_path(data_path, storage)
     except (OSError, ValueError) as e:
         return [f"--data-path: {e}"]
     problems = []
     for prefix in prefixes:
         try:
-            if is_cpm2_prefix(prefix) and not dataset_exists(prefix):
+            if is_cpm2_prefix(prefix, storage) and not dataset_exists(prefix, storage):
                 continue
-            decide_eod(IndexedDataset(prefix, impl), eos_id, append_eod)
+            decide_eod(IndexedDataset(prefix, impl, storage=storage), eos_id, append_eod)
         except (OSError, ValueError) as e:
             problems.append(f"--data-path {prefix}: {e}")
     return problems
@@ -175,6 +185,13 @@ class BlendedDataset:
             raise IndexError(f"sample {index} out of range for {self.size} samples")
         return self.datasets[int(self.dataset_index[index])][
             int(self.dataset_sample_index[index])]
+
+    def sample_reads(self, index: int) -> List[Read]:
+        """Those of the part that holds sample `index` (read-ahead planning)."""
+        if not 0 <= index < self.size:
+            raise IndexError(f"sample {index} out of range for {self.size} samples")
+        return self.datasets[int(self.dataset_index[index])].sample_reads(
+            int(self.dataset_sample_index[index]))
 
 
 @dataclass
@@ -215,11 +232,12 @@ class DataConfig:
 class _Source:
     """One --data-path entry: a token dataset, or CPM-2's three files."""
 
-    def __init__(self, prefix: str, impl: str) -> None:
-        self.prefix = prefix
-        self.cpm2 = is_cpm2_prefix(prefix) and not dataset_exists(prefix)
-        opened = IndexedDataset(cpm2_prefixes(prefix)[0], impl, sequences_are_documents=True) \
-            if self.cpm2 else IndexedDataset(prefix, impl)
+    def __init__(self, prefix: str, impl: str, storage: ObjectStorage) -> None:
+        self.prefix, self.storage = prefix, storage
+        self.cpm2 = is_cpm2_prefix(prefix, storage) and not dataset_exists(prefix, storage)
+        opened = IndexedDataset(cpm2_prefixes(prefix)[0], impl, sequences_are_documents=True,
+                                storage=storage) \
+            if self.cpm2 else IndexedDataset(prefix, impl, storage=storage)
         self.num_documents = opened.num_documents
         self.num_tokens = opened.num_tokens
         self.indexed = None if self.cpm2 else opened
@@ -235,7 +253,7 @@ class _Source:
             return CPM2Dataset(self.prefix, documents, num_samples, t5.encoder_seq_length,
                                t5.decoder_seq_length, tokens, seed=t5.seed, name=name,
                                impl=config.data_impl, cache_dir=cache_dir,
-                               cache_timeout=config.cache_timeout)
+                               cache_timeout=config.cache_timeout, storage=self.storage)
         return OBJECTIVES[config.objective](name, self.indexed, documents, num_samples, config,
                                             tokens, cache_dir)
 
@@ -287,13 +305,16 @@ indexed_dataset.default_cache_dir of that)."""
 
 
 def build_datasets(config: DataConfig, tokens: T5SpecialTokens,
-                   num_samples: Tuple[int, int, int]) -> Dict[str, Optional[object]]:
-    """{"train"|"valid"|"test": dataset or None (an empty split or no samples asked)}."""
+                   num_samples: Tuple[int, int, int],
+                   storage: Optional[ObjectStorage] = None) -> Dict[str, Optional[object]]:
+    """{"train"|"valid"|"test": dataset or None (an empty split or no samples asked)}; s3://
+    prefixes are read through `storage` (None: ObjectStorage() with the default settings)."""
     if config.objective not in OBJECTIVES:
         raise ValueError(f"--t5-objective {config.objective!r}: choose one of "
                          f"{', '.join(OBJECTIVES)}")
-    prefixes, weights = parse_data_path(config.data_path)
-    sources = [_Source(p, config.data_impl) for p in prefixes]
+    storage = storage if storage is not None else ObjectStorage()
+    prefixes, weights = parse_data_path(config.data_path, storage)
+    sources = [_Source(p, config.data_impl, storage) for p in prefixes]
     if weights is None:
         weights = [float(d.num_tokens) for d in sources]
     total_weight = sum(weights)

@@ -92,6 +92,7 @@ from megatron.data.storage import object_storage
 from megatron.data.storage.index_cache import cached_arrays, description_hash
 from megatron.data.storage.indexed_dataset import (
     IndexedDataset,
+    Read,
     data_file_path,
     dataset_exists,
     default_cache_dir,
@@ -108,15 +109,16 @@ def cpm2_prefixes(prefix: str) -> Tuple[str, str, str]:
     return tuple(str(prefix) + s for s in SUFFIXES)  # type: ignore[return-value]
 
 
-def is_cpm2_prefix(prefix: str) -> bool:
+def is_cpm2_prefix(prefix: str, storage: Optional[object_storage.ObjectStorage] = None) -> bool:
     """True when PREFIX_context, PREFIX_target and PREFIX_target_offset (.bin and .idx each)
-    all exist."""
-    return all(dataset_exists(p) for p in cpm2_prefixes(prefix))
+    all exist (objects looked up through `storage`, for an s3:// prefix)."""
+    return all(dataset_exists(p, storage) for p in cpm2_prefixes(prefix))
 
 
-def _open(path_prefix: str, impl: str) -> IndexedDataset:
+def _open(path_prefix: str, impl: str,
+          storage: Optional[object_storage.ObjectStorage]) -> IndexedDataset:
     # CPM-2's builder never ends documents: its indices list no documents, one sequence each.
-    return IndexedDataset(path_prefix, impl, sequences_are_documents=True)
+    return IndexedDataset(path_prefix, impl, sequences_are_documents=True, storage=storage)
 
 
 def _num_epochs(tokens_per_epoch: int, window: int, num_samples: int) -> int:
@@ -152,6 +154,7 @@ class CPM2Dataset:
         name: for cache names and messages.
         impl: indexed dataset format ('infer', 'mmap', 'lazy', 'cached').
         cache_dir: where the index cache goes (default `PREFIX_cache/`).
+        storage: what an s3:// prefix is read through (None: the default settings).
 
     Raises:
         ValueError: the three datasets disagree (message names the file), a range or length is
@@ -165,7 +168,8 @@ class CPM2Dataset:
                  eod_id: Optional[int] = None, mask_after_eod: bool = True,
                  return_encoder_eod_mask: bool = False, name: str = "train",
                  impl: str = "infer", cache_dir: Optional[str] = None,
-                 cache_timeout: float = 3600.0) -> None:
+                 cache_timeout: float = 3600.0,
+                 storage: Optional[object_storage.ObjectStorage] = None) -> None:
         self.prefix = str(prefix)
         self.name = name
         self.tokens = tokens
@@ -184,15 +188,17 @@ class CPM2Dataset:
             raise ValueError("no sentinel ids: CPM-2 data needs at least one sentinel")
 
         ctx_p, tgt_p, off_p = cpm2_prefixes(self.prefix)
+        if storage is None and object_storage.is_remote(self.prefix):
+            storage = object_storage.ObjectStorage()
         for p in (ctx_p, tgt_p, off_p):
-            if not dataset_exists(p):
+            if not dataset_exists(p, storage):
                 missing = [f for f in (index_file_path(p), data_file_path(p))
-                           if not (object_storage.exists(f) if object_storage.is_remote(f)
+                           if not (storage.exists(f) if object_storage.is_remote(f)
                                    else os.path.isfile(f))]
                 raise FileNotFoundError(f"CPM-2 data {self.prefix}: missing {', '.join(missing)}")
-        self.context = _open(ctx_p, impl)
-        self.target = _open(tgt_p, impl)
-        self.target_offset = _open(off_p, impl)
+        self.context = _open(ctx_p, impl, storage)
+        self.target = _open(tgt_p, impl, storage)
+        self.target_offset = _open(off_p, impl, storage)
         self._ctx_file = data_file_path(ctx_p)
         self._tgt_file = data_file_path(tgt_p)
         self._off_file = data_file_path(off_p)
@@ -232,7 +238,7 @@ class CPM2Dataset:
                                  else int(placeholder_base))
 
         description = {
-            "kind": "cpm2_enc_dec", "name": name, **index_identity(ctx_p, self.prefix),
+            "kind": "cpm2_enc_dec", "name": name, **index_identity(ctx_p, self.prefix, storage),
             "documents": [start, end], "num_epochs": self.num_epochs,
             "encoder_length": self.encoder_length, "seed": self.seed,
         }
@@ -357,11 +363,21 @@ class CPM2Dataset:
             sample["encoder_eod_mask"] = np.concatenate(eod_marks)
         return sample
 
-    def __getitem__(self, index: int) -> Dict[str, np.ndarray]:
-        index = int(index)
+    def _sample_window(self, index: int) -> int:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
-        return self.window(int(self.shuffle_idx[index]))
+        return int(self.shuffle_idx[index])
+
+    def __getitem__(self, index: int) -> Dict[str, np.ndarray]:
+        return self.window(self._sample_window(int(index)))
+
+    def sample_reads(self, index: int) -> List[Read]:
+        """The byte ranges of data on object storage that building sample `index` reads of its
+        context, in order, without reading them (the read-ahead plans from them; [] for local
+        data). The target spans and offsets it reads depend on the context's values (where
+        its placeholders are): they are read when the sample is built."""
+        return [r for doc, begin, stop in self._pieces(self._sample_window(int(index)))
+                for r in self.context.reads(doc, begin, stop - begin)]
 
     # -- checks --------------------------------------------------------------------------------
 

@@ -47,13 +47,18 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
 from megatron.data import _helpers
 from megatron.data.storage.index_cache import cached_arrays, description_hash
-from megatron.data.storage.indexed_dataset import IndexedDataset, default_cache_dir, index_identity
+from megatron.data.storage.indexed_dataset import (
+    IndexedDataset,
+    Read,
+    default_cache_dir,
+    index_identity,
+)
 from megatron.data.datasets.span_corruption import corrupt
 from megatron.data.datasets.t5_dataset import T5SpecialTokens, make_sample, ul2_sample
 from megatron.data.datasets.ul2 import denoise
@@ -225,7 +230,8 @@ class MegatronT5Dataset:
 
         prefix = indexed.path_prefix
         description = {
-            "kind": "megatron_t5_mapping", "name": name, **index_identity(prefix),
+            "kind": "megatron_t5_mapping", "name": name,
+            **index_identity(prefix, storage=indexed.storage),
             "documents": [self.document_range[0], self.document_range[1]],
             "num_samples": self.num_samples, "max_seq_length": self.max_raw_length,
             "short_seq_prob": self.short_seq_prob, "seed": self.seed,
@@ -271,6 +277,12 @@ class MegatronT5Dataset:
         pieces = self.indexed[first:last]
         raw = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
         return raw[:length].astype(np.int64)
+
+    def sample_reads(self, index: int) -> List[Read]:
+        """The byte ranges of data on object storage that building sample `index` reads (its
+        sentences), without reading them (the read-ahead plans from them; [] for local data)."""
+        first, last, _ = self.sample_sentences(int(index))
+        return self.indexed.slice_reads(first, last)
 
     def noise_mask(self, index: int) -> np.ndarray:
         """bool: which raw tokens of sample `index` are masked."""

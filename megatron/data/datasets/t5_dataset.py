@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from megatron.data import _helpers
 from megatron.data.storage.index_cache import cached_arrays, description_hash
 from megatron.data.datasets.ul2 import KINDS, UL2Config, denoise
-from megatron.data.storage.indexed_dataset import IndexedDataset, default_cache_dir, index_identity
+from megatron.data.storage.indexed_dataset import (
+    IndexedDataset,
+    Read,
+    default_cache_dir,
+    index_identity,
+)
 from megatron.data.datasets.span_corruption import (
     corrupt,
     expected_lengths,
@@ -148,7 +153,8 @@ class T5SpanCorruptionDataset:
                 f"{tokens_per_epoch} tokens, fewer than one sample ({self.raw_length} raw tokens)")
         num_epochs = max(1, -(-num_samples * self.raw_length // tokens_per_epoch))
         description = {
-            "kind": "t5_span_corruption", "name": name, **index_identity(indexed.path_prefix),
+            "kind": "t5_span_corruption", "name": name,
+            **index_identity(indexed.path_prefix, storage=indexed.storage),
             "documents": [start, end], "num_samples": num_samples, "num_epochs": num_epochs,
             "raw_length": self.raw_length, "seed": config.seed,
             "eod_appended": self.eod.appended,
@@ -195,14 +201,32 @@ class T5SpanCorruptionDataset:
             stored = np.concatenate([stored, np.asarray([self.tokens.eos_id], stored.dtype)])
         return stored[begin:end]
 
-    def raw_tokens(self, index: int) -> np.ndarray:
-        """The packed raw tokens of sample `index` (before corruption)."""
+    def _document_reads(self, local_doc: int, begin: int, end: int) -> List[Read]:
+        """What _document_tokens(local_doc, begin, end) reads of data on object storage."""
+        doc = self.document_range[0] + local_doc
+        first, last = (int(x) for x in self.indexed.document_indices[doc:doc + 2])
+        if last - first == 1:
+            size = int(self.indexed.sequence_lengths[first])
+            return self.indexed.reads(first, min(begin, size), max(0, min(end, size) - begin))
+        return self.indexed.slice_reads(first, last)
+
+    def _sample_window(self, index: int) -> int:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
-        return self.packed_tokens(int(self.shuffle_idx[index]))
+        return int(self.shuffle_idx[index])
 
-    def packed_tokens(self, j: int) -> np.ndarray:
-        """Window j of the packed token stream (samples in packing order, before shuffling)."""
+    def raw_tokens(self, index: int) -> np.ndarray:
+        """The packed raw tokens of sample `index` (before corruption)."""
+        return self.packed_tokens(self._sample_window(index))
+
+    def sample_reads(self, index: int) -> List[Read]:
+        """The byte ranges of data on object storage that building sample `index` reads, in
+        order, without reading them (the read-ahead plans from them; [] for local data)."""
+        return [r for doc, begin, end in self._window_pieces(self._sample_window(index))
+                for r in self._document_reads(doc, begin, end)]
+
+    def _window_pieces(self, j: int) -> List[Tuple[int, int, int]]:
+        """(document in the split, begin, end) token slices of packed window j, in order."""
         (p0, o0), (p1, o1) = self.sample_idx[j], self.sample_idx[j + 1]
         pieces = []
         for p in range(int(p0), int(p1) + 1):
@@ -210,8 +234,13 @@ class T5SpanCorruptionDataset:
             begin = int(o0) if p == p0 else 0
             end = int(o1) if p == p1 else int(self._doc_sizes[doc])
             if end > begin:
-                pieces.append(self._document_tokens(doc, begin, end))
-        raw = np.concatenate(pieces).astype(np.int64)
+                pieces.append((doc, begin, end))
+        return pieces
+
+    def packed_tokens(self, j: int) -> np.ndarray:
+        """Window j of the packed token stream (samples in packing order, before shuffling)."""
+        raw = np.concatenate([self._document_tokens(*piece)
+                              for piece in self._window_pieces(j)]).astype(np.int64)
         if len(raw) != self.raw_length:  # only a corrupt cache could do this
             raise ValueError(f"{self.name}: packed sample {j} has {len(raw)} tokens, expected "
                              f"{self.raw_length}; delete the index cache and retry")

@@ -98,14 +98,18 @@ def write_meta_file(path: str, meta: DatasetMeta) -> None:
         os.fsync(f.fileno())
 
 
-def read_meta(path_prefix: str) -> Optional[DatasetMeta]:
-    """The sidecar of PREFIX (a file, or an object beside an s3:// prefix), None if absent."""
+def read_meta(path_prefix: str,
+              storage: "Optional[object_storage.ObjectStorage]" = None) -> Optional[DatasetMeta]:
+    """The sidecar of PREFIX (a file, or an object beside an s3:// prefix, read through
+    `storage`: None, the default settings), None if absent."""
     path = meta_file_path(path_prefix)
     if object_storage.is_remote(path):
-        if not object_storage.exists(path):
+        if storage is None:
+            storage = object_storage.ObjectStorage()
+        if not storage.exists(path):
             return None
-        size, _ = object_storage.head(path)
-        text = object_storage.read_range(path, 0, size).decode("utf-8", errors="replace")
+        size, _ = storage.head(path)
+        text = storage.read_range(path, 0, size).decode("utf-8", errors="replace")
     else:
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
@@ -139,7 +143,8 @@ class EodDecision:
 
 def decide_eod(ds, eos_id: int, mode: str = "auto",
                sample_documents: int = SAMPLE_DOCUMENTS) -> EodDecision:
-    """Whether the documents of `ds` (an IndexedDataset) end with `eos_id` (module docstring).
+    """Whether the documents of `ds` (an IndexedDataset; its sidecar is read through its
+    `storage`) end with `eos_id` (module docstring).
 
     Raises:
         DataMetaError: the sample disagrees with itself or with the sidecar, or the sidecar's
@@ -150,7 +155,7 @@ def decide_eod(ds, eos_id: int, mode: str = "auto",
     if mode != "auto":
         return EodDecision(mode == "yes", f"{FLAG} {mode}")
     prefix = ds.path_prefix
-    meta = read_meta(prefix)
+    meta = read_meta(prefix, getattr(ds, "storage", None))
     note = ""
     if meta is not None:
         _check_meta_matches(meta, ds)

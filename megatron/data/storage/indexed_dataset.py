@@ -13,9 +13,12 @@ CPM-2-era Megatron (`--data-impl lazy|cached`) is read too. Reading goes through
 which validates the whole index before anything is handed out and returns zero-copy, read-only
 numpy views of the memory-mapped files: a reader holds O(index) memory, never O(data).
 
-A prefix `s3://bucket/key` is read from object storage (megatron/data/storage/object_storage.py): the
-index from a node-local copy, mapped as a local one and checked against the object's size, the
-tokens by ranged reads through a bounded cache (read-only numpy arrays over the fetched bytes).
+A prefix `s3://bucket/key` is read from object storage through the `ObjectStorage` it is opened
+with (megatron/data/storage/object_storage.py; default settings when none is given): the index
+from a node-local copy, mapped as a local one and checked against the object's size, the tokens
+by ranged reads through a bounded cache (read-only numpy arrays over the fetched bytes).
+`reads` and `slice_reads` say which byte ranges of the object a read takes, without reading
+(the read-ahead plans from them).
 
 This module does not import torch: the offline tools use it and must start fast.
 """
@@ -27,13 +30,14 @@ import json
 import os
 import struct
 from dataclasses import replace
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from megatron.data import _helpers
 
 from megatron.data.storage import object_storage
+from megatron.data.storage.object_storage import ObjectStorage, RemoteBin
 from megatron.data.storage.data_meta import (
     DatasetMeta,
     EodDecision,
@@ -44,6 +48,9 @@ from megatron.data.storage.data_meta import (
 )
 
 CorruptIndexError = _helpers.CorruptIndexError
+
+Read = Tuple[RemoteBin, int, int]
+"""Bytes [start, end) of a data object on object storage: what a read takes (`reads`)."""
 
 _MMAP_MAGIC = b"MMIDIDX\x00\x00"
 _LEGACY_MAGIC = b"TNTIDX\x00\x00"
@@ -77,30 +84,37 @@ def index_file_path(path_prefix: str) -> str:
     return path_prefix + ".idx"
 
 
-def dataset_exists(path_prefix: str) -> bool:
-    """True when both PREFIX.idx and PREFIX.bin exist (objects, for an s3:// prefix: an error
-    other than a missing bucket or key, refused credentials say, raises ObjectStorageError)."""
+def _storage(storage: Optional[ObjectStorage]) -> ObjectStorage:
+    return storage if storage is not None else ObjectStorage()
+
+
+def dataset_exists(path_prefix: str, storage: Optional[ObjectStorage] = None) -> bool:
+    """True when both PREFIX.idx and PREFIX.bin exist (objects, for an s3:// prefix, looked
+    up through `storage`: an error other than a missing bucket or key, refused credentials
+    say, raises ObjectStorageError)."""
     if object_storage.is_remote(path_prefix):
-        return object_storage.exists(index_file_path(path_prefix)) and \
-            object_storage.exists(data_file_path(path_prefix))
+        storage = _storage(storage)
+        return storage.exists(index_file_path(path_prefix)) and \
+            storage.exists(data_file_path(path_prefix))
     return os.path.isfile(index_file_path(path_prefix)) and os.path.isfile(
         data_file_path(path_prefix)
     )
 
 
-def local_index_path(path_prefix: str) -> str:
+def local_index_path(path_prefix: str, storage: Optional[ObjectStorage] = None) -> str:
     """PREFIX.idx, or for an s3:// prefix its node-local copy (downloaded once per node)."""
     path = index_file_path(str(path_prefix))
-    return object_storage.local_copy(path) if object_storage.is_remote(path) else path
+    return _storage(storage).local_copy(path) if object_storage.is_remote(path) else path
 
 
-def index_identity(path_prefix: str, name: Optional[str] = None) -> dict:
+def index_identity(path_prefix: str, name: Optional[str] = None,
+                   storage: Optional[ObjectStorage] = None) -> dict:
     """What names a dataset's index in the index caches' descriptions: the absolute path, size
     and modification time of a local index; the URL, size and ETag of an object. name: the
     prefix to name instead of `path_prefix` (CPM-2's, of its three datasets)."""
     name = str(path_prefix if name is None else name)
     if object_storage.is_remote(path_prefix):
-        size, etag = object_storage.head(index_file_path(path_prefix))
+        size, etag = _storage(storage).head(index_file_path(path_prefix))
         return {"prefix": name, "idx_size": size, "idx_etag": etag}
     path = index_file_path(path_prefix)
     return {"prefix": os.path.abspath(name), "idx_size": os.path.getsize(path),
@@ -115,9 +129,9 @@ def default_cache_dir(path_prefix: str, data_cache_path: "Optional[str]" = None)
     return data_cache_path or f"{path_prefix}_cache"
 
 
-def infer_dataset_impl(path_prefix: str) -> str:
+def infer_dataset_impl(path_prefix: str, storage: Optional[ObjectStorage] = None) -> str:
     """'mmap' or 'lazy' (legacy TNTIDX), from the magic of PREFIX.idx."""
-    with open(local_index_path(path_prefix), "rb") as f:
+    with open(local_index_path(path_prefix, storage), "rb") as f:
         magic = f.read(9)
     if magic == _MMAP_MAGIC:
         return "mmap"
@@ -139,6 +153,8 @@ class IndexedDataset:
             error that says which format it has.
         sequences_are_documents: accept an index whose document list is just [0] (written by a
             builder that never ends documents, as CPM-2's) and treat each sequence as a document.
+        storage: what an s3:// prefix is read through (None: ObjectStorage() with the default
+            settings); unused for local files.
 
     Raises:
         FileNotFoundError: a file is missing.
@@ -147,17 +163,20 @@ class IndexedDataset:
     """
 
     def __init__(self, path_prefix: str, impl: str = "mmap",
-                 sequences_are_documents: bool = False) -> None:
+                 sequences_are_documents: bool = False,
+                 storage: Optional[ObjectStorage] = None) -> None:
         if impl not in IMPLS:
             raise ValueError(f"unknown dataset impl {impl!r}: choose one of {', '.join(IMPLS)}")
         self.path_prefix = str(path_prefix)
         self._requested_impl = impl
         self._sequences_are_documents = sequences_are_documents
-        self._remote = None
+        self._remote: Optional[RemoteBin] = None
+        self.storage = storage
         if object_storage.is_remote(self.path_prefix):
-            self._remote = object_storage.RemoteBin.open(data_file_path(self.path_prefix))
+            self.storage = storage = _storage(storage)
+            self._remote = RemoteBin.open(storage, data_file_path(self.path_prefix))
             self._bin = _helpers.IndexedBin(
-                local_index_path(self.path_prefix), data_file_path(self.path_prefix),
+                local_index_path(self.path_prefix, storage), data_file_path(self.path_prefix),
                 sequences_are_documents, bin_size=self._remote.size)
         else:
             self._bin = _helpers.IndexedBin(
@@ -181,10 +200,12 @@ class IndexedDataset:
     # Pickling reopens the files, so DataLoader workers and spawned processes can receive a dataset.
     def __getstate__(self):
         return {"path_prefix": self.path_prefix, "impl": self._requested_impl,
-                "sequences_are_documents": self._sequences_are_documents}
+                "sequences_are_documents": self._sequences_are_documents,
+                "storage": self.storage}
 
     def __setstate__(self, state):
-        self.__init__(state["path_prefix"], state["impl"], state["sequences_are_documents"])
+        self.__init__(state["path_prefix"], state["impl"], state["sequences_are_documents"],
+                      state["storage"])
 
     def __len__(self) -> int:
         return self._bin.num_sequences
@@ -200,7 +221,7 @@ class IndexedDataset:
             if step != 1:
                 raise ValueError("slices into an IndexedDataset must be contiguous (step 1)")
             if self._remote is not None:
-                return self._remote_range(start, max(start, stop))
+                return self._remote_slice(start, max(start, stop))
             return self._bin.get_range(start, max(start, stop))
         raise TypeError(f"unexpected index type {type(idx).__name__}: use an int or a slice")
 
@@ -210,9 +231,25 @@ class IndexedDataset:
             return self._remote_get(int(idx), int(offset), length)
         return self._bin.get(int(idx), int(offset), -1 if length is None else int(length))
 
+    def reads(self, idx: int, offset: int = 0, length: Optional[int] = None) -> List[Read]:
+        """The byte range of the data object that `get(idx, offset, length)` reads, without
+        reading it ([] for local files); raises as `get` does for a range out of bounds."""
+        if self._remote is None:
+            return []
+        return [(self._remote, *self._get_bytes(int(idx), int(offset), length))]
+
+    def slice_reads(self, start: int, stop: int) -> List[Read]:
+        """The byte range of the data object that `self[start:stop]` reads, without reading
+        it ([] for local files and empty slices)."""
+        if self._remote is None:
+            return []
+        start, stop, _ = slice(start, stop).indices(len(self))
+        bounds = self._slice_bytes(start, max(start, stop))
+        return [] if bounds is None else [(self._remote, *bounds)]
+
     # Data on object storage: the byte range of the tokens asked for, then the same checks and
     # the same read-only arrays as the C++ reader's.
-    def _remote_get(self, idx: int, offset: int, length: Optional[int]) -> np.ndarray:
+    def _get_bytes(self, idx: int, offset: int, length: Optional[int]) -> Tuple[int, int]:
         n = len(self)
         if idx < 0:
             idx += n
@@ -226,29 +263,32 @@ class IndexedDataset:
                              f"{idx} of length {size}")
         item = self.dtype.itemsize
         start = int(self._pointers[idx]) + offset * item
-        return self._remote_tokens(start, length)
+        return start, start + length * item
 
-    def _remote_range(self, start: int, stop: int) -> List[np.ndarray]:
+    def _slice_bytes(self, start: int, stop: int) -> Optional[Tuple[int, int]]:
         if start < 0 or stop < start or stop > len(self):
             raise IndexError(f"range [{start}, {stop}) out of range for {len(self)} sequences")
         if stop == start:
-            return []
+            return None
         item = self.dtype.itemsize
         first = int(self._pointers[start])
-        last = int(self._pointers[stop - 1]) + int(self._sequence_lengths[stop - 1]) * item
-        block = self._remote_tokens(first, (last - first) // item)
+        return first, int(self._pointers[stop - 1]) + int(self._sequence_lengths[stop - 1]) * item
+
+    def _remote_get(self, idx: int, offset: int, length: Optional[int]) -> np.ndarray:
+        return self._remote_tokens(*self._get_bytes(idx, offset, length))
+
+    def _remote_slice(self, start: int, stop: int) -> List[np.ndarray]:
+        bounds = self._slice_bytes(start, stop)
+        if bounds is None:
+            return []
+        item = self.dtype.itemsize
+        first = bounds[0]
+        block = self._remote_tokens(*bounds)
         return [block[(int(self._pointers[i]) - first) // item:
                       (int(self._pointers[i]) - first) // item + int(self._sequence_lengths[i])]
                 for i in range(start, stop)]
 
-    def _remote_tokens(self, start: int, count: int) -> np.ndarray:
-        from megatron.data.storage import readahead
-
-        end = start + count * self.dtype.itemsize
-        plan = readahead.recorder()
-        if plan is not None:  # planning a read-ahead: note the range, read nothing
-            plan.append((self._remote, start, end))
-            return np.zeros(count, dtype=self.dtype)
+    def _remote_tokens(self, start: int, end: int) -> np.ndarray:
         return np.frombuffer(self._remote.read(start, end), dtype=self.dtype)
 
     def eod_decision(self, eos_id: int, append_eod: str = "auto") -> EodDecision:
@@ -265,7 +305,7 @@ class IndexedDataset:
         return self._eod[key]
 
     @property
-    def remote(self) -> "Optional[object_storage.RemoteBin]":
+    def remote(self) -> Optional[RemoteBin]:
         """The data object's reader for an s3:// prefix (None for local files)."""
         return self._remote
 
@@ -307,13 +347,14 @@ class IndexedDataset:
         return self[int(self._document_indices[doc]):int(self._document_indices[doc + 1])]
 
     @staticmethod
-    def exists(path_prefix: str) -> bool:
-        return dataset_exists(path_prefix)
+    def exists(path_prefix: str, storage: Optional[ObjectStorage] = None) -> bool:
+        return dataset_exists(path_prefix, storage)
 
 
-def make_dataset(path_prefix: str, impl: str = "infer") -> IndexedDataset:
+def make_dataset(path_prefix: str, impl: str = "infer",
+                 storage: Optional[ObjectStorage] = None) -> IndexedDataset:
     """Megatron-style factory: open PREFIX with --data-impl `impl`."""
-    return IndexedDataset(path_prefix, impl)
+    return IndexedDataset(path_prefix, impl, storage=storage)
 
 
 def _temporary_path(path: str) -> str:

@@ -9,71 +9,30 @@ cached nor under way, all at once and concurrently, and only then builds the sam
 from the cache. A rank reads its own data-parallel share only (the sampler gives it nothing
 else), and a pipeline stage that reads no batch builds no loader.
 
-The ranges of a sample come from making its reads once, recorded and not made (`recording`):
-the datasets' reads depend on the index arrays, not on the token values, for our T5, Megatron T5
-and CPM-2 samples alike; a read that does depend on values (CPM-2's placeholder base) is simply
-made when the sample is built for real. Planning reads a sample's raw tokens only, where its
-dataset says how (`raw_tokens`; through blends), else builds it whole (CPM-2): its CPU is then a
-fraction of the sample's build (bench/RESULTS.md, "object storage").
+The ranges of a sample come from its dataset, which says which byte ranges building sample i
+reads without reading them: `sample_reads(i)`, a list of (RemoteBin, start, end) in the order
+the build reads them (IndexedDataset.reads / slice_reads underneath). T5 span corruption, UL2,
+Megatron T5 and blends (to the part that holds the sample) give all of a sample's reads; CPM-2
+gives its context's, and the target spans, whose place depends on the context's values, are
+read when the sample is built. Planning costs a fraction of the sample's build (bench/
+RESULTS.md, "object storage"); an error in it (a sample out of range, a dataset that cannot
+plan) is raised, as building the sample would raise it.
 """
 
 from __future__ import annotations
 
 import collections
-import threading
-from contextlib import contextmanager
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
-
-_local = threading.local()
-
-
-def recorder() -> Optional[List[tuple]]:
-    """The list that remote reads append (RemoteBin, start, end) to while planning, or None."""
-    return getattr(_local, "ranges", None)
-
-
-@contextmanager
-def recording() -> Iterator[List[tuple]]:
-    """Inside: reads of data on object storage are recorded and answered with zeros."""
-    outer = recorder()
-    _local.ranges = []
-    try:
-        yield _local.ranges
-    finally:
-        _local.ranges = outer
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 
 def planned_ranges(dataset, indices: Iterable[int]) -> Dict[object, List[Tuple[int, int]]]:
-    """{RemoteBin: [(start, end), ...]} that building samples `indices` of `dataset` reads."""
+    """{RemoteBin: [(start, end), ...]} that building samples `indices` of `dataset` reads
+    (`dataset.sample_reads`), each RemoteBin's in the order they are read."""
     out: Dict[object, List[Tuple[int, int]]] = collections.defaultdict(list)
-    with recording() as ranges:
-        for index in indices:
-            try:
-                _make_reads(dataset, index)
-            except Exception:  # noqa: BLE001 - zeros may upset a sample: its reads come later
-                pass
-    for remote, start, end in ranges:
-        out[remote].append((start, end))
+    for index in indices:
+        for remote, start, end in dataset.sample_reads(int(index)):
+            out[remote].append((start, end))
     return out
-
-
-def _make_reads(dataset, index: int) -> None:
-    """The reads of sample `index` of `dataset`, with as little else as can be done: through a
-    blend (a dataset with `datasets`, `dataset_index` and `dataset_sample_index`, as
-    builder.BlendedDataset) to the part that holds the sample, then that part's
-    `raw_tokens(i)` where it has one (T5 span corruption, UL2, Megatron T5: the tokens the
-    sample is made from, so all of its reads and none of its corruption, which otherwise costs
-    as much again as the sample), else the whole sample. A read left out here is only made
-    later, when the sample is built."""
-    while all(hasattr(dataset, name) for name in
-              ("datasets", "dataset_index", "dataset_sample_index")):
-        dataset, index = (dataset.datasets[int(dataset.dataset_index[index])],
-                          int(dataset.dataset_sample_index[index]))
-    reads = getattr(dataset, "raw_tokens", None)
-    if callable(reads):
-        reads(index)
-    else:
-        dataset[index]
 
 
 class AheadBatch(list):
@@ -117,6 +76,9 @@ class ReadAheadDataset:
     the dataset's."""
 
     def __init__(self, dataset, remember: int = 1 << 16) -> None:
+        if not callable(getattr(dataset, "sample_reads", None)):
+            raise TypeError(f"{type(dataset).__name__} cannot be read ahead: it does not say "
+                            "which byte ranges its samples read (sample_reads)")
         self.dataset = dataset
         self._planned: "collections.OrderedDict[int, None]" = collections.OrderedDict()
         self._remember = remember
