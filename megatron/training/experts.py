@@ -1,4 +1,5 @@
-"""Expert parallelism on DeepSpeed's conventions (DeepSpeed 0.19.8, read in its code).
+"""Expert parallelism on DeepSpeed's conventions (DeepSpeed 0.19.8, read in its code; what
+we touch of its internals is in megatron/training/deepspeed_internals.py).
 
 DeepSpeed's engine treats a parameter as an expert's when `param.allreduce is False`, reduces its
 gradient over the expert-data-parallel group named by `param.group_name` (`ep_size_<EP>`; the
@@ -14,9 +15,10 @@ So, for EP > 1:
   name; DeepSpeed's group tables get our expert and expert-data-parallel groups under that
   name (its own layout, `groups._get_expert_parallel_ranks`, is the same one: runs of EP
   consecutive data ranks; tests/distributed/test_expert_parallel.py checks it); a marker module
-  (`DeepSpeedExperts`, a `MoE` without layers, parameters or state) tells the engine that the
-  model has experts. It holds no expert of its own, so DeepSpeed's MoE checkpoint code writes no
-  per-expert files: `expert_files` and `load_expert_files` save and read this rank's experts.
+  (`deepspeed_internals.expert_marker`, a `MoE` without layers, parameters or state) tells the
+  engine that the model has experts. It holds no expert of its own, so DeepSpeed's MoE
+  checkpoint code writes no per-expert files: `expert_files` and `load_expert_files` save and
+  read this rank's experts.
 - the optimizer's parameter groups are split into dense and expert groups.
 - the gradient norm: ZeRO-1/2 sums the squared norms of every rank's partitions over the whole
   data-parallel group, each expert counted once (right). The engine's own ZeRO-0 clipping
@@ -46,11 +48,12 @@ from torch import nn
 from megatron import parallel_state
 from megatron.checkpoint.formats.deepspeed_experts import EXPERT_FILE
 from megatron.tensor_parallel.layers import counts_in_norm
+from megatron.training import deepspeed_internals
 
 
 def group_name(expert_parallel_size: int) -> str:
     """DeepSpeed's name of the expert groups of this size."""
-    return f"ep_size_{expert_parallel_size}"
+    return deepspeed_internals.expert_group_name(expert_parallel_size)
 
 
 def uses_deepspeed_experts(model: nn.Module) -> bool:
@@ -64,44 +67,18 @@ def prepare(model: nn.Module) -> None:
     (module docstring); nothing with EP = 1."""
     if not uses_deepspeed_experts(model):
         return
-    # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
-    from deepspeed.moe.layer import MoE
-    from deepspeed.utils import groups
-
     size = model.expert_parallel.size
     name = group_name(size)
-    # ours only: an earlier run in this process (tests) may have left groups, since destroyed,
-    # under another size, and DeepSpeed's checkpoint code takes the largest size it finds
-    for table in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
-                  groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
-        table.clear()
-    groups._EXPERT_PARALLEL_GROUP[name] = parallel_state.get_expert_model_parallel_group()
-    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = parallel_state.get_expert_model_parallel_ranks()
-    groups._EXPERT_DATA_PARALLEL_GROUP[name] = parallel_state.get_expert_data_parallel_group()
-    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = \
-        parallel_state.get_expert_data_parallel_ranks()
+    deepspeed_internals.register_expert_groups(
+        name, parallel_state.get_expert_model_parallel_group(),
+        parallel_state.get_expert_model_parallel_ranks(),
+        parallel_state.get_expert_data_parallel_group(),
+        parallel_state.get_expert_data_parallel_ranks())
     for param in model.parameters():
         if getattr(param, "expert_parallel", False):
-            param.allreduce = False
-            param.group_name = name
-
-    class DeepSpeedExperts(MoE):
-        """Tells DeepSpeed's engine that the model has experts (module docstring)."""
-
-        def __init__(self) -> None:
-            nn.Module.__init__(self)
-            self.num_experts = model.config.num_experts
-            self.ep_size = size
-            self.expert_group_name = name
-            self.num_local_experts = 0  # DeepSpeed writes no expert files: ours do
-
-        def set_deepspeed_parallelism(self, *args, **kwargs) -> None:
-            """The engine's call to create the groups: ours are registered already."""
-
-        def forward(self, *args, **kwargs):
-            raise RuntimeError("a marker for DeepSpeed's engine, not a layer")
-
-    model.add_module("deepspeed_experts", DeepSpeedExperts())
+            deepspeed_internals.mark_expert_parameter(param, name)
+    model.add_module("deepspeed_experts",
+                     deepspeed_internals.expert_marker(model.config.num_experts, size, name))
 
 
 def split_param_groups(model: nn.Module, groups: List[Dict]) -> List[Dict]:

@@ -28,7 +28,6 @@ Written to OUT.tmp and renamed; the tracker is written last.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from safetensors import safe_open
 
 from megatron.checkpoint.formats.hf import ShardWriter, parse_size, staged_folder
 from megatron.checkpoint.layout import iteration_folder_name, write_tracker
+from megatron.training.deepspeed_internals import full_shape, gathered_for_write
 
 FORMAT = "weights"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -207,14 +207,7 @@ def load_into(module: torch.nn.Module, names: Dict[str, str], reader: WeightsRea
 
 def _copy(param, full: str, reader: WeightsReader, vocab_size: int, tensor_rank: int,
           tensor_size: int, experts: Tuple[int, int] = (0, 1)) -> Optional[str]:
-    zero3 = hasattr(param, "ds_id")
-    if zero3:
-        # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
-        import deepspeed
-
-        context = deepspeed.zero.GatheredParameters([param], modifier_rank=0)
-    else:
-        context = contextlib.nullcontext()
+    context = gathered_for_write(param)  # ZeRO-3: whole while written, then partitioned
     with context:
         if getattr(param, "partition_stride", 1) != 1:
             return f"{full}: strided tensor-parallel shards are not supported"
@@ -252,7 +245,7 @@ def local_tensor(param, full: str, reader: WeightsReader, vocab_size: int, rank:
 
 def _shape(param) -> Tuple[int, ...]:
     """A parameter's shape on this rank; under ZeRO-3 (partitioned, empty) DeepSpeed's record."""
-    return tuple(getattr(param, "ds_shape", None) or param.shape)
+    return full_shape(param)
 
 
 def full_tensors(reader: WeightsReader) -> Iterator[Tuple[str, torch.Tensor]]:

@@ -16,8 +16,10 @@ the weights), and the optimizer takes the elements it owns:
 - ZeRO-3: the flat fp32 partition of each sub-group, written through the optimizer's
   `set_full_hp_param`; not with optimizer states swapped to NVMe (refused with a message).
 
-Adam's step is set as each optimizer keeps it: a tensor for torch's AdamW (on the parameter's
-device when fused or capturable), an int for DeepSpeedCPUAdam.
+What is read of DeepSpeed's optimizers beyond their public methods goes through
+megatron/training/deepspeed_internals.py. Adam's step is set as each optimizer keeps it: a
+tensor for torch's AdamW (on the parameter's device when fused or capturable), an int for
+DeepSpeedCPUAdam.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from megatron.checkpoint.formats.weights import MOMENTS, WeightsError, WeightsReader, local_tensor
+from megatron.training import deepspeed_internals as ds
 
 Values = Callable[..., Dict[str, torch.Tensor]]
 """values(param, keys): a parameter's local values, by key ('fp32', the master, and each of
@@ -59,17 +62,12 @@ def load_optimizer_state(engine, names: Dict[str, str], folder: Path, step: int,
                 for key in keys}
 
     optimizer = engine.optimizer
+    linked = ds.linked_partitions(optimizer)
     with torch.no_grad():
         if engine.zero_optimization_stage() == 3:
             _zero3(optimizer, engine.module, values, step)
-        elif hasattr(optimizer, "bit16_groups") and hasattr(optimizer,
-                                                             "single_partition_of_fp32_groups"):
-            _linked(optimizer, optimizer.bit16_groups, optimizer.single_partition_of_fp32_groups,
-                    values, step)
-        elif hasattr(optimizer, "bf16_groups") and hasattr(optimizer,
-                                                           "fp32_groups_flat_partition"):
-            _linked(optimizer, optimizer.bf16_groups, optimizer.fp32_groups_flat_partition,
-                    values, step)
+        elif linked is not None:
+            _linked(optimizer, *linked, values, step)
         elif isinstance(optimizer, torch.optim.Optimizer) and _owns(optimizer, engine.module):
             _plain(optimizer, values, step)
         else:
@@ -108,7 +106,7 @@ def _linked(optimizer, lp_groups: List[List[torch.nn.Parameter]],
         state = {"step": _step_value(base, group, flat, step),
                  **{k: torch.zeros_like(flat) for k in MOMENTS}}
         for lp in lps:
-            mapping = getattr(lp, "_hp_mapping", None)
+            mapping = ds.fragment_mapping(lp)
             if mapping is None:  # no element of this parameter in this rank's partition
                 continue
             got = values(lp)
@@ -119,21 +117,19 @@ def _linked(optimizer, lp_groups: List[List[torch.nn.Parameter]],
                     got[key].reshape(-1).narrow(0, lo.start, lo.numel))
         base.state[flat] = state
     # DeepSpeed links its fragments to Adam's state once, after the first step: now instead.
-    optimizer._hp_optimizer_states_linked = False
-    optimizer._lazy_init_hp_params_optimizer_state()
+    ds.relink_optimizer_states(optimizer)
     update = getattr(optimizer, "update_lp_params", None)
     if update is not None:  # the BF16 optimizer: the bf16 weights from the masters just set
         update()
 
 
 def _zero3(optimizer, module, values: Values, step: int) -> None:
-    if any(optimizer._swappable_optimizer_subgroup(i)
-           for i in range(len(optimizer.fp32_partitioned_groups_flat))):
+    if ds.zero3_swaps_optimizer(optimizer):
         raise WeightsError("optimizer states cannot be loaded into ZeRO-3 with the optimizer "
                            "swapped to NVMe; pass --no-load-optim to load the weights only")
     base = optimizer.optimizer
     groups = {id(p): g for g in base.param_groups for p in g["params"]}
-    for flat in optimizer.fp32_partitioned_groups_flat:
+    for flat in ds.zero3_flat_partitions(optimizer):
         base.state[flat] = {"step": _step_value(base, groups.get(id(flat), {}), flat, step),
                             **{k: torch.zeros_like(flat) for k in MOMENTS}}
     for param in module.parameters():
