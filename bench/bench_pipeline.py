@@ -100,42 +100,42 @@ TIMES_ENV = "BENCH_PIPELINE_TIMES"
 
 # The worker (inside each rank) --------------------------------------------------------------
 def worker(argv: Sequence[str]) -> int:
-    """The entry point with timers around the pipeline engine's schedule instructions."""
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
+    """The entry point with a timing listener (megatron/training/timing.py) on the pipeline
+    engine's schedule instructions: one JSON line per step in $BENCH_PIPELINE_TIMES/rank<R>.jsonl
+    (the stage, its micro-batches, the step's wall time, the window up to the end of the tied
+    gradients' reduction and each instruction's time)."""
     from megatron.pretrain_t5 import main as entry_point
+    from megatron.training import timing
+    from megatron.training.profiling import PIPELINE_BATCH, PIPELINE_INSTRUCTIONS
 
     out = Path(os.environ[TIMES_ENV]) / f"rank{os.environ['RANK']}.jsonl"
+    instruction_of = {name: kind for kind, name in PIPELINE_INSTRUCTIONS.items()}
     clock = time.perf_counter
-    step = {"times": {}, "start": 0.0, "window": 0.0}
 
-    def timed(name, fn):
-        def run(self, *args, **kwargs):
-            began = clock()
-            try:
-                return fn(self, *args, **kwargs)
-            finally:
-                now = clock()
-                step["times"][name] = step["times"].get(name, 0.0) + now - began
-                if name == "ReduceTiedGrads":
-                    step["window"] = now - step["start"]
-        return run
+    class Instructions(timing.RangeListener):
+        engine, start, window, times = None, 0.0, 0.0, {}
 
-    for instruction, fn in list(PipelineEngine._INSTRUCTION_MAP.items()):
-        PipelineEngine._INSTRUCTION_MAP[instruction] = timed(instruction.__name__, fn)
-    train_batch = PipelineEngine.train_batch
+        def attach(self, step):
+            self.engine = step.engine
 
-    def timed_train_batch(self, data_iter=None):
-        step.update(times={}, start=clock(), window=0.0)
-        result = train_batch(self, data_iter)
-        record = {"stage": self.stage_id, "micro_batches": self.micro_batches,
-                  "wall": clock() - step["start"], "window": step["window"],
-                  "times": step["times"]}
-        with open(out, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        return result
+        def opened(self, name):
+            if name == PIPELINE_BATCH:
+                self.start, self.window, self.times = clock(), 0.0, {}
 
-    PipelineEngine.train_batch = timed_train_batch
+        def closed(self, name, seconds, nbytes):
+            if name == PIPELINE_BATCH:
+                record = {"stage": self.engine.stage_id,
+                          "micro_batches": self.engine.micro_batches, "wall": seconds,
+                          "window": self.window, "times": self.times}
+                with open(out, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            elif name in instruction_of:
+                kind = instruction_of[name]
+                self.times[kind] = self.times.get(kind, 0.0) + seconds
+                if kind == "ReduceTiedGrads":
+                    self.window = clock() - self.start
+
+    timing.add_listener(Instructions())
     return entry_point(list(argv))
 
 

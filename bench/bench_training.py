@@ -48,6 +48,7 @@ from bench.common import (  # noqa: E402
     deepspeed_version,
     gib,
     machine_line,
+    markdown_table,
     model_size,
     native_bf16,
     prepare_data,
@@ -214,11 +215,10 @@ def report(rows: List[Row], args, wall: float) -> str:
     peer = rows[0].speed
     speed_rows, memory_rows, ratios, gaps = [], [], [], []
     for r in rows:
-        speed_rows.append(
-            f"| {r.name} | {r.speed:.3f} | {min(r.steps):.2f}-{max(r.steps):.2f} | "
-            f"{' / '.join(f'{v:.3f}' for v in r.speeds)} | "
-            f"{' / '.join(f'{v:.2f}' for v in r.others)} | **{r.speed / peer:.2f}** | "
-            f"{gib(r.hwm[0])} | {gib(r.hwm[1])} |")
+        speed_rows.append([r.name, f"{r.speed:.3f}", f"{min(r.steps):.2f}-{max(r.steps):.2f}",
+                           " / ".join(f"{v:.3f}" for v in r.speeds),
+                           " / ".join(f"{v:.2f}" for v in r.others), f"**{r.speed / peer:.2f}**",
+                           gib(r.hwm[0]), gib(r.hwm[1])])
         # the baseline: what a run holds besides the estimate's terms, from the tiny model
         baseline = r.tiny_peak - r.tiny_estimate
         measured = r.memory_peak - baseline
@@ -226,11 +226,10 @@ def report(rows: List[Row], args, wall: float) -> str:
         ratios.append(r.estimate / measured)
         if abs(r.estimate_between / states - 1) > 0.1:
             gaps.append((r.name, states - r.estimate_between))
-        memory_rows.append(
-            f"| {r.name} | {gib(r.memory_peak)} | {gib(baseline)} | {gib(measured)} | "
-            f"{gib(r.estimate)} | **{r.estimate / measured:.2f}** | {gib(states)} | "
-            f"{gib(r.estimate_between)} | {r.estimate_between / states:.2f} | "
-            f"{gib(r.dry_run_cuda)} | {r.dry_run_cuda / measured:.2f} |")
+        memory_rows.append([r.name, gib(r.memory_peak), gib(baseline), gib(measured),
+                            gib(r.estimate), f"**{r.estimate / measured:.2f}**", gib(states),
+                            gib(r.estimate_between), f"{r.estimate_between / states:.2f}",
+                            gib(r.dry_run_cuda), f"{r.dry_run_cuda / measured:.2f}"])
     spreads = [max(r.speeds) / min(r.speeds) for r in rows]
     dry_same = all(abs(r.dry_run - r.estimate) < 0.0015 * GIB for r in rows)
     dry_note = ("`--dry-run` on this machine prints the estimate column (checked for every row)."
@@ -243,6 +242,14 @@ def report(rows: List[Row], args, wall: float) -> str:
         bf16_note = ("bf16 ZeRO 1 is not run: this CPU has neither avx512_bf16 nor amx_bf16 "
                      "(/proc/cpuinfo), so torch emulates bf16 GEMMs, tens of times slower than "
                      "fp32 (see the model section), and a timing would measure the emulation.")
+    speed_table = "\n".join(markdown_table(
+        ["configuration", "steps/s", "step (s) min-max", "rounds (steps/s)",
+         "others' CPU (cores)", "vs ZeRO 0", "peak RSS rank 0 (GiB)", "rank 1 (GiB)"],
+        speed_rows))
+    memory_table = "\n".join(markdown_table(
+        ["configuration", "peak (GiB)", "baseline", "measured", "estimate",
+         "estimate / measured", "between steps, measured", "estimated", "ratio", "cuda",
+         "cuda / measured"], memory_rows))
     command = "python bench/bench_training.py" + (
         f" --steps {args.steps}" if args.steps != 8 else "") + (
         f" --skip {args.skip}" if args.skip != 2 else "") + (
@@ -266,9 +273,7 @@ every 0.05 s; rank 0's own ru_maxrss in its log line agrees within
 {100 * max(r.logged_gap for r in rows):.1f}%), with glibc's default allocator, the highest of the
 rounds.
 
-| configuration | steps/s | step (s) min-max | rounds (steps/s) | others' CPU (cores) | vs ZeRO 0 | peak RSS rank 0 (GiB) | rank 1 (GiB) |
-| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
-{chr(10).join(speed_rows)}
+{speed_table}
 
 This 2-core host is shared and its speed drifts by tens of percent within minutes, also with
 nothing else running: the rounds of one configuration differ by up to
@@ -288,9 +293,7 @@ only), less the tiny run's, against the estimate's `between_steps`. **cuda**: wh
 once and DeepSpeed's 500 M-element reduce buckets allocated whole ({_bucket_gib()} GiB in fp32
 for ZeRO 1-3), where a CPU run holds only the bucket pages it writes.
 
-| configuration | peak (GiB) | baseline | measured | estimate | estimate / measured | between steps, measured | estimated | ratio | cuda | cuda / measured |
-| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
-{chr(10).join(memory_rows)}
+{memory_table}
 
 Estimate / measured over the configurations: {min(ratios):.2f}-{max(ratios):.2f} (goal: within
 20%). {_gaps(gaps)}

@@ -140,7 +140,8 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
                    align: Optional[Sequence[str]] = None) -> List[str]:
     """A Markdown table as lines: the header row, the alignment row (per column 'l' for
     `---`, 'r' for `---:`; default: the first column 'l', the others 'r') and one line per row,
-    each cell `str()`-ed as given (format the numbers before)."""
+    each cell `str()`-ed as given (format the numbers before); a None cell is left blank
+    (`| |`, where '' gives `|  |`)."""
     align = align or "l" + "r" * (len(headers) - 1)
     if len(align) != len(headers):
         raise ValueError(f"{len(align)} alignments for {len(headers)} columns")
@@ -150,7 +151,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
     for row in rows:
         if len(row) != len(headers):
             raise ValueError(f"a row of {len(row)} cells for {len(headers)} columns: {row}")
-        lines.append("| " + " | ".join(str(cell) for cell in row) + " |")
+        lines.append("|" + "|".join(" " if cell is None else f" {cell} " for cell in row) + "|")
     return lines
 
 
