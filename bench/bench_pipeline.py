@@ -72,6 +72,7 @@ from bench.common import (  # noqa: E402
     deepspeed_version,
     gib,
     machine_line,
+    markdown_table,
     model_size,
     prepare_data,
     run_torchrun,
@@ -377,29 +378,32 @@ def report(speed_rows: List[SpeedRow], bubble_rows: List[BubbleRow], args, wall:
     import torch
 
     peer = speed_rows[0].speed
-    speed_lines = [
-        f"| {r.name} | {r.processes} | {r.layout} | {r.speed:.3f} | "
-        f"{min(r.steps):.2f}-{max(r.steps):.2f} | {' / '.join(f'{v:.3f}' for v in r.speeds)} | "
-        f"{' / '.join(f'{v:.2f}' for v in r.others)} | **{r.speed / peer:.2f}** | "
-        f"{' / '.join(gib(r.hwm[k]) for k in sorted(r.hwm))} |" for r in speed_rows]
-    bubble_lines = []
-    for r in bubble_rows:
-        per_micro = " / ".join(f"{1000 * b / r.micro_batches:.0f}" for b in r.busy)
-        bubble_lines.append(
-            f"| {r.micro_batches} | {r.micro_batch_size * r.micro_batches} | "
-            f"{r.formula:.3f} | **{statistics.mean(r.idle):.3f}** | {r.idle[0]:.3f} | "
-            f"{r.idle[1]:.3f} | {r.modelled:.3f} | {per_micro} | "
-            f"{' / '.join(f'{w:.2f}' for w in r.window)} | {r.step_s:.2f} | "
-            f"{' / '.join(f'{idle:.3f} ({others:.2f})' for idle, others in r.rounds)} |")
-    part_lines = []
+    speed_lines = markdown_table(
+        ["configuration", "processes", "layout", "steps/s", "step (s) min-max",
+         "rounds (steps/s)", "others' CPU (cores)", "vs DP=2", "peak RSS per rank (GiB)"],
+        [[r.name, r.processes, r.layout, f"{r.speed:.3f}",
+          f"{min(r.steps):.2f}-{max(r.steps):.2f}", " / ".join(f"{v:.3f}" for v in r.speeds),
+          " / ".join(f"{v:.2f}" for v in r.others), f"**{r.speed / peer:.2f}**",
+          " / ".join(gib(r.hwm[k]) for k in sorted(r.hwm))] for r in speed_rows])
+    bubble_lines = markdown_table(
+        ["m", "global batch", "(P - 1) / (m + P - 1)", "measured idle, stage mean", "stage 0",
+         "stage 1", "with measured stage times", "work per micro-batch, stage 0 / 1 (ms)",
+         "window, stage 0 / 1 (s)", "rank 0 step (s)", "rounds: idle (others' CPU)"],
+        [[r.micro_batches, r.micro_batch_size * r.micro_batches, f"{r.formula:.3f}",
+          f"**{statistics.mean(r.idle):.3f}**", f"{r.idle[0]:.3f}", f"{r.idle[1]:.3f}",
+          f"{r.modelled:.3f}", " / ".join(f"{1000 * b / r.micro_batches:.0f}" for b in r.busy),
+          " / ".join(f"{w:.2f}" for w in r.window), f"{r.step_s:.2f}",
+          " / ".join(f"{idle:.3f} ({others:.2f})" for idle, others in r.rounds)]
+         for r in bubble_rows])
+    part_rows = []
     for r in bubble_rows:
         for stage, parts in enumerate(r.parts):
             cells = [1000 * parts.get(k, 0.0) for k in PARTS]
             rest = 1000 * parts["window"] - sum(cells[:-2])  # the window's untimed remainder
-            part_lines.append(f"| {r.micro_batches} | {stage} | "
-                              + " | ".join(f"{c:.0f}" for c in cells[:-2])
-                              + f" | {rest:.0f} | " + " | ".join(f"{c:.0f}" for c in cells[-2:])
-                              + " |")
+            part_rows.append([r.micro_batches, stage, *(f"{c:.0f}" for c in cells[:-2]),
+                              f"{rest:.0f}", *(f"{c:.0f}" for c in cells[-2:])])
+    part_lines = markdown_table(["m", "stage", *PARTS[:-2], "rest", *PARTS[-2:]], part_rows,
+                                "r" * (len(PARTS) + 3))
     command = "python bench/bench_pipeline.py" + "".join(
         f" --{name.replace('_', '-')} {getattr(args, name)}"
         for name, default in (("steps", 6), ("skip", 2), ("rounds", 2), ("retry_above", 0.3),
@@ -447,8 +451,6 @@ CPU": the cores other jobs kept busy during each run (busy time in /proc/stat le
 own); a run during which they kept more than {args.retry_above} cores busy is repeated once, and
 "rounds" lists every run.{four}
 
-| configuration | processes | layout | steps/s | step (s) min-max | rounds (steps/s) | others' CPU (cores) | vs DP=2 | peak RSS per rank (GiB) |
-| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
 {chr(10).join(speed_lines)}
 
 With m = 2 micro-batches, the formula's bubble is 1/3 of a PP=2 step's schedule; each pipeline
@@ -470,8 +472,6 @@ the imbalance of the cut. Each m runs in {args.bubble_rounds} round(s) (all m, t
 the round in which other jobs kept the fewest cores busy counts (a stage slowed by another job
 makes the other wait); "rounds" lists each round's stage-mean idle (others' CPU in cores).
 
-| m | global batch | (P - 1) / (m + P - 1) | measured idle, stage mean | stage 0 | stage 1 | with measured stage times | work per micro-batch, stage 0 / 1 (ms) | window, stage 0 / 1 (s) | rank 0 step (s) | rounds: idle (others' CPU) |
-| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
 {chr(10).join(bubble_lines)}
 
 {summary}
@@ -482,8 +482,6 @@ inside a send (gloo's send returns only once the peer has posted the matching re
 the stage that finishes its backward passes first, inside the tied-gradient all-reduce; "rest":
 the window less the timed instructions; ReduceGrads and OptimizerStep come after the window:
 
-| m | stage | {" | ".join(PARTS[:-2])} | rest | {" | ".join(PARTS[-2:])} |
-| ---: | ---: | {" | ".join("---:" for _ in PARTS)} | ---: |
 {chr(10).join(part_lines)}
 
 Peak RSS of the bubble runs (rank 0 / 1, GiB): {"; ".join(
