@@ -225,8 +225,9 @@ def s3_rows(bare: str, dressed: str, spm: Path, work: Path):
             for suffix in (".bin", ".idx") + ((".meta.json",) if sidecar else ()):
                 client.upload_file(prefix + suffix, "corpus", f"en/{name}{suffix}")
         os.environ.update(server.env())
-        object_storage.configure(cache_path=str(work / "node-scan"))
-        remote = IndexedDataset("s3://corpus/en/bare")
+        storage = object_storage.ObjectStorage(
+            object_storage.StorageSettings(cache_path=str(work / "node-scan")))
+        remote = IndexedDataset("s3://corpus/en/bare", storage=storage)
         ends = document_end_positions(remote) * remote.dtype.itemsize
         remote.remote.items(ends, remote.dtype.itemsize, gap=4 * 1024 * 1024)
         rows.append(("the scan this replaced: RemoteBin.items(every last token, 4 MiB gap)",

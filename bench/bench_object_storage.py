@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import importlib.util
 import json
 import multiprocessing
@@ -98,7 +99,8 @@ def instrument() -> None:
     concurrent.futures.Future.exception = _waits(concurrent.futures.Future.exception)
     concurrent.futures.Future.result = _waits(concurrent.futures.Future.result)
     object_storage.RemoteBin._fetch = _timed(object_storage.RemoteBin._fetch, _blocked)
-    object_storage.read_range = _timed(object_storage.read_range, REQUESTS.append)
+    object_storage.ObjectStorage.read_range = _timed(object_storage.ObjectStorage.read_range,
+                                                     REQUESTS.append)
 
 
 def run(cmd):
@@ -282,7 +284,7 @@ class Relay:
             up.close()
 
 
-def client_bench(server, url, requests=1000, threads=16, modes=None):
+def client_bench(server, url, storage, requests=1000, threads=16, modes=None):
     """(client, mode) -> (median ms, p99 ms, requests/s, client CPU ms per request, server
     (rclone) CPU ms per request)."""
     from megatron.data.storage.s3_get import RangedGetter
@@ -293,7 +295,7 @@ def client_bench(server, url, requests=1000, threads=16, modes=None):
     from obstore.store import S3Store
 
     bucket, key = object_storage.split_url(url)
-    starts = np.random.default_rng(3).integers(0, object_storage.head(url)[0] - 4096, requests)
+    starts = np.random.default_rng(3).integers(0, storage.head(url)[0] - 4096, requests)
     relay, stop = in_child(Relay, server.address)
     config = Config(max_pool_connections=threads, s3={"addressing_style": "path"},
                     request_checksum_calculation="when_required",
@@ -376,10 +378,10 @@ def loader_child(spec: dict) -> dict:
 
     if spec["kind"] == "before":  # the reader's modules from the copy, not this checkout
         assert object_storage.__file__.startswith(os.environ["BENCH_OBJECT_STORAGE_CODE"])
-    object_storage.configure(**spec["settings"])
+    storage = object_storage.ObjectStorage(object_storage.StorageSettings(**spec["settings"]))
     TOKENS.append(T5SpecialTokens.from_tokenizer(T5Tokenizer(spec["model"])))
     remote = spec["kind"] != "mmap"
-    dataset = t5(IndexedDataset(spec["url"] if remote else spec["prefix"]),
+    dataset = t5(IndexedDataset(spec["url"] if remote else spec["prefix"], storage=storage),
                  "s3_index_cache" if remote else "local_index_cache")
     order = np.random.default_rng(7).permutation(len(dataset))[:spec["samples"]]
     batches = [[int(i) for i in order[k:k + MICRO]]
@@ -452,13 +454,13 @@ def pinned(args) -> int:
     shutil.rmtree(CACHE / "object-cache", ignore_errors=True)
     shutil.rmtree(CACHE / "s3_index_cache", ignore_errors=True)
     settings = dict(cache_path=str(CACHE / "object-cache"), read_ahead=4)
-    object_storage.configure(**settings)
+    storage = object_storage.ObjectStorage(object_storage.StorageSettings(**settings))
     server.make_bucket(BUCKET)
     url = f"s3://{BUCKET}/{Path(prefix).name}"
     for ext in (".idx", ".bin"):
-        object_storage.upload(prefix + ext, url + ext)
+        storage.upload(prefix + ext, url + ext)
     TOKENS.append(T5SpecialTokens.from_tokenizer(T5Tokenizer(str(model))))
-    t5(IndexedDataset(url), "s3_index_cache")  # the index copy and caches, once, as per node
+    t5(IndexedDataset(url, storage=storage), "s3_index_cache")  # index copy and caches, once
     t5(IndexedDataset(prefix), "local_index_cache")
     spec = dict(model=str(model), prefix=prefix, url=url, samples=args.samples,
                 settings=settings)
@@ -582,7 +584,9 @@ def main() -> int:
                    help="only the pinned runs: server on core 0, loader on core 1")
     p.add_argument("--runs", type=int, default=3, help="--pinned: how many times")
     p.add_argument("--before", metavar="REV",
-                   help="--pinned: also ours with the reader's files at git revision REV")
+                   help="--pinned: also ours with the reader's files at git revision REV "
+                        "(one with object_storage.ObjectStorage: today's indexed_dataset.py "
+                        "does not fit an earlier reader)")
     p.add_argument("--also-connections", type=int, nargs="*", default=[], metavar="N",
                    help="--pinned: also ours with --object-storage-max-connections N")
     p.add_argument("--child", help=argparse.SUPPRESS)  # one pinned loader run (JSON spec)
@@ -616,18 +620,20 @@ def main() -> int:
     os.environ.update(server.env())
     for name in ("object-cache", "s3_index_cache", "mcore-idx"):  # a cold first open
         shutil.rmtree(CACHE / name, ignore_errors=True)
-    object_storage.configure(cache_path=str(CACHE / "object-cache"))
+    settings = object_storage.StorageSettings(cache_path=str(CACHE / "object-cache"))
+    storage = object_storage.ObjectStorage(settings)
     server.make_bucket(BUCKET)
     url = f"s3://{BUCKET}/{Path(prefix).name}"
     t = time.perf_counter()
     for ext in (".idx", ".bin"):
-        object_storage.upload(prefix + ext, url + ext)
+        storage.upload(prefix + ext, url + ext)
     upload_s = time.perf_counter() - t
-    clients = client_bench(server, url + ".bin")  # (e), first: on a server not yet loaded
+    clients = client_bench(server, url + ".bin", storage)  # (e), first: on a server not loaded
     t = time.perf_counter()
-    opened = t5(IndexedDataset(url), "s3_index_cache").indexed.remote  # index copy and caches
+    opened = t5(IndexedDataset(url, storage=storage),
+                "s3_index_cache").indexed.remote  # index copy and caches
     first_open = (time.perf_counter() - t, opened.fetched_bytes, opened.requests)
-    depth = object_storage.settings().read_ahead
+    depth = settings.read_ahead
     rows, res = [], {}
 
     def measure(key, label, make, count=None, **kw):
@@ -639,17 +645,17 @@ def main() -> int:
         print(rows[-1], flush=True)
 
     def ours(cls=T5SpanCorruptionDataset):  # fresh: an empty block cache
-        return lambda: t5(IndexedDataset(url), "s3_index_cache", cls)
+        return lambda: t5(IndexedDataset(url, storage=storage), "s3_index_cache", cls)
 
     for w in (0, 2):  # (a) local mmap
         measure(f"local{w}", f"(a) local mmap, {w} workers", lambda: local, workers=w)
     for reader in ("sigv4", "boto3"):  # (b) ours, no added latency
-        object_storage.configure(reader=reader)
+        storage = object_storage.ObjectStorage(dataclasses.replace(settings, reader=reader))
         for w in (0, 2):
             key = f"s3_{w}" if reader == "sigv4" else f"boto3_{w}"
             measure(key, f"(b) ours, {reader} reader, read-ahead {depth}, {w} workers", ours(),
                     workers=w, depth=depth)
-    object_storage.configure(reader="sigv4")
+    storage = object_storage.ObjectStorage(settings)
 
     # (c) megatron-core's _S3BinReader (256 MiB blocks), the same samples, one process
     with warnings.catch_warnings():
@@ -676,7 +682,7 @@ def main() -> int:
     # (d) through the proxy: throughput, then a simulated step between batches
     for ms in (0, args.latency_ms):
         os.environ["AWS_ENDPOINT_URL"] = proxies[ms][0]
-        object_storage.reset()
+        storage.reset()
         for w in (0, 2) if ms else (0,):
             measure(f"lat{ms:g}_{w}", f"(d) ours via the proxy, {ms:g} ms added, read-ahead "
                     f"{depth}, {w} workers", ours(), workers=w, depth=depth)
@@ -698,8 +704,8 @@ def main() -> int:
                       "" if w or d is None else "{:.0f} / {:.0f}".format(*np.multiply(r["took"], 1e3))))
         print(STEP_ROW.format(*steps[-1]), flush=True)
     os.environ["AWS_ENDPOINT_URL"] = server.endpoint
-    object_storage.reset()
-    clients_after = client_bench(server, url + ".bin", modes=(("sequential", 1),))
+    storage.reset()
+    clients_after = client_bench(server, url + ".bin", storage, modes=(("sequential", 1),))
     for _, stop in proxies.values():
         stop()
     server.close()
