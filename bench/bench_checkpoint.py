@@ -37,8 +37,15 @@ from typing import Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import WORK, machine_line, prepare_data, run_torchrun, train_flags, \
-    write_section  # noqa: E402
+from bench.common import (  # noqa: E402
+    WORK,
+    machine_line,
+    markdown_table,
+    prepare_data,
+    run_torchrun,
+    train_flags,
+    write_section,
+)
 
 MODEL = dict(vocab_size=8100, d_model=768, d_kv=64, d_ff=2048, num_layers=4,
              num_decoder_layers=4, num_heads=12, feed_forward_proj="gated-gelu",
@@ -162,9 +169,10 @@ def report(data: Dict) -> str:
     for name, r in (("synchronous", sync), ("--async-save", asyn)):
         for i in (2, 4, 6):
             s = r["saves"][i]
-            rows.append(f"| {name} | {i} | {s['mib']:.0f} | {s['held_s']:.3f} | "
-                        f"{s['waited_s']:.3f} | {s['capture_s']:.3f} | {s['written_s']:.2f} | "
-                        f"{s['mib'] / s['written_s']:.0f} | {r['steps'].get(i + 1, 0):.3f} |")
+            rows.append([name, i, f"{s['mib']:.0f}", f"{s['held_s']:.3f}",
+                         f"{s['waited_s']:.3f}", f"{s['capture_s']:.3f}",
+                         f"{s['written_s']:.2f}", f"{s['mib'] / s['written_s']:.0f}",
+                         f"{r['steps'].get(i + 1, 0):.3f}"])
     ratio = _held(asyn) / _held(sync)
     step_none = statistics.mean(none["steps"][i] for i in (3, 5))
     step_async = statistics.mean(asyn["steps"][i] for i in (3, 5))
@@ -184,10 +192,8 @@ def report(data: Dict) -> str:
         "(in the background with --async-save), fsync included; next step = rank 0's time "
         "for the step after the save.",
         "",
-        "| saves | step | MiB | held (s) | waited (s) | state taken (s) | written (s per rank) | "
-        "MiB/s | next step (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        *rows,
+        *markdown_table(["saves", "step", "MiB", "held (s)", "waited (s)", "state taken (s)",
+                         "written (s per rank)", "MiB/s", "next step (s)"], rows),
         "",
         f"Held per save (mean of the saves at steps 2 and 4): synchronous {_held(sync):.3f} s, "
         f"asynchronous {_held(asyn):.3f} s: **{ratio:.1%}** of synchronous (goal: at most 10%). "

@@ -70,6 +70,7 @@ from bench.common import (  # noqa: E402
     busy_seconds,
     deepspeed_version,
     machine_line,
+    markdown_table,
     own_seconds,
     prepare_data,
     run_torchrun,
@@ -392,10 +393,13 @@ def report(data: dict) -> str:
             f"{r.top('anon') / peer.top('anon'):.2f}")
         ck = cks[r.size]
         rounds = " / ".join(f"{x['wall_s']:.2f}" for x in r.runs)
-        table.append(
-            f"| {_g(ck['bytes'])} ({_params(ck['model'])}) | {r.tool} | {r.wall:.2f} | {rounds} | "
-            f"{_g(r.top('hwm'))} | {_g(r.top('anon'))} | {_g(r.top('file'))} | "
-            f"{_g(r.output_bytes)} | {ratio} |")
+        table.append([f"{_g(ck['bytes'])} ({_params(ck['model'])})", r.tool, f"{r.wall:.2f}",
+                      rounds, _g(r.top("hwm")), _g(r.top("anon")), _g(r.top("file")),
+                      _g(r.output_bytes), ratio])
+    table = markdown_table(
+        ["checkpoint (GiB)", "tool", "wall (s)", "runs (s)", "peak RSS (GiB)",
+         "RssAnon peak (GiB)", "RssFile peak (GiB)", "output (GiB)",
+         "vs DeepSpeed: wall / peak RSS / RssAnon"], table, "llrrrrrrr")
     agree = all(not v["differ"] for c in checks for v in c["outputs"].values())
     padded = sorted({f"{k} ({n} rows)" for c in checks for v in c["outputs"].values()
                      for k, n in v["padded"].items()})
@@ -469,8 +473,6 @@ DeepSpeed's {SHARD}-shard run). Other jobs kept at most
 {others:.2f} cores busy during a counted (fastest) run; no tool started a child process
 ({children} seen).
 
-| checkpoint (GiB) | tool | wall (s) | runs (s) | peak RSS (GiB) | RssAnon peak (GiB) | RssFile peak (GiB) | output (GiB) | vs DeepSpeed: wall / peak RSS / RssAnon |
-| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
 {chr(10).join(table)}
 
 {check_text}

@@ -36,7 +36,7 @@ from typing import Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import REPO, WORK, machine_line, write_section  # noqa: E402
+from bench.common import REPO, WORK, machine_line, markdown_table, write_section  # noqa: E402
 
 NOISE = 0.10
 GOAL = 0.30
@@ -400,15 +400,13 @@ def report(rows, bad, margin, cal, eff, wall_s) -> str:
         "linear layers. Compute efficiency: a one-process run of the bench model (ZeRO 0, no "
         f"data parallelism; not one of the layouts below) took {cal['single_process_step']:.3f}"
         f" s a step, so the model's compute runs at {eff:.3f} of the linear layers' rate "
-        "(attention, norms, activations and the loss are the rest).", "",
-        "| configuration | measured step (s) | predicted (s) | predicted / measured | compute | "
-        "TP comm | bubble | DP/ZeRO comm | optimizer | offload |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name, run, p, ratio in rows:
-        lines.append(f"| {name} | {run['step']:.3f} | {p['total']:.3f} | **{ratio:.2f}** | "
-                     + " | ".join(f"{p[k]:.3f}" for k in ("compute", "tp_comm", "pp_bubble",
-                                                           "dp_comm", "optimizer", "offload"))
-                     + " |")
+        "(attention, norms, activations and the loss are the rest).", ""]
+    lines += markdown_table(
+        ["configuration", "measured step (s)", "predicted (s)", "predicted / measured",
+         "compute", "TP comm", "bubble", "DP/ZeRO comm", "optimizer", "offload"],
+        [[name, f"{run['step']:.3f}", f"{p['total']:.3f}", f"**{ratio:.2f}**",
+          *(f"{p[k]:.3f}" for k in ("compute", "tp_comm", "pp_bubble", "dp_comm", "optimizer",
+                                    "offload"))] for name, run, p, ratio in rows])
     order = sorted(rows, key=lambda r: r[1]["step"])
     lines += ["", f"Largest deviation: {100 * worst:.0f}% (goal: within {100 * GOAL:.0f}%).", "",
               "Ranking (global batch 8; m = 1 and m = 8 have other batches): measured, fastest "
