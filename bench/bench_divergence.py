@@ -26,6 +26,7 @@ from typing import List, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import markdown_table  # noqa: E402
 from megatron.training import divergence  # noqa: E402
 from megatron.config.training import DivergenceConfig  # noqa: E402
 
@@ -36,19 +37,17 @@ def margins(seen: List[Tuple[int, divergence.StepSigns]]) -> List[str]:
     growth = max((s.weight_growth for _, s in seen if s.weight_growth is not None), default=None)
     zeros = sum(1 for _, s in seen if s.grad_norm == 0.0 and not s.skipped)
     losses = [s.loss for _, s in seen if s.loss is not None]
-    rows = ["| measure | largest in the run | threshold |", "| --- | ---: | ---: |",
-            f"| weight growth in one step | {growth:.4f} | {config.weight_growth:g} |"
-            if growth is not None else "| weight growth in one step | (not known) | |",
-            f"| steps with a gradient norm of exactly 0 | {zeros} | "
-            f"{config.zero_grad_steps} in a row |"]
+    rows = [["weight growth in one step", f"{growth:.4f}", f"{config.weight_growth:g}"]
+            if growth is not None else ["weight growth in one step", "(not known)", None],
+            ["steps with a gradient norm of exactly 0", zeros,
+             f"{config.zero_grad_steps} in a row"]]
     for window in (1, 10, config.loss_window):
         ratios = [loss / (sum(losses[i - window:i]) / window)
                   for i, loss in enumerate(losses) if i >= window]
         limit = f"{config.loss_spike_factor:g}" if window == config.loss_window else ""
-        rows.append(f"| loss / mean of the previous {window} | "
-                    f"{max(ratios):.4f} | {limit} |" if ratios else
-                    f"| loss / mean of the previous {window} | (fewer steps) | {limit} |")
-    return rows
+        rows.append([f"loss / mean of the previous {window}",
+                     f"{max(ratios):.4f}" if ratios else "(fewer steps)", limit])
+    return markdown_table(["measure", "largest in the run", "threshold"], rows)
 
 
 def main(argv: List[str]) -> int:
