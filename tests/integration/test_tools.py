@@ -124,5 +124,5 @@ def test_shipped_punkt_parameters_are_reproducible(tmp_path, corpora_dir):
     assert train_punkt.main(["--pydoc-topics", "--english-abbreviations", "--input",
                              str(corpora_dir / "en_shakespeare.jsonl"), "--output",
                              str(out)]) == 0
-    shipped = REPO / "megatron" / "data" / "assets" / "punkt_english.json"
+    shipped = REPO / "megatron" / "data" / "preprocess" / "assets" / "punkt_english.json"
     assert json.loads(out.read_text()) == json.loads(shipped.read_text())
