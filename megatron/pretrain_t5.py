@@ -167,10 +167,12 @@ def _pretrain(config: RunConfig, signals, watchdog, lock):
             with contextlib.ExitStack() as stack:
                 if signals is None:
                     signals = stack.enter_context(StopSignals())
-                state = train(LoopParts(step, config.batch, config.logging, ckpt, runtime,
-                                        step_cost(config), schedule, loaders.train,
-                                        loaders.valid, writer, save, signals, watchdog, saver,
-                                        profiler), state)
+                parts = LoopParts(config=config, step=step, cost=step_cost(config),
+                                  schedule=schedule, train_loader=loaders.train,
+                                  valid_loader=loaders.valid, writer=writer, save=save,
+                                  signals=signals, watchdog=watchdog, saves=saver,
+                                  profiler=profiler)
+                state = train(parts, state)
         if not state.exit_reason:
             _final_evaluation(step, config, state, writer, watchdog, loaders.valid,
                               loaders.test)

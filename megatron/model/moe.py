@@ -20,6 +20,7 @@ See docs/model-and-moe.md.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from fractions import Fraction
 from typing import List, NamedTuple, Optional
@@ -109,21 +110,34 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).square().mean()
 
 
+ALL_TO_ALL = "comm:all-to-all"
+"""The named range around each all-to-all (megatron/training/profiling.py's ALL_TO_ALL)."""
+
+
+def _no_range(name: str, nbytes: int = 0):
+    return contextlib.nullcontext()
+
+
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single of rows with uneven splits; the backward sends the gradients back."""
+    """all_to_all_single of rows with uneven splits; the backward sends the gradients back.
+    `ranges`: the layer's named ranges (each call in ALL_TO_ALL, with its input's bytes)."""
 
     @staticmethod
-    def forward(ctx, rows, send: List[int], receive: List[int], group):
-        ctx.send, ctx.receive, ctx.group = send, receive, group
+    def forward(ctx, rows, send: List[int], receive: List[int], group, ranges):
+        ctx.send, ctx.receive, ctx.group, ctx.ranges = send, receive, group, ranges
         out = rows.new_empty((sum(receive),) + tuple(rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), receive, send, group=group)
+        rows = rows.contiguous()
+        with ranges(ALL_TO_ALL, rows.numel() * rows.element_size()):
+            dist.all_to_all_single(out, rows, receive, send, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         back = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.receive, group=ctx.group)
-        return back, None, None, None
+        grad = grad.contiguous()
+        with ctx.ranges(ALL_TO_ALL, grad.numel() * grad.element_size()):
+            dist.all_to_all_single(back, grad, ctx.send, ctx.receive, group=ctx.group)
+        return back, None, None, None, None
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -280,6 +294,10 @@ class SparseMLP(nn.Module):
     """The Mixture-of-Experts feed-forward (module docstring): forward(hidden) -> (output, the
     weighted balancing losses of this call, or None)."""
 
+    ranges = staticmethod(_no_range)
+    """ranges(name, nbytes): the step's named ranges around the all-to-all (the profiler and
+    the timing listeners set it on the instance: megatron/training/profiling.py)."""
+
     def __init__(self, config: T5Config, init, *, tp: TensorParallel, ep: ExpertParallel,
                  sparse_layers: int, device=None, dtype=None) -> None:
         super().__init__()
@@ -363,10 +381,12 @@ class SparseMLP(nn.Module):
         ep, local = self.ep, self.experts.local
         sent = counts.reshape(ep.size, local)
         received = torch.empty_like(sent)
-        dist.all_to_all_single(received, sent.contiguous(), group=ep.group)  # [source, local]
+        sent_counts = sent.contiguous()
+        with self.ranges(ALL_TO_ALL, sent_counts.numel() * sent_counts.element_size()):
+            dist.all_to_all_single(received, sent_counts, group=ep.group)  # [source, local]
         send = sent.sum(1).tolist()
         receive = received.sum(1).tolist()
-        arrived = _AllToAll.apply(rows, send, receive, ep.group)
+        arrived = _AllToAll.apply(rows, send, receive, ep.group, self.ranges)
         # from [source][local expert] blocks to [local expert][source]
         which = torch.repeat_interleave(
             torch.arange(local, device=rows.device).repeat(ep.size), received.reshape(-1))
@@ -374,7 +394,7 @@ class SparseMLP(nn.Module):
         out = self.experts(arrived[order], received.sum(0))
         back = torch.empty_like(out)
         back[order] = out
-        return _AllToAll.apply(back, receive, send, ep.group)
+        return _AllToAll.apply(back, receive, send, ep.group, self.ranges)
 
 
 def sparse_layers(model: nn.Module) -> List[SparseMLP]:

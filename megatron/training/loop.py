@@ -32,19 +32,20 @@ import torch.distributed as dist
 from megatron import parallel_state
 from megatron.checkpoint.io.checkpointing import read_tracker
 from megatron.checkpoint.io.saver import SaveFailed
-from megatron.config import RuntimeConfig
+from megatron.config import RunConfig, RuntimeConfig
 from megatron.config.lr_schedule import LRSchedule
 from megatron.config.training import BatchConfig, CheckpointConfig, LoggingConfig
 from megatron.failures import RunFailure
-from megatron.training import moe_metrics
-from megatron.training.divergence import SIGNS, DivergenceError, DivergenceGuard, WeightGrowth, \
-    agreed_signs, local_signs
+from megatron.training import denoiser_metrics, divergence, moe_metrics, nan_locator, step_metrics
+from megatron.training.divergence import DivergenceError, DivergenceGuard, WeightGrowth
 from megatron.training.layer_norms import write_layer_norms
 from megatron.training.metrics import IntervalStats, MetricsWriter, Timer
 from megatron.training.nan_locator import locate
 from megatron.training.profiling import (CHECKPOINT_SAVE, DATA_WAIT, EVALUATION, LOSS_ALL_REDUCE,
-                                         STOP_ALL_REDUCE, StepProfiler, no_range)
-from megatron.training.step import KIND_NAMES, TrainStep
+                                         STOP_ALL_REDUCE, TRAIN_STEP, StepProfiler,
+                                         no_range)
+from megatron.training.step import INPUT_TOKENS, LOSS, TARGET_TOKENS, TrainStep
+from megatron.training.step_metrics import MAX, SUM, Metrics
 from megatron.training.watchdog import NoWatchdog
 
 
@@ -140,11 +141,9 @@ class LoopParts:
         (its trace written) when the loop returns; when it raises, the caller finishes it.
     """
 
+    config: RunConfig
+    """The run's settings (the loop reads its batch, logging, checkpoint and runtime parts)."""
     step: TrainStep
-    batch: BatchConfig
-    logging: LoggingConfig
-    checkpoint: CheckpointConfig
-    runtime: RuntimeConfig
     cost: StepCost
     schedule: LRSchedule
     train_loader: Iterable
@@ -155,6 +154,22 @@ class LoopParts:
     watchdog: Optional[object] = None
     saves: Optional[object] = None
     profiler: Optional[StepProfiler] = None
+
+    @property
+    def batch(self) -> BatchConfig:
+        return self.config.batch
+
+    @property
+    def logging(self) -> LoggingConfig:
+        return self.config.logging
+
+    @property
+    def checkpoint(self) -> CheckpointConfig:
+        return self.config.checkpoint
+
+    @property
+    def runtime(self) -> RuntimeConfig:
+        return self.config.runtime
 
 
 def train(parts: LoopParts, state: TrainState) -> TrainState:
@@ -178,7 +193,11 @@ class _Loop:
         self.collective_s = 60 * parts.runtime.distributed_timeout_minutes
         self.device = parts.runtime.torch_device()
         self.stats, self.timer = IntervalStats(), Timer()
-        self.kind_interval = [[0.0, 0.0] for _ in KIND_NAMES]  # loss sum, tokens per kind
+        self.interval: Dict[str, torch.Tensor] = {}  # the interval's reduced SUM metrics, summed
+        # the loop reads every reduced value on the host: one copy per all-reduce
+        self.sums = step_metrics.Reducer(SUM, parallel_state.get_data_parallel_group(),
+                                         self.device, to_host=True)
+        self.maxima = step_metrics.Reducer(MAX, None, self.device, to_host=True)
         self.pending: List[tuple] = []  # (iteration, StepResult, step seconds, data wait)
         self.start_time = time.monotonic()
         self.batches = _timed_batches(iter(parts.train_loader), self.timer, self.watchdog,
@@ -234,7 +253,8 @@ class _Loop:
             p.step.layer_grad_norms.arm()
         with self.watchdog.watch("the training step (forward, backward, optimizer; "
                                  "collectives with the other ranks)", self.collective_s):
-            result = p.step.step(self.batches, p.schedule.lr(state.iteration))
+            with self.ranges(TRAIN_STEP):  # the whole step (training/profiling.py)
+                result = p.step.step(self.batches, p.schedule.lr(state.iteration))
         state.iteration += 1
         state.consumed_samples += p.batch.global_batch_size
         self.loss_scale = result.loss_scale
@@ -242,51 +262,49 @@ class _Loop:
         self.pending.append((state.iteration, result, step_s, wait_s))
         return result
 
-    def _flush_logs(self) -> None:
-        """The pending steps' global losses (one all-reduce) into the state and the stats."""
-        if not self.pending:
-            return
-        kinds = len(KIND_NAMES)
-        values = torch.stack([torch.cat([torch.stack([r.loss, r.input_tokens.double(),
-                                                      r.target_tokens.double()]),
-                                         (r.kind_sums if r.kind_sums is not None else
-                                          torch.zeros(kinds, 2, dtype=torch.float64,
-                                                      device=r.loss.device)).reshape(-1)])
-                              for _, r, _, _ in self.pending])
+    def _flush_logs(self, extra: Optional[Metrics] = None) -> Dict[str, torch.Tensor]:
+        """The pending steps' SUM metrics (and `extra`, the interval's), reduced over the
+        data-parallel ranks in one all-reduce, into the state and the interval's sums; returns
+        `extra` reduced."""
+        rows = [step_metrics.select(r.metrics, SUM) for _, r, _, _ in self.pending]
+        if extra is not None:
+            rows.append(step_metrics.select(extra, SUM))
+        if not rows:
+            return {}
         with self.watchdog.watch("collective: the all-reduce of the step losses",
                                  self.collective_s), self.ranges(LOSS_ALL_REDUCE):
-            dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+            reduced = self.sums(rows)
         dp = parallel_state.get_data_parallel_world_size()
-        for (iteration, result, step_s, wait_s), row in zip(self.pending, values.tolist()):
-            loss = row[0] / dp
+        for (iteration, result, step_s, wait_s), values in zip(self.pending, reduced):
+            loss = float(values[LOSS]) / dp
             self.state.losses[iteration] = loss
             self.state.grad_norms[iteration] = result.grad_norm
             self.stats.add_step(loss_sum=loss, loss_count=1, grad_norm=result.grad_norm,
-                                skipped=result.skipped, input_tokens=int(row[1]),
-                                target_tokens=int(row[2]), model_flops=self.p.cost.model_flops,
-                                step_time_s=step_s, data_wait_s=wait_s)
-            per_kind = {name: (row[3 + 2 * k] / row[4 + 2 * k], int(row[4 + 2 * k]))
-                        for k, name in enumerate(KIND_NAMES) if row[4 + 2 * k] > 0}
+                                skipped=result.skipped, input_tokens=int(values[INPUT_TOKENS]),
+                                target_tokens=int(values[TARGET_TOKENS]),
+                                model_flops=self.p.cost.model_flops, step_time_s=step_s,
+                                data_wait_s=wait_s)
+            per_kind = denoiser_metrics.step_losses(values)
             if per_kind:
                 self.state.denoiser_losses[iteration] = per_kind
-                for k in range(kinds):
-                    self.kind_interval[k][0] += row[3 + 2 * k]
-                    self.kind_interval[k][1] += row[4 + 2 * k]
+            step_metrics.add_into(self.interval, values)
         self.pending.clear()
+        return reduced[-1] if extra is not None else {}
 
     def _log(self) -> None:
         """The metrics line (and the per-layer gradient norms) of the interval."""
         p, state = self.p, self.state
-        self._flush_logs()
+        model = p.step.reporting_module()
+        moe_names, moe = moe_metrics.metrics(model, self.device) if model is not None \
+            else (None, {})
+        moe_values = self._flush_logs(moe)
         summary = self.stats.summary(state.iteration, state.consumed_samples,
                                      p.schedule.lr(state.iteration - 1), self.loss_scale,
                                      dist.get_world_size(), p.cost.peak_tflops)
-        # UL2: the interval's loss per denoiser kind, token-weighted (metrics.format_line)
-        summary.update({f"loss_{name}": total / count for name, (total, count)
-                        in zip(KIND_NAMES, self.kind_interval) if count > 0})
-        self.kind_interval = [[0.0, 0.0] for _ in KIND_NAMES]
-        model = p.step.reporting_module()
-        experts = moe_metrics.gather(model, self.device) if model is not None else None
+        # the producers' fields of the interval (metrics.format_line shows them)
+        summary.update(denoiser_metrics.summary_fields(self.interval))
+        self.interval = {}
+        experts = moe_metrics.layers(moe_names, moe_values)
         if experts:
             summary.update(moe_metrics.summary_fields(experts))
             state.moe[state.iteration] = experts
@@ -310,15 +328,22 @@ class _Loop:
         self.timer.reset()
 
     def _agree_on_stopping(self, result) -> bool:
-        """The one all-reduce after a step: exit conditions, the NaN guard, the divergence
-        guard's numbers."""
+        """The one all-reduce after a step: its MAX metrics (the exit conditions, the NaN
+        guard's and the divergence guard's numbers, and any the step reported)."""
         p = self.p
-        signs = _divergence_signs(result, self.weights, p.checkpoint.divergence, self.device)
+        producers = [step_metrics.select(result.metrics, MAX)]
+        if p.checkpoint.divergence.enabled:
+            growth = self.weights.update() if p.checkpoint.divergence.weight_growth > 0 else None
+            producers.append(step_metrics.select(
+                divergence.step_metrics(result, growth, self.device), MAX))
         with self.watchdog.watch("collective: the all-reduce that agrees on stopping",
                                  self.collective_s), self.ranges(STOP_ALL_REDUCE):
-            bad = _nonfinite(result, self.device) if p.checkpoint.check_for_nan else None
+            if p.checkpoint.check_for_nan:
+                producers.append(step_metrics.select(
+                    nan_locator.guard_metrics(result, self.device), MAX))
             return _exit_requested(p.runtime, p.batch.train_iters, self.state, self.start_time,
-                                   self.device, p.signals, bad, signs, self.guard)
+                                   self.maxima, p.signals, producers,
+                                   self.guard if p.checkpoint.divergence.enabled else None)
 
     def _stop_if_a_guard_fired(self) -> None:
         """Raise what the NaN guard or the divergence guard found, having removed the saves it
@@ -380,28 +405,6 @@ class NonFiniteError(RunFailure):
     the rank); raised on every rank, before anything is saved."""
 
 
-def _nonfinite(result, device) -> torch.Tensor:
-    """[world size - this rank if its loss is not finite else 0, the same for the gradient
-    norm], on the device (no host sync: it joins the all-reduce that agrees on stopping, whose
-    MAX then names the lowest such rank, the one whose line the locator reports first). An fp16
-    step that overflowed was skipped by DeepSpeed and changed nothing: not counted."""
-    rank = float(dist.get_world_size() - dist.get_rank())
-    if result.skipped:
-        return torch.zeros(2, device=device)
-    loss_bad = (~torch.isfinite(result.loss.to(device))).double() * rank
-    norm = result.grad_norm
-    norm_bad = rank if norm is not None and not math.isfinite(norm) else 0.0
-    return torch.stack([loss_bad, torch.tensor(norm_bad, dtype=torch.float64, device=device)])
-
-
-def _divergence_signs(result, weights, divergence, device) -> Optional[torch.Tensor]:
-    """This rank's entries of the stop all-reduce for the divergence guard (None: it is off)."""
-    if not divergence.enabled:
-        return None
-    growth = weights.update() if divergence.weight_growth > 0 else None
-    return local_signs(result, growth, device)
-
-
 def _stopping(checkpoint: CheckpointConfig, saves, watchdog, iteration: int) -> str:
     """What a guard's message says about checkpoints, after removing the held saves (every rank
     calls it: the removal is collective)."""
@@ -421,37 +424,31 @@ def _stopping(checkpoint: CheckpointConfig, saves, watchdog, iteration: int) -> 
 
 
 def _exit_requested(runtime: RuntimeConfig, train_iters: int, state: TrainState,
-                    start_time: float, device, signals,
-                    nonfinite: Optional[torch.Tensor] = None,
-                    signs: Optional[torch.Tensor] = None, guard=None) -> bool:
+                    start_time: float, reducer, signals,
+                    producers: List[Dict[str, torch.Tensor]] = (), guard=None) -> bool:
     """Whether to stop after this step: --exit-interval, or (agreed by all ranks through one
     all-reduce, so that they save and leave together) --exit-duration-in-mins or a stop
-    signal received by any rank. With `nonfinite` (see `_nonfinite`), the same all-reduce finds
-    the lowest rank whose loss or gradient norm was not finite and sets state.diverged. With
-    `signs` (divergence.local_signs), it agrees on the divergence guard's numbers, which
+    signal received by any rank. The same all-reduce (`reducer`, MAX) carries the producers' metrics: the
+    NaN guard's (nan_locator.guard_metrics: the lowest rank whose loss or gradient norm was not
+    finite sets state.diverged) and the divergence guard's (divergence.step_metrics), which
     `guard` then checks (every rank the same numbers: the same decision), setting
     state.divergence. The all-reduce runs at every step (also the last and --exit-interval's),
     so that every rank takes the same decision from the same flags."""
     timed_out = runtime.exit_duration_in_mins is not None and \
         time.monotonic() - start_time > runtime.exit_duration_in_mins * 60
     signum = signals.received if signals is not None and signals.received is not None else 0
-    flags = torch.zeros(4 + SIGNS, dtype=torch.float64, device=device)
-    flags[0], flags[1] = float(timed_out), float(signum)
-    if nonfinite is not None:
-        flags[2:4] = nonfinite
-    if signs is not None:
-        flags[4:] = signs
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    values = flags.tolist()
-    timed_out, signum, loss_rank, norm_rank = (int(v) for v in values[:4])
-    if loss_rank or norm_rank:
-        what = "the loss" if loss_rank else "the gradient norm"
-        seen = dist.get_world_size() - (loss_rank or norm_rank)
-        state.diverged = f"{what} is not finite (seen by rank {seen}" \
-            + (", and the gradient norm too" if loss_rank and norm_rank else "") + ")"
+    local = {"exit/timed_out": torch.tensor(float(timed_out), dtype=torch.float64),
+             "exit/signal": torch.tensor(float(signum), dtype=torch.float64)}
+    for values in producers:
+        local.update(values)
+    values, = reducer([local])
+    timed_out, signum = int(values["exit/timed_out"]), int(values["exit/signal"])
+    found = nan_locator.guard_finding(values)
+    if found is not None:
+        state.diverged = found
         return True
-    if signs is not None and guard is not None:
-        state.divergence = guard.observe(state.iteration, agreed_signs(values[4:]))
+    if guard is not None:
+        state.divergence = guard.observe(state.iteration, divergence.agreed_signs(values))
         if state.divergence is not None:
             return True
     if state.iteration >= train_iters:

@@ -215,13 +215,19 @@ def format_line(summary: dict, train_iters: Optional[int]) -> str:
     if s.get("memory") is not None:
         parts.append(f"mem: {s['memory'] / 2**30:.2f} GiB")
     parts += [f"data wait: {s['data_wait_s']:.2f} s", f"step: {s['step_time_s']:.2f} s"]
-    for kind in ("R", "S", "X"):  # UL2: the loss per denoiser kind (token-weighted)
-        if s.get(f"loss_{kind}") is not None:
-            parts.append(f"loss {kind}: {s[f'loss_{kind}']:.4E}")
-    if s.get("moe_aux_loss") is not None:  # a Mixture-of-Experts run (moe_metrics.py)
-        parts += [f"moe aux loss: {s['moe_aux_loss']:.4E}", f"moe z loss: {s['moe_z_loss']:.4E}",
-                  f"moe dropped: {s['moe_dropped']:.4f}", f"moe max load: {s['moe_max_load']:.3f}"]
+    for producer in _LINE_PRODUCERS:  # the step-metric producers' fields, by name
+        parts += producer(s)
     return " | ".join(parts)
+
+
+def _line_producers():
+    from megatron.training import denoiser_metrics, moe_metrics
+
+    return (denoiser_metrics.line_parts, moe_metrics.line_parts)
+
+
+_LINE_PRODUCERS = _line_producers()
+"""Each producer's `line_parts(summary)`: its fields on the metrics line, in this order."""
 
 
 # TensorBoard tag suffixes that differ from the summary key

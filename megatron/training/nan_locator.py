@@ -24,12 +24,15 @@ prints it and appends it to the log file.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Iterable, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from megatron.training.step_metrics import MAX, Metrics, metric
 
 ROOT = "the model's output (head and loss)"
 """The name reported for the root module: its forward adds the head and the loss."""
@@ -202,3 +205,32 @@ def locate(step, iteration: int, writer) -> str:
         writer.write_text(text)
         return text
     return lines[0]
+
+
+# The NaN guard's numbers in the stop all-reduce ----------------------------------------------------
+def guard_metrics(result, device) -> Metrics:
+    """This rank's MAX step metrics for the NaN guard: 'nonfinite/loss' and
+    'nonfinite/grad_norm', each world size - this rank if that value is not finite here, else 0
+    (so the MAX names the lowest such rank, the one whose line the locator reports first). An
+    fp16 step that overflowed was skipped by DeepSpeed and changed nothing: not counted."""
+    rank = float(dist.get_world_size() - dist.get_rank())
+    if result.skipped:
+        return {"nonfinite/loss": metric(0.0, MAX, device),
+                "nonfinite/grad_norm": metric(0.0, MAX, device)}
+    loss_bad = (~torch.isfinite(result.loss.to(device))).double() * rank
+    norm = result.grad_norm
+    norm_bad = rank if norm is not None and not math.isfinite(norm) else 0.0
+    return {"nonfinite/loss": metric(loss_bad, MAX, device),
+            "nonfinite/grad_norm": metric(norm_bad, MAX, device)}
+
+
+def guard_finding(values) -> Optional[str]:
+    """What the reduced `guard_metrics` say (None: everything finite on every rank)."""
+    loss_rank, norm_rank = (int(float(values.get(f"nonfinite/{name}", 0.0)))
+                            for name in ("loss", "grad_norm"))
+    if not (loss_rank or norm_rank):
+        return None
+    what = "the loss" if loss_rank else "the gradient norm"
+    seen = dist.get_world_size() - (loss_rank or norm_rank)
+    return f"{what} is not finite (seen by rank {seen}" \
+        + (", and the gradient norm too" if loss_rank and norm_rank else "") + ")"

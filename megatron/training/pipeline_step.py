@@ -39,8 +39,10 @@ from megatron.tensor_parallel.group import TensorParallel
 from megatron.training import experts
 from megatron.training.engine import build_optimizer
 from megatron.training.profiling import PIPELINE_BATCH, PIPELINE_SUMS
-from megatron.training.step import (KIND_KEY, KIND_NAMES, Batch, EngineStep, EvalResult,
-                                    StepResult, kind_sums)
+from megatron.training import denoiser_metrics, step_metrics
+from megatron.training.denoiser_metrics import KIND_KEY
+from megatron.training.step import LOSS, Batch, EngineStep, EvalResult, StepResult, core_metrics
+from megatron.training.step_metrics import SUM, Metric
 
 
 class PipelineLoss:
@@ -53,8 +55,8 @@ class PipelineLoss:
         self.sums = torch.zeros(2, dtype=torch.float64, device=device)
         """Training: [sum of micro-batch mean losses, target tokens]; evaluation: [sum of token
         losses, target tokens]."""
-        self.kind_sums = torch.zeros(len(KIND_NAMES), 2, dtype=torch.float64, device=device)
-        """Training: step.kind_sums of the micro-batches whose kinds `kinds` held."""
+        self.kind_sums = denoiser_metrics.zeros(device)
+        """Training: denoiser_metrics.kind_sums of the micro-batches whose kinds `kinds` held."""
         self.kinds: collections.deque = collections.deque()
         """The denoiser kinds of the micro-batches fed to this (last) stage and not yet through
         the loss, in order (DeepSpeed computes their losses in the order it loads them)."""
@@ -72,7 +74,8 @@ class PipelineLoss:
             return token_losses.detach().sum()
         loss = token_losses.sum() / count.clamp(min=1)
         if self.kinds:
-            self.kind_sums += kind_sums(token_losses, labels, self.kinds.popleft())
+            self.kind_sums += denoiser_metrics.kind_sums(token_losses, labels,
+                                                         self.kinds.popleft())
         self.sums[0] += loss.detach().double()
         self.sums[1] += count
         # what training minimises (T5Output.objective); the loss reported is the LM loss
@@ -93,6 +96,8 @@ class PipelineStep(EngineStep):
             # over a group of one (bench/RESULTS.md: up to 9% of a one-micro-batch step).
             engine.pipeline_enable_backward_allreduce = False
         self.clip_grad = clip_grad
+        self._stage_sums = step_metrics.Reducer(
+            SUM, parallel_state.get_pipeline_model_parallel_group(), device)
         self._norm: Optional[float] = None
         self._own_norm = engine.zero_optimization_stage() == 0 and not (
             engine.bfloat16_enabled() or engine.fp16_enabled())
@@ -115,17 +120,20 @@ class PipelineStep(EngineStep):
         with self.ranges(PIPELINE_BATCH):  # the whole schedule: see training/profiling.py
             engine.train_batch(data_iter=feed)
         self.after_update()
-        sums = torch.stack([self.loss.sums[0] if self.last else self.loss.sums[0] * 0,
-                            inputs if self.first else inputs * 0,
-                            self.loss.sums[1] if self.last else self.loss.sums[1] * 0])
-        sums = torch.cat([sums, (self.loss.kind_sums if self.last
-                                 else self.loss.kind_sums * 0).reshape(-1)])
+        # each number lives on one stage (the loss and the kinds on the last, the input tokens
+        # on the first): summed over the pipeline group, every stage reports the same
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        local = step_metrics.merge(
+            core_metrics(self.loss.sums[0] if self.last else zero, inputs if self.first else zero,
+                         self.loss.sums[1] if self.last else zero),
+            denoiser_metrics.metrics(self.loss.kind_sums if self.last
+                                     else self.loss.kind_sums * 0))
         with self.ranges(PIPELINE_SUMS):
-            dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
+            sums, = self._stage_sums([step_metrics.select(local, SUM)])
+        sums[LOSS] = sums[LOSS] / self.micro_batches
         norm = self._norm if self._own_norm else self._grad_norm()
-        return StepResult(sums[0] / self.micro_batches, sums[1], sums[2], norm,
-                          engine.skipped_steps > skipped_before, self._loss_scale(),
-                          sums[3:].reshape(len(KIND_NAMES), 2))
+        return StepResult({name: Metric(value, SUM) for name, value in sums.items()}, norm,
+                          engine.skipped_steps > skipped_before, self._loss_scale())
 
     def eval_step(self, batch: Batch) -> EvalResult:
         self.loss.evaluating = True

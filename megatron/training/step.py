@@ -31,13 +31,15 @@ from megatron.model.state_dict import persistent_buffers
 from megatron.training import experts
 from megatron.training.layer_norms import LayerGradNorms
 from megatron.training.nan_locator import GradientCheck, NonFiniteWatch
+from megatron.training import denoiser_metrics
+from megatron.training.denoiser_metrics import KIND_KEY
 from megatron.training.profiling import BACKWARD, FORWARD, NO_RANGE, OPTIMIZER_STEP, no_range
+from megatron.training.step_metrics import SUM, Metrics, merge, metric
 
 BATCH_KEYS = ("encoder_input_ids", "decoder_input_ids", "encoder_attention_mask",
               "decoder_attention_mask", "labels")
-KIND_KEY = "denoiser_kind"
-"""A UL2 batch's [batch] index of each sample's denoiser kind (megatron.data.datasets.ul2.KINDS)."""
-KIND_NAMES = ("R", "S", "X")  # megatron.data.datasets.ul2.KINDS (not imported: no data code here)
+LOSS, INPUT_TOKENS, TARGET_TOKENS = "loss", "tokens/input", "tokens/target"
+"""The step metrics every step reports (`core_metrics`)."""
 
 Batch = Dict[str, torch.Tensor]
 
@@ -45,22 +47,28 @@ Batch = Dict[str, torch.Tensor]
 class StepResult(NamedTuple):
     """One optimizer step on this rank. Tensors stay on the device (no host sync per step)."""
 
-    loss: torch.Tensor
-    """float64 scalar: the mean of this rank's micro-batch losses; the step's global loss is its
-    mean over the data-parallel ranks."""
-    input_tokens: torch.Tensor
-    """Encoder tokens (padding excluded) this rank consumed."""
-    target_tokens: torch.Tensor
-    """Labelled decoder tokens this rank consumed."""
+    metrics: Metrics
+    """The step's metrics by name (step_metrics.py): `core_metrics`' loss and token counts, and
+    what producers added (UL2's per-kind sums: denoiser_metrics.py)."""
     grad_norm: Optional[float]
     """The global gradient norm before clipping (None where the engine reports none)."""
     skipped: bool
     """The update was skipped (fp16 overflow)."""
     loss_scale: float
     """The loss scale after the step (1.0 without loss scaling)."""
-    kind_sums: Optional[torch.Tensor] = None
-    """float64 [len(KIND_NAMES), 2]: per UL2 denoiser kind, this rank's sum of token losses and
-    its labelled tokens (zeros for data without kinds; None where the engine keeps none)."""
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """float64 scalar: the mean of this rank's micro-batch losses; the step's global loss is
+        its mean over the data-parallel ranks."""
+        return self.metrics[LOSS].value
+
+
+def core_metrics(loss, input_tokens, target_tokens) -> Metrics:
+    """SUM metrics of every step: `loss` (the mean of this rank's micro-batch losses), the
+    encoder tokens (padding excluded) and the labelled decoder tokens this rank consumed."""
+    return {LOSS: metric(loss, SUM), INPUT_TOKENS: metric(input_tokens, SUM),
+            TARGET_TOKENS: metric(target_tokens, SUM)}
 
 
 class EvalResult(NamedTuple):
@@ -169,17 +177,6 @@ def module_vocab_size(module) -> int:
     if config is not None:
         return config.vocab_size
     return module.loss_fn.vocab_size
-
-
-def kind_sums(token_losses: torch.Tensor, labels: torch.Tensor,
-              kinds: torch.Tensor) -> torch.Tensor:
-    """float64 [len(KIND_NAMES), 2]: per denoiser kind, the sum of `token_losses` ([batch,
-    length], 0 where unlabelled) over the samples of that kind and their labelled tokens."""
-    out = torch.zeros(len(KIND_NAMES), 2, dtype=torch.float64, device=token_losses.device)
-    kinds = kinds.to(token_losses.device).long().reshape(-1)
-    per_sample = torch.stack([token_losses.detach().double().sum(-1),
-                              (labels != -100).sum(-1).double()], dim=-1)
-    return out.index_add_(0, kinds, per_sample)
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -354,7 +351,7 @@ class DataParallelStep(EngineStep):
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-        kinds = torch.zeros(len(KIND_NAMES), 2, dtype=torch.float64, device=self.device)
+        kinds = denoiser_metrics.zeros(self.device)
         skipped_before = engine.skipped_steps
         norm = None
         ranges = self.ranges
@@ -378,7 +375,8 @@ class DataParallelStep(EngineStep):
             totals[1] += batch["encoder_attention_mask"].sum()
             totals[2] += (batch["labels"] != -100).sum()
             if KIND_KEY in raw:
-                kinds += kind_sums(out.token_losses, batch["labels"], raw[KIND_KEY])
+                kinds += denoiser_metrics.kind_sums(out.token_losses, batch["labels"],
+                                                    raw[KIND_KEY])
             last = micro == self.micro_batches - 1
             if last:
                 norm = self._unreported_grad_norm()
@@ -386,9 +384,8 @@ class DataParallelStep(EngineStep):
                     self._held = True
                     bad = (self._gradients is not None and bool(self._gradients.bad)) or (
                         norm is not None and not math.isfinite(norm))
-                    return StepResult(totals[0] / self.micro_batches, totals[1], totals[2],
-                                      float("nan") if bad else norm, False, self._loss_scale(),
-                                      kinds)
+                    return StepResult(self._metrics(totals, kinds),
+                                      float("nan") if bad else norm, False, self._loss_scale())
             if last and self._clip_experts:
                 experts.clip_gradients(engine.module, norm, self.clip_grad)
             with ranges(OPTIMIZER_STEP) if last else NO_RANGE:
@@ -396,8 +393,12 @@ class DataParallelStep(EngineStep):
         self.after_update()
         if norm is None:
             norm = self._grad_norm()
-        return StepResult(totals[0] / self.micro_batches, totals[1], totals[2], norm,
-                          engine.skipped_steps > skipped_before, self._loss_scale(), kinds)
+        return StepResult(self._metrics(totals, kinds), norm,
+                          engine.skipped_steps > skipped_before, self._loss_scale())
+
+    def _metrics(self, totals: torch.Tensor, kinds: torch.Tensor) -> Metrics:
+        return merge(core_metrics(totals[0] / self.micro_batches, totals[1], totals[2]),
+                     denoiser_metrics.metrics(kinds))
 
     def eval_step(self, batch: Batch) -> EvalResult:
         batch = to_device(batch, self.device)

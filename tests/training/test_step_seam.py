@@ -20,7 +20,7 @@ def run_with_plain_step(rank, world_size, argv):
     from megatron.arguments import parse_args
     from megatron.initialize import initialize_distributed
     from megatron.training.engine import build_model, param_groups
-    from megatron.training.step import EvalResult, StepResult, TrainStep, to_device
+    from megatron.training.step import EvalResult, StepResult, TrainStep, core_metrics, to_device
 
     class PlainStep(TrainStep):
         def __init__(self, config):
@@ -48,8 +48,8 @@ def run_with_plain_step(rank, world_size, argv):
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            return StepResult(totals[0] / self.micro_batches, totals[1], totals[2],
-                              float(norm), False, 1.0)
+            return StepResult(core_metrics(totals[0] / self.micro_batches, totals[1],
+                                           totals[2]), float(norm), False, 1.0)
 
         def eval_step(self, batch):
             batch = to_device(batch, torch.device("cpu"))

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from megatron.arguments import build_parser
-from megatron.training.divergence import (SIGNS, DivergenceGuard, StepSigns, WeightGrowth,
-                                          agreed_signs, divergence_config, divergence_problems,
-                                          local_signs)
+from megatron.config.divergence_args import divergence_config, divergence_problems
+from megatron.training.divergence import (SIGN_NAMES, DivergenceGuard, StepSigns,
+                                          WeightGrowth, agreed_signs, step_metrics)
 from megatron.config.training import DivergenceConfig
-from megatron.training.step import SMALL_TENSOR, StepResult, weight_norms
+from megatron.training.step import SMALL_TENSOR, StepResult, core_metrics, weight_norms
 
 
 def signs(loss=5.0, grad_norm=1.0, skipped=False, growth=1.0, norm=10.0):
@@ -163,17 +163,23 @@ def test_weight_norms_by_hand():
 
 
 def test_local_and_agreed_signs():
-    result = StepResult(torch.tensor(2.5, dtype=torch.float64), torch.tensor(1), torch.tensor(1),
-                        0.0, False, 1.0)
-    values = local_signs(result, (torch.tensor(1.5, dtype=torch.float64),
-                                  torch.tensor(7.0, dtype=torch.float64)), "cpu")
-    assert values.shape == (SIGNS,) and values.tolist() == [2.5, 0.0, 0.0, 1.5, 7.0, 0.0]
-    assert agreed_signs(values.tolist()) == StepSigns(2.5, 0.0, False, 1.5, 7.0)
-    nan = StepResult(torch.tensor(math.nan, dtype=torch.float64), torch.tensor(1),
-                     torch.tensor(1), None, True, 1.0)
-    values = local_signs(nan, None, "cpu")
-    assert values.tolist() == [-1.0, -1.0, 1.0, 0.0, 0.0, 0.0]
-    assert agreed_signs(values.tolist()) == StepSigns(None, None, True, None, None)
+    def local(result, weights):
+        metrics = step_metrics(result, weights, "cpu")
+        assert all(m.reduce == "max" for m in metrics.values())
+        values = {name: m.value for name, m in metrics.items()}
+        return values, [float(values[f"divergence/{n}"]) for n in SIGN_NAMES]
+
+    result = StepResult(core_metrics(torch.tensor(2.5, dtype=torch.float64), 1, 1), 0.0, False,
+                        1.0)
+    values, row = local(result, (torch.tensor(1.5, dtype=torch.float64),
+                                 torch.tensor(7.0, dtype=torch.float64)))
+    assert row == [2.5, 0.0, 0.0, 1.5, 7.0]
+    assert agreed_signs(values) == StepSigns(2.5, 0.0, False, 1.5, 7.0)
+    nan = StepResult(core_metrics(torch.tensor(math.nan, dtype=torch.float64), 1, 1), None,
+                     True, 1.0)
+    values, row = local(nan, None)
+    assert row == [-1.0, -1.0, 1.0, 0.0, 0.0]
+    assert agreed_signs(values) == StepSigns(None, None, True, None, None)
 
 
 # Flags ------------------------------------------------------------------------------------------

@@ -219,15 +219,21 @@ def test_kind_sums_add_each_samples_token_losses_and_tokens_to_its_kind():
     import torch
 
     from megatron.training.metrics import format_line
-    from megatron.training.step import KIND_NAMES, kind_sums
+    from megatron.training.denoiser_metrics import kind_sums, metrics, step_losses, summary_fields
 
-    assert KIND_NAMES == KINDS
     labels = torch.tensor([[5, 6, -100], [7, -100, -100], [1, 2, 3], [4, 4, -100]])
     losses = torch.tensor([[1.0, 2.0, 0.0], [4.0, 0.0, 0.0], [0.5, 0.5, 0.5], [3.0, 1.0, 0.0]])
     got = kind_sums(losses, labels, torch.tensor([2, 0, 2, 2]))
     # by hand: R = sample 1 (4.0 over 1 token), S none, X = samples 0, 2, 3 (3 + 1.5 + 4 over 7)
     assert got.tolist() == [[4.0, 1.0], [0.0, 0.0], [8.5, 7.0]]
     assert got.dtype == torch.float64
+    # by name: what the loop reduces and logs
+    values = {name: m.value for name, m in metrics(got).items()}
+    assert {name: float(v) for name, v in values.items()} == {
+        "ul2/R/loss_sum": 4.0, "ul2/R/tokens": 1.0, "ul2/S/loss_sum": 0.0, "ul2/S/tokens": 0.0,
+        "ul2/X/loss_sum": 8.5, "ul2/X/tokens": 7.0}
+    assert step_losses(values) == {"R": (4.0, 1), "X": (8.5 / 7, 7)}
+    assert summary_fields(values) == {"loss_R": 4.0, "loss_X": 8.5 / 7}
     line = format_line({"iteration": 3, "data_wait_s": 0.0, "step_time_s": 1.0,
                         "loss_R": 4.0, "loss_X": 8.5 / 7}, None)
     assert line.endswith("| loss R: 4.0000E+00 | loss X: 1.2143E+00") and "loss S" not in line
