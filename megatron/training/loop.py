@@ -36,7 +36,8 @@ from megatron.config import RunConfig, RuntimeConfig
 from megatron.config.lr_schedule import LRSchedule
 from megatron.config.training import BatchConfig, CheckpointConfig, LoggingConfig
 from megatron.failures import RunFailure
-from megatron.training import denoiser_metrics, divergence, moe_metrics, nan_locator, step_metrics
+from megatron.training import (denoiser_metrics, divergence, moe_metrics, nan_locator, producers,
+                               step_metrics)
 from megatron.training.divergence import DivergenceError, DivergenceGuard, WeightGrowth
 from megatron.training.layer_norms import write_layer_norms
 from megatron.training.metrics import IntervalStats, MetricsWriter, Timer
@@ -302,11 +303,11 @@ class _Loop:
                                      p.schedule.lr(state.iteration - 1), self.loss_scale,
                                      dist.get_world_size(), p.cost.peak_tflops)
         # the producers' fields of the interval (metrics.format_line shows them)
-        summary.update(denoiser_metrics.summary_fields(self.interval))
+        summary.update(producers.summary_fields(self.interval))
         self.interval = {}
         experts = moe_metrics.layers(moe_names, moe_values)
         if experts:
-            summary.update(moe_metrics.summary_fields(experts))
+            summary.update(moe_metrics.layer_summary(experts))
             state.moe[state.iteration] = experts
         p.writer.write(summary)
         if experts:
@@ -331,18 +332,18 @@ class _Loop:
         """The one all-reduce after a step: its MAX metrics (the exit conditions, the NaN
         guard's and the divergence guard's numbers, and any the step reported)."""
         p = self.p
-        producers = [step_metrics.select(result.metrics, MAX)]
+        maxima = [step_metrics.select(result.metrics, MAX)]
         if p.checkpoint.divergence.enabled:
             growth = self.weights.update() if p.checkpoint.divergence.weight_growth > 0 else None
-            producers.append(step_metrics.select(
+            maxima.append(step_metrics.select(
                 divergence.step_metrics(result, growth, self.device), MAX))
         with self.watchdog.watch("collective: the all-reduce that agrees on stopping",
                                  self.collective_s), self.ranges(STOP_ALL_REDUCE):
             if p.checkpoint.check_for_nan:
-                producers.append(step_metrics.select(
+                maxima.append(step_metrics.select(
                     nan_locator.guard_metrics(result, self.device), MAX))
             return _exit_requested(p.runtime, p.batch.train_iters, self.state, self.start_time,
-                                   self.maxima, p.signals, producers,
+                                   self.maxima, p.signals, maxima,
                                    self.guard if p.checkpoint.divergence.enabled else None)
 
     def _stop_if_a_guard_fired(self) -> None:
@@ -425,13 +426,13 @@ def _stopping(checkpoint: CheckpointConfig, saves, watchdog, iteration: int) -> 
 
 def _exit_requested(runtime: RuntimeConfig, train_iters: int, state: TrainState,
                     start_time: float, reducer, signals,
-                    producers: List[Dict[str, torch.Tensor]] = (), guard=None) -> bool:
+                    maxima: List[Dict[str, torch.Tensor]] = (), guard=None) -> bool:
     """Whether to stop after this step: --exit-interval, or (agreed by all ranks through one
     all-reduce, so that they save and leave together) --exit-duration-in-mins or a stop
-    signal received by any rank. The same all-reduce (`reducer`, MAX) carries the producers' metrics: the
-    NaN guard's (nan_locator.guard_metrics: the lowest rank whose loss or gradient norm was not
-    finite sets state.diverged) and the divergence guard's (divergence.step_metrics), which
-    `guard` then checks (every rank the same numbers: the same decision), setting
+    signal received by any rank. The same all-reduce (`reducer`, MAX) carries `maxima`, the
+    producers' MAX metrics: the NaN guard's (nan_locator.guard_metrics: the lowest rank whose
+    loss or gradient norm was not finite sets state.diverged) and the divergence guard's
+    (divergence.step_metrics), which `guard` then checks (every rank the same numbers: the same decision), setting
     state.divergence. The all-reduce runs at every step (also the last and --exit-interval's),
     so that every rank takes the same decision from the same flags."""
     timed_out = runtime.exit_duration_in_mins is not None and \
@@ -439,7 +440,7 @@ def _exit_requested(runtime: RuntimeConfig, train_iters: int, state: TrainState,
     signum = signals.received if signals is not None and signals.received is not None else 0
     local = {"exit/timed_out": torch.tensor(float(timed_out), dtype=torch.float64),
              "exit/signal": torch.tensor(float(signum), dtype=torch.float64)}
-    for values in producers:
+    for values in maxima:
         local.update(values)
     values, = reducer([local])
     timed_out, signum = int(values["exit/timed_out"]), int(values["exit/signal"])

@@ -215,19 +215,11 @@ def format_line(summary: dict, train_iters: Optional[int]) -> str:
     if s.get("memory") is not None:
         parts.append(f"mem: {s['memory'] / 2**30:.2f} GiB")
     parts += [f"data wait: {s['data_wait_s']:.2f} s", f"step: {s['step_time_s']:.2f} s"]
-    for producer in _LINE_PRODUCERS:  # the step-metric producers' fields, by name
-        parts += producer(s)
+    from megatron.training import producers  # here: the planner imports this module, and
+    # the producers import the model's MoE layer
+
+    parts += producers.line_parts(s)  # the step-metric producers' fields, by name
     return " | ".join(parts)
-
-
-def _line_producers():
-    from megatron.training import denoiser_metrics, moe_metrics
-
-    return (denoiser_metrics.line_parts, moe_metrics.line_parts)
-
-
-_LINE_PRODUCERS = _line_producers()
-"""Each producer's `line_parts(summary)`: its fields on the metrics line, in this order."""
 
 
 # TensorBoard tag suffixes that differ from the summary key

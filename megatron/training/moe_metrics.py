@@ -64,7 +64,7 @@ def layers(names: Optional[List[str]], reduced: Mapping[str, torch.Tensor]
     return out
 
 
-def summary_fields(layers: Dict[str, Dict[str, float]]) -> Dict[str, float]:
+def layer_summary(layers: Dict[str, Dict[str, float]]) -> Dict[str, float]:
     """The metrics line's MoE fields: means over the layers, the largest load ratio."""
     values = list(layers.values())
     mean = lambda key: sum(v[key] for v in values) / len(values)  # noqa: E731
