@@ -128,8 +128,9 @@ Validation loss (in brackets: against dense at the same step):
 {chr(10).join(speed)}
 
 Where rank 0's step goes (ms, the mean after step {A_SKIP} in the fastest round; DeepSpeed's
-engine forward, backward and step, and the time inside torch.distributed.all_reduce, which ZeRO
-0 calls at the end of the backward):
+engine forward, backward and step, and the time inside DeepSpeed's gradient all-reduce
+(allreduce_gradients, which ZeRO 0 calls at the end of the backward; timed through the trainer's
+named ranges, megatron/training/timing.py):
 
 {chr(10).join(parts)}
 
@@ -297,12 +298,12 @@ fastest counting.
 {chr(10).join(speed)}
 
 Where a step's time goes, per rank, the mean over the fastest round's timed steps (ms). In each
-rank the worker times the trainer's step (DataParallelStep.step) and, inside it, DeepSpeed's
-engine forward, backward and step (the optimizer), and the wall time inside
-torch.distributed.all_reduce and all_to_all_single wherever they are called (moe.py's
-all-to-all: the counts' exchange, then the rows there and back, forward and backward). A
-collective's time includes waiting for the other rank to arrive. "MiB given": the rank's input
-to those calls.
+rank the worker times, through the trainer's named ranges (megatron/training/timing.py), the
+whole step and, inside it, the forward, backward and optimizer step, DeepSpeed's gradient
+all-reduce (allreduce_gradients) and moe.py's all-to-all (the counts' exchange, then the rows
+there and back, forward and backward). A collective's time includes waiting for the other rank
+to arrive. "MiB given": the rank's input to those calls (the all-reduce: the gradients it
+covers).
 
 {chr(10).join(parts)}
 
