@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from megatron.checkpoint.layout import ITERATION_PREFIX, iteration_of_folder
 from megatron.plot.events import read_events
 from megatron.plot.logfile import read_log
 from megatron.plot.runs import Run, events_files, is_events_file
@@ -49,10 +50,10 @@ class RunNotFound(ValueError):
 def newest_meta(folder: Path) -> Optional[dict]:
     """The newest `iter_*/meta.json` of a --save folder, parsed (None: none readable)."""
     found = []
-    for meta in folder.glob("iter_*/meta.json"):
-        suffix = meta.parent.name[len("iter_"):]
-        if suffix.isdigit():
-            found.append((int(suffix), meta))
+    for meta in folder.glob(f"{ITERATION_PREFIX}*/meta.json"):
+        iteration = iteration_of_folder(meta.parent.name)
+        if iteration is not None:
+            found.append((iteration, meta))
     for _, meta in sorted(found, reverse=True):
         try:
             return json.loads(meta.read_text(encoding="utf-8"))

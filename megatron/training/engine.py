@@ -19,7 +19,7 @@ from megatron import parallel_state
 from megatron.config.training import OptimizerConfig, ZeroConfig
 from megatron.model.settings import ModelConfig
 from megatron.model.t5 import T5Model, compile_blocks
-from megatron.training import experts
+from megatron.training import deepspeed_internals, experts
 
 NO_DECAY_MARKERS = ("layer_norm", "bias", "relative_attention_bias")
 
@@ -97,4 +97,4 @@ def initialize_engine(optimizer: OptimizerConfig, zero: ZeroConfig, device_type:
 
 def count_parameters(model: torch.nn.Module) -> int:
     """Parameters this rank holds (ZeRO-3's partitioned ones by their full size)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    return sum(deepspeed_internals.full_numel(p) for p in model.parameters())

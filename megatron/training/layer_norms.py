@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from megatron import parallel_state
 from megatron.tensor_parallel.layers import counts_in_norm
+from megatron.training import deepspeed_internals
 
 _BLOCK = re.compile(r"^(encoder|decoder)\.block\.(\d+)\.")
 TAG_PREFIX = "grad-norm-per-layer"
@@ -84,7 +85,7 @@ def local_gradient_fragments(param) -> Iterator[torch.Tensor]:
     """The part of `param`'s reduced gradient that this rank holds under its optimizer (see the
     module docstring); nothing where it holds none. ZeRO-1/2 keep their gradients only between
     the backward at the accumulation boundary and the step."""
-    if hasattr(param, "ds_id"):  # ZeRO-3: this rank's partition (padding is zero)
+    if deepspeed_internals.is_zero3_parameter(param):  # this rank's partition (padding: 0)
         # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
         from deepspeed.utils import safe_get_local_grad
 
@@ -92,15 +93,10 @@ def local_gradient_fragments(param) -> Iterator[torch.Tensor]:
         if grad is not None:
             yield grad
         return
-    if hasattr(param, "_hp_mapping"):  # ZeRO-1/2, bf16 optimizer: the fragment in this partition
-        mapping = param._hp_mapping
-        if mapping is None:
-            return
-        grad = mapping.get_lp_grad_fragment(param._index_in_param_group).flatten()
-        if grad.numel() == param.numel():  # the bf16 optimizer keeps the whole gradient
-            address = mapping.lp_fragment_address
-            grad = grad.narrow(0, address.start, address.numel)
-        yield grad
+    if deepspeed_internals.has_fragment_mapping(param):  # ZeRO-1/2, bf16 optimizer: the
+        grad = deepspeed_internals.local_fragment_grad(param)  # fragment in this partition
+        if grad is not None:
+            yield grad
         return
     if param.grad is not None:
         yield param.grad
@@ -108,7 +104,8 @@ def local_gradient_fragments(param) -> Iterator[torch.Tensor]:
 
 def _partitioned(param) -> bool:
     """The optimizer holds this parameter's gradient in data-parallel partitions."""
-    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+    return deepspeed_internals.is_zero3_parameter(param) or \
+        deepspeed_internals.has_fragment_mapping(param)
 
 
 class LayerGradNorms:
@@ -141,15 +138,12 @@ class LayerGradNorms:
                 self._params.append((param, index[group]))
         self._armed = False
         self._squares: Optional[torch.Tensor] = None
-        take_model_step = engine._take_model_step
+        deepspeed_internals.wrap_model_step(engine, self._before_model_step)
 
-        def measured_take_model_step(*args, **kwargs):
-            if self._armed:
-                self._armed = False
-                self._squares = self._measure()
-            return take_model_step(*args, **kwargs)
-
-        engine._take_model_step = measured_take_model_step
+    def _before_model_step(self) -> None:
+        if self._armed:
+            self._armed = False
+            self._squares = self._measure()
 
     def arm(self) -> None:
         """Measure at the next optimizer step."""

@@ -39,7 +39,7 @@ from megatron.tensor_parallel.group import TensorParallel
 from megatron.training import experts
 from megatron.training.engine import build_optimizer
 from megatron.training.profiling import PIPELINE_BATCH, PIPELINE_SUMS
-from megatron.training import denoiser_metrics, step_metrics
+from megatron.training import deepspeed_internals, denoiser_metrics, step_metrics
 from megatron.training.denoiser_metrics import KIND_KEY
 from megatron.training.step import LOSS, Batch, EngineStep, EvalResult, StepResult, core_metrics
 from megatron.training.step_metrics import SUM, Metric
@@ -94,7 +94,7 @@ class PipelineStep(EngineStep):
                 parallel_state.get_data_parallel_world_size() == 1:
             # Nothing to reduce: DeepSpeed would still flatten every gradient and all-reduce it
             # over a group of one (bench/RESULTS.md: up to 9% of a one-micro-batch step).
-            engine.pipeline_enable_backward_allreduce = False
+            deepspeed_internals.skip_lone_pipeline_allreduce(engine)
         self.clip_grad = clip_grad
         self._stage_sums = step_metrics.Reducer(
             SUM, parallel_state.get_pipeline_model_parallel_group(), device)
@@ -102,7 +102,7 @@ class PipelineStep(EngineStep):
         self._own_norm = engine.zero_optimization_stage() == 0 and not (
             engine.bfloat16_enabled() or engine.fp16_enabled())
         if self._own_norm:
-            engine.optimizer.register_step_pre_hook(self._clip)
+            deepspeed_internals.run_before_optimizer_step(engine, self._clip)
 
     # The seam --------------------------------------------------------------------------------
     def step(self, batches: Iterator[Batch], lr: float) -> StepResult:
@@ -171,7 +171,7 @@ class PipelineStep(EngineStep):
             masks = batch["encoder_attention_mask"].long(), batch["decoder_attention_mask"].long()
             yield (batch["encoder_input_ids"], batch["decoder_input_ids"], *masks), batch["labels"]
 
-    def _clip(self, optimizer, args, kwargs) -> None:
+    def _clip(self) -> None:
         # this stage's squares summed over the tensor and pipeline ranks of this data-parallel
         # replica (and the expert-parallel ranks for the experts): tensor shards on every tensor
         # rank, replicated weights on tensor rank 0, tied copies once (DeepSpeed marks the

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Callable, ContextManager, List, Mapping, Optional, Sequence
 
 from megatron.config.training import ProfileConfig
-from megatron.training import timing
+from megatron.training import deepspeed_internals, timing
 
 DATA_WAIT = "data-wait"
 FORWARD = "forward"
@@ -274,13 +274,12 @@ class StepProfiler:
         for module in model.modules() if model is not None else ():
             if hasattr(type(module), "ranges"):  # e.g. the MoE layers' all-to-all
                 module.ranges = self.ranges
-        table = getattr(type(engine), "_INSTRUCTION_MAP", None)
-        if isinstance(table, dict):  # DeepSpeed's PipelineEngine: its _exec_schedule reads
-            # self._INSTRUCTION_MAP, so a copy on the instance takes effect for this engine only
-            engine._INSTRUCTION_MAP = {
+        table = deepspeed_internals.pipeline_instructions(engine)
+        if table is not None:  # DeepSpeed's PipelineEngine: its instructions, for this engine
+            deepspeed_internals.set_pipeline_instructions(engine, {
                 kind: _ranged(fn, PIPELINE_INSTRUCTIONS.get(kind.__name__, kind.__name__),
                               self.ranges)
-                for kind, fn in table.items()}
+                for kind, fn in table.items()})
         else:  # engine.backward / step call self.allreduce_gradients()
             reduce = engine.allreduce_gradients
             ranges = self.ranges

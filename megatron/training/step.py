@@ -31,7 +31,7 @@ from megatron.model.state_dict import persistent_buffers
 from megatron.training import experts
 from megatron.training.layer_norms import LayerGradNorms
 from megatron.training.nan_locator import GradientCheck, NonFiniteWatch
-from megatron.training import denoiser_metrics
+from megatron.training import denoiser_metrics, deepspeed_internals
 from megatron.training.denoiser_metrics import KIND_KEY
 from megatron.training.profiling import BACKWARD, FORWARD, NO_RANGE, OPTIMIZER_STEP, no_range
 from megatron.training.step_metrics import SUM, Metrics, merge, metric
@@ -268,9 +268,9 @@ class EngineStep(TrainStep):
                              buffers=self._buffer_names(), experts=experts)
         if problems:
             raise WeightsError("; ".join(problems))
-        refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
-        if refresh is not None and optimizer_step is None:  # the masters of ZeRO and the
-            refresh()  # 16-bit optimizers (with optimizer states they come from the file)
+        if optimizer_step is None:  # the masters of ZeRO and the 16-bit optimizers (with
+            deepspeed_internals.refresh_masters(self.engine.optimizer)  # optimizer states
+            # they come from the file)
         if optimizer_step is not None:
             load_optimizer_state(self.engine, self._weight_names(), folder, optimizer_step,
                                  module_vocab_size(module),
@@ -291,8 +291,7 @@ class EngineStep(TrainStep):
             return None  # partitions swapped out to the disk: not read on every step
         # ZeRO-3 keeps a parameter's data only while a forward gathers it; between steps a
         # rank holds its partition, ds_tensor (on the CPU with --offload-param cpu)
-        tensors = [getattr(p, "ds_tensor", None) if hasattr(p, "ds_tensor") else p
-                   for p in self.engine.module.parameters()]
+        tensors = [deepspeed_internals.stored_tensor(p) for p in self.engine.module.parameters()]
         return weight_norms([t for t in tensors if t is not None], self.device)
 
     def watch_layer_grad_norms(self, groups: List[str]) -> None:
@@ -301,13 +300,8 @@ class EngineStep(TrainStep):
         self.layer_grad_norms = LayerGradNorms(self.engine, self._weight_names(), groups,
                                                self._loss_scale, self.device)
 
-    # DeepSpeed internals, read in one place.
     def _loss_scale(self) -> float:
-        optimizer = self.engine.optimizer
-        scale = getattr(optimizer, "cur_scale", None)
-        if scale is None:
-            scale = getattr(getattr(optimizer, "loss_scaler", None), "cur_scale", None)
-        return float(scale) if scale is not None else 1.0
+        return deepspeed_internals.loss_scale(self.engine.optimizer)
 
     def _grad_norm(self) -> Optional[float]:
         norm = self.engine.get_global_grad_norm()
@@ -451,8 +445,4 @@ class DataParallelStep(EngineStep):
             return None
         if self._clip_experts:  # experts over ranks: DeepSpeed's ZeRO-0 norm mixes them
             return experts.global_grad_norm(engine.module)
-        # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
-        from deepspeed.runtime.utils import clip_grad_norm_
-
-        return float(clip_grad_norm_(list(engine.module.parameters()), max_norm=float("inf"),
-                                     mpu=parallel_state))
+        return deepspeed_internals.zero0_fp32_grad_norm(engine.module.parameters(), parallel_state)
