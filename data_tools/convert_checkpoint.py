@@ -117,6 +117,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sparse encoder blocks: i %% step == 1, every block with 1 (default)")
     moe.add_argument("--moe-decoder-sparse-step", type=int, default=None,
                      help="the same for the decoder")
+    vocab = p.add_argument_group(
+        "vocabulary extension", "--to megatron: CPM-2's bilingual stage, the checkpoint grown to "
+        "a vocabulary that train_tokenizer.py --extend made from the run's "
+        "(megatron/checkpoint/formats/vocab_extension.py)")
+    vocab.add_argument("--extend-vocab", metavar="NEW_TOKENIZER", default=None,
+                       help="the extended tokenizer (a SentencePiece .model, or CPM-2's vocab.txt "
+                            "or its folder); the old one is --tokenizer-model (--tokenizer-path "
+                            "with --from cpm2), else the run's, from its flags. Old tokens keep "
+                            "their rows under their new ids; a new token starts from the row of "
+                            "its longest old prefix, else of a random old token. Optimizer "
+                            "states, where carried (the default, as for any --to megatron; "
+                            "--weights-only drops them): kept for the old rows, zero (fresh) for "
+                            "the new; the trainer's --finetune starts from the weights alone")
+    vocab.add_argument("--extend-vocab-seed", type=int, default=None, metavar="SEED",
+                       help="seed of the random old rows of new tokens without an old prefix "
+                            "(default 1234)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -176,8 +192,9 @@ def check(args) -> List[str]:
         problems.append("--allow-inexact-hf has effect only with --to hf")
     if args.dtype is not None and kind != "hf":
         problems.append("--dtype has effect only with --to hf")
-    if args.tokenizer_model is not None and kind != "hf":
+    if args.tokenizer_model is not None and kind != "hf" and args.extend_vocab is None:
         problems.append("--tokenizer-model has effect only with --to hf")
+    problems += _extend_vocab_problems(args, kind)
     if args.tokenizer_model is not None and not Path(args.tokenizer_model).exists():
         problems.append(f"--tokenizer-model {args.tokenizer_model}: no such file")
     if args.iteration is not None and args.load is None and args.from_format != "cpm2":
@@ -185,6 +202,53 @@ def check(args) -> List[str]:
     if Path(out).exists() and not args.force:
         problems.append(f"{out} exists; pass --force to replace it")
     return problems
+
+
+def _extend_vocab_problems(args, kind: str) -> List[str]:
+    if args.extend_vocab is None:
+        return ["--extend-vocab-seed needs --extend-vocab"] \
+            if args.extend_vocab_seed is not None else []
+    problems = []
+    if kind != "megatron":
+        problems.append("--extend-vocab has effect only with --to megatron")
+    if args.num_experts is not None:
+        problems.append("--extend-vocab with --num-experts: upcycle and extend in two conversions")
+    if not Path(args.extend_vocab).exists():
+        problems.append(f"--extend-vocab {args.extend_vocab}: no such file or folder")
+    return problems
+
+
+def vocab_extended(args, model_meta: dict, tensors, source: dict):
+    """(model meta, tensors, source, row plan) grown to --extend-vocab's vocabulary
+    (megatron/checkpoint/formats/vocab_extension.py)."""
+    from megatron.checkpoint.formats import vocab_extension as ve
+    from megatron.data.tokenizers.extend import DEFAULT_SEED, row_sources
+    from megatron.data.tokenizers.tokenizer import build_tokenizer, resolve_tokenizer
+
+    if source.get("format") == "cpm2" and args.vocab is not None:
+        old_spec = resolve_tokenizer(args.vocab, path_flag="--tokenizer-path")
+    else:
+        meta_path = Path(source["path"]) / "meta.json" if source.get("format") == "megatron" \
+            else None
+        old_spec = tokenizer_of(args, meta_path)
+    if old_spec is None:
+        raise CommandLineError("--extend-vocab needs the checkpoint's own tokenizer: give it "
+                               "with --tokenizer-model (--tokenizer-path with --from cpm2)")
+    new_spec = resolve_tokenizer(args.extend_vocab, path_flag="--extend-vocab")
+    seed = DEFAULT_SEED if args.extend_vocab_seed is None else args.extend_vocab_seed
+    plan = row_sources(build_tokenizer(old_spec), build_tokenizer(new_spec), seed,
+                       old_name=old_spec.path, new_name=new_spec.path)
+    config = ve.extended_config(model_meta["config"], plan)
+    counts = ve.summary(plan)
+    print(f"vocabulary: {plan.old_size} ids ({old_spec.path}) -> {plan.new_size} "
+          f"({new_spec.path}): {counts['old']} old rows moved with their ids, {counts['prefix']} "
+          f"new from their longest old prefix, {counts['random']} from a random old token "
+          f"(seed {seed}); model vocab_size {model_meta['config']['vocab_size']} -> "
+          f"{config['vocab_size']}")
+    source = {**source, "vocab_extended": {"old_tokenizer": str(old_spec.path),
+                                           "new_tokenizer": str(new_spec.path),
+                                           "seed": seed, "rows": counts}}
+    return {**model_meta, "config": config}, ve.extended_tensors(tensors, plan), source, plan
 
 
 def _upcycle_flags(args) -> dict:
@@ -400,8 +464,16 @@ def run(args) -> int:
     if args.num_experts is not None:  # upcycling: weights only
         model_meta, tensors, source = upcycled(args, model_meta, tensors, source)
         total = _count(model_meta)
+    plan = None
+    if args.extend_vocab is not None:
+        model_meta, tensors, source, plan = vocab_extended(args, model_meta, tensors, source)
     optimizer = optimizer_states(args, source) \
         if kind == "megatron" and "upcycled" not in source else None
+    if optimizer is not None and plan is not None:
+        from megatron.checkpoint.formats.vocab_extension import extended_tensors
+
+        for key in ("exp_avg", "exp_avg_sq"):
+            optimizer[key] = extended_tensors(optimizer[key], plan, zero_new_rows=True)
     if optimizer is not None:
         total *= 3  # the weights, then each moment
     progress = _progress(not args.no_progress, total, f"--to {kind}")

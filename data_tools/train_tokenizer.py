@@ -97,6 +97,17 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip-bad-lines", action="store_true",
                    help="skip malformed lines (counted) instead of stopping at the first one")
     p.add_argument("--verbose", action="store_true", help="show SentencePiece's own log")
+    extend = p.add_argument_group(
+        "vocabulary extension", "CPM-2's bilingual stage (data_tools/extend_tokenizer.py): an old "
+        "vocabulary with new pieces after it, ids unchanged; then convert_checkpoint.py "
+        "--extend-vocab grows a checkpoint to it")
+    extend.add_argument("--extend", metavar="OLD", default=None,
+                        help="the vocabulary to extend: a SentencePiece .model (writes "
+                             "PREFIX.model/.vocab; its model type and normalization are used, "
+                             "--vocab-size and --model-type are not) or CPM-2's vocab.txt or its "
+                             "folder (writes PREFIX/vocab.txt)")
+    extend.add_argument("--add-pieces", type=int, default=None, metavar="N",
+                        help="with --extend: train N pieces on --input and add those not in OLD")
     args = p.parse_args(argv)
     problems = []
     if args.vocab_size < 4 + (256 if args.byte_fallback else 0) + 3 * args.ul2_mode_tokens:
@@ -112,6 +123,14 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             problems.append(f"--{name.replace('_', '-')} must not be negative")
     if args.num_threads < 1:
         problems.append("--num-threads must be at least 1")
+    if (args.extend is None) != (args.add_pieces is None):
+        problems.append("--extend OLD and --add-pieces N go together")
+    elif args.extend is not None:
+        if args.add_pieces < 1:
+            problems.append("--add-pieces must be at least 1")
+        if args.ul2_mode_tokens:
+            problems.append("--ul2-mode-tokens does not apply with --extend (the old model has "
+                            "its symbols)")
     if problems:
         p.error("; ".join(problems))
     return args
@@ -324,7 +343,12 @@ def train(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Command line entry point; returns the exit code."""
-    return train(get_args(argv))
+    args = get_args(argv)
+    if args.extend is not None:
+        from data_tools.extend_tokenizer import extend
+
+        return extend(args)
+    return train(args)
 
 
 if __name__ == "__main__":
