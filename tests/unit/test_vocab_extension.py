@@ -15,7 +15,11 @@ import pytest
 import torch
 
 from data_tools import convert_checkpoint, train_tokenizer
-from megatron.checkpoint.formats.weights import WeightsReader, full_tensors, write_weights_checkpoint
+from megatron.checkpoint.formats.weights import (
+    WeightsReader,
+    full_tensors,
+    write_weights_checkpoint,
+)
 from megatron.data.tokenizers.extend import SPACE, row_sources
 from megatron.data.tokenizers.tokenizer import T5Tokenizer
 from megatron.model import T5Model
@@ -88,7 +92,8 @@ class _Vocab:
 
 
 def test_new_rows_by_the_prefix_rule_checked_by_hand():
-    old = _Vocab(["<pad>", "</s>", "<unk>", "▁", "▁t", "▁th", "ing", "<0x41>", "<extra_id_0>"])
+    old = _Vocab(["<pad>", "</s>", "<unk>", "▁", "▁t", "▁th", "ing", "<0x41>",
+                  "<extra_id_0>"])
     new = _Vocab(["<pad>", "</s>", "<unk>", "▁", "▁t", "▁th", "ing", "<0x41>",
                   "▁the", "▁tea", "ings", "xyz", "<0x41>z", "<extra_id_0>"])
     plan = row_sources(old, new, seed=5)

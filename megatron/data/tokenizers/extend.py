@@ -47,13 +47,14 @@ class VocabularyExtensionError(ValueError):
 
 def load_model_proto(path: str):
     """The ``ModelProto`` of a SentencePiece ``.model`` file."""
+    from google.protobuf.message import DecodeError
     from sentencepiece import sentencepiece_model_pb2
 
     proto = sentencepiece_model_pb2.ModelProto()
     try:
         with open(path, "rb") as f:
             proto.ParseFromString(f.read())
-    except (OSError, ValueError) as e:  # protobuf's DecodeError is a ValueError... in most versions
+    except (OSError, DecodeError) as e:
         raise VocabularyExtensionError(f"{path}: not a SentencePiece model ({e})") from None
     if not proto.pieces:
         raise VocabularyExtensionError(f"{path}: not a SentencePiece model (no pieces)")
