@@ -21,6 +21,7 @@ first).
 from __future__ import annotations
 
 import ctypes
+import functools
 import multiprocessing
 import os
 import signal
@@ -48,12 +49,24 @@ def data_worker_init(worker_id: int, rank_pid: int) -> None:  # noqa: ARG001
     could save. Here they ignore both and leave the decision to the rank, which saves at its
     next step boundary and then ends its workers (this module's docstring). A worker also dies
     with its rank (Linux: the parent-death signal), so that none outlives a rank that was killed
-    outright. (A signal that arrives between the worker's start and this call finds the rank's
-    own handler, inherited through fork, which only records it.)
+    outright. (A signal that arrives between the worker's start and this call stays pending:
+    a StoppableLoader starts its workers with the stop signals blocked, and unblocks them after
+    this call, when they are ignored.)
     """
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     _die_with(rank_pid)
+
+
+def _init_then_unblock(init, worker_id: int) -> None:
+    """A StoppableLoader worker's `worker_init_fn`: the loader's own (`data_worker_init` ignores
+    the stop signals), then the stop signals unblocked (a pending one is then discarded if
+    ignored, or acted on as before)."""
+    try:
+        if init is not None:
+            init(worker_id)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def _die_with(parent: int) -> None:
@@ -92,11 +105,25 @@ class StoppableLoader(torch.utils.data.DataLoader):
     """A DataLoader whose worker processes `close()` ends, whoever still holds its iterators."""
 
     def __init__(self, *args, **kwargs) -> None:
+        if kwargs.get("num_workers", 0) > 0:  # (see __iter__)
+            kwargs["worker_init_fn"] = functools.partial(_init_then_unblock,
+                                                         kwargs.get("worker_init_fn"))
         super().__init__(*args, **kwargs)
         self._opened: List[weakref.ref] = []
 
     def __iter__(self):
-        iterator = super().__iter__()
+        # Workers start with the stop signals blocked (a forked child inherits the mask) until
+        # their `worker_init_fn` has run: torch's worker loop installs, before that function, a
+        # SIGTERM handler that ends a worker for a signal its parent did not send, so the
+        # launcher's SIGTERM to the process group, arriving while a loader starts its workers
+        # (an evaluation loader at the first evaluation), would kill one and fail the rank
+        # instead of letting it save. Blocked here only in this thread; the rank's handler
+        # still gets the signal (another thread takes it, or this one once unblocked).
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            iterator = super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         self._opened.append(weakref.ref(iterator))
         return iterator
 

@@ -46,6 +46,27 @@ def test_close_ends_workers_that_ignore_sigterm():
     assert all(w.exitcode is not None for w in workers)  # reaped
 
 
+def _slow_init(worker_id: int, rank_pid: int) -> None:
+    time.sleep(1.5)  # torch's own SIGTERM handler is in place from before this call
+    data_worker_init(worker_id, rank_pid)
+
+
+def test_a_sigterm_while_the_workers_start_is_the_ranks():
+    """The launcher's SIGTERM to the process group can reach a worker that has started but not
+    yet run data_worker_init (an evaluation loader's first iter()): it must not end the worker
+    (torch's handler would), and the rank's own signal mask is left as it was."""
+    data = StoppableLoader(Numbers(), batch_size=4, num_workers=2,
+                           worker_init_fn=functools.partial(_slow_init, rank_pid=os.getpid()))
+    it = iter(data)
+    assert not set(signal.pthread_sigmask(signal.SIG_BLOCK, [])) & {signal.SIGTERM,
+                                                                    signal.SIGUSR1}
+    time.sleep(0.5)
+    for w in it._workers:
+        os.kill(w.pid, signal.SIGTERM)
+    assert [b.tolist()[0] for b in it] == list(range(0, 64, 4))  # every batch, no worker lost
+    data.close()
+
+
 def test_close_ends_a_persistent_loaders_workers_and_it_starts_anew():
     data = loader(1, persistent=True)
     assert [b.tolist()[0] for b in data][:2] == [0, 4]
