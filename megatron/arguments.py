@@ -41,7 +41,8 @@ from megatron.model.settings import ModelConfig, add_moe_args, moe_layout_proble
 from megatron.model.transformer import ATTENTION_BACKENDS
 from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
-from megatron.config.divergence_args import add_divergence_args, divergence_config, divergence_problems
+from megatron.config.divergence_args import (add_divergence_args, divergence_config,
+                                             divergence_problems)
 from megatron.training.ds_config import OPTIMIZER_DEFAULTS
 from megatron.training.profiling import add_profile_args, profile_config, profile_problems
 

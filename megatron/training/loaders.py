@@ -149,7 +149,7 @@ def build_data(data: DataSettings, batch: BatchConfig, device_type: str,
         if not reads_batches:
             loaders.append(UnreadBatches(len(sampler)))
             continue
-        if remote:  # byte ranges of the next batches fetched ahead (megatron/data/storage/readahead.py)
+        if remote:  # the next batches' byte ranges fetched ahead (data/storage/readahead.py)
             dataset = ReadAheadDataset(dataset)
             sampler = ReadAheadBatchSampler(sampler, data.object_storage.read_ahead,
                                             data.num_workers)

@@ -432,9 +432,9 @@ def _exit_requested(runtime: RuntimeConfig, train_iters: int, state: TrainState,
     signal received by any rank. The same all-reduce (`reducer`, MAX) carries `maxima`, the
     producers' MAX metrics: the NaN guard's (nan_locator.guard_metrics: the lowest rank whose
     loss or gradient norm was not finite sets state.diverged) and the divergence guard's
-    (divergence.step_metrics), which `guard` then checks (every rank the same numbers: the same decision), setting
-    state.divergence. The all-reduce runs at every step (also the last and --exit-interval's),
-    so that every rank takes the same decision from the same flags."""
+    (divergence.step_metrics), which `guard` then checks (every rank the same numbers: the
+    same decision), setting state.divergence. The all-reduce runs at every step (also the last
+    and --exit-interval's), so that every rank takes the same decision from the same flags."""
     timed_out = runtime.exit_duration_in_mins is not None and \
         time.monotonic() - start_time > runtime.exit_duration_in_mins * 60
     signum = signals.received if signals is not None and signals.received is not None else 0

@@ -55,7 +55,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError, allowed_globals, only_globals
+from megatron.checkpoint.formats.deepspeed_files import (CheckpointReadError, allowed_globals,
+                                                         only_globals)
 from megatron.checkpoint.layout import ITERATION_PREFIX, TRACKER, TrackerError, read_tracker
 from megatron.model.config import ConfigError, T5Config
 from megatron.model.meta import full_parameter_shapes
