@@ -20,7 +20,7 @@ checks it the first time it meets a set of names.
 from __future__ import annotations
 
 import zlib
-from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, NamedTuple, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -141,20 +141,11 @@ class Reducer:
                 f"{', '.join(names) or 'none'}); every rank must report the same names")
 
 
-def add_into(total: Dict[str, torch.Tensor], values: Mapping[str, torch.Tensor],
-             reduce: str = SUM) -> None:
-    """Accumulate `values` into `total` (an interval's sums, or maxima), by name, on the host."""
+def add_into(total: Dict[str, torch.Tensor], values: Mapping[str, torch.Tensor]) -> None:
+    """Add `values` into `total` (an interval's sums), by name, on the host."""
     for name, value in values.items():
         value = value.detach().cpu()
-        if name not in total:
-            total[name] = value.clone()
-        elif reduce == SUM:
+        if name in total:
             total[name] += value
         else:
-            total[name] = torch.maximum(total[name], value)
-
-
-def scalar(values: Mapping[str, torch.Tensor], name: str) -> Optional[float]:
-    """values[name] as a float (None where the name is absent)."""
-    value = values.get(name)
-    return None if value is None else float(value)
+            total[name] = value.clone()

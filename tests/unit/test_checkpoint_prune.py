@@ -2,7 +2,8 @@
 the tracker's, never a folder being written; a removal cut short leaves no folder that looks
 like a checkpoint."""
 
-from megatron.checkpoint.io.checkpointing import TRACKER, prune
+from megatron.checkpoint.io.checkpointing import prune
+from megatron.checkpoint.layout import TRACKER
 
 
 def make(root, *names):

@@ -42,7 +42,6 @@ from megatron.failures import RunFailure
 from megatron.config.lr_schedule import LRSchedule, resolve_with_checkpoint
 from megatron.config.training import CheckpointConfig
 from megatron.checkpoint import layout as folder_layout  # (`layout` is the parallel sizes')
-from megatron.checkpoint.layout import TRACKER  # noqa: F401 - re-exported: io's callers use it
 
 TEST_PAUSE_ENV = "MEGATRON_CHECKPOINT_TEST_PAUSE_S"
 """Tests only: "SECONDS" or "ITERATION:SECONDS" to sleep after the engine files of a save are
