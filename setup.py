@@ -2,7 +2,8 @@
 
 The C++ helpers are compiled here, at install time (nothing is ever compiled at run time): the data
 helpers (csrc/helpers.cpp, csrc/builders.cpp) into `megatron.data._helpers`, the balanced
-assignment of BASE-layer routing (csrc/balanced_assignment.cpp) into `megatron.model._moe_helpers`.
+assignment of BASE-layer routing (csrc/balanced_assignment.cpp, CPM-2's auction in
+csrc/cpm2_auction.cpp) into `megatron.model._moe_helpers`.
 `megatron` is a PEP 420 namespace package (no `megatron/__init__.py`) so that it can live beside
 megatron-core, which ships `megatron.core` in the same namespace and is used by our interop tests.
 """
@@ -21,7 +22,8 @@ ext_modules = [
     # BASE-layer routing: the balanced token-to-expert assignment (an exact auction).
     Pybind11Extension(
         "megatron.model._moe_helpers",
-        ["csrc/balanced_assignment.cpp"],
+        ["csrc/balanced_assignment.cpp", "csrc/cpm2_auction.cpp"],
+        depends=["csrc/cpm2_auction.h"],
         cxx_std=17,
         extra_compile_args=["-O3"],
     ),

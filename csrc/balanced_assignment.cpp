@@ -46,6 +46,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include "cpm2_auction.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -421,6 +423,35 @@ py::array_t<int64_t> balanced_assignment(const py::object &scores_obj, int64_t c
   return out;
 }
 
+py::array_t<int64_t> cpm2_auction(const py::object &scores_obj) {
+  if (!py::isinstance<py::array>(scores_obj) ||
+      !py::array_t<float>::check_(py::reinterpret_borrow<py::array>(scores_obj))) {
+    fail("scores", "must be a numpy.ndarray of float32");
+  }
+  auto a = py::reinterpret_borrow<py::array>(scores_obj);
+  if (a.ndim() != 3) fail("scores", "must be 3-D [groups, tokens, experts], got ", a.ndim(), "-D");
+  if (!(a.flags() & py::array::c_style)) fail("scores", "must be C-contiguous");
+  const int64_t groups = a.shape(0), tokens = a.shape(1), experts = a.shape(2);
+  if (experts < 1 || tokens < experts || tokens % experts) {
+    fail("scores", tokens, " tokens cannot be split into equal shares of ", experts,
+         " experts: CPM-2's assignment needs a positive multiple of the experts");
+  }
+  const auto scores = py::reinterpret_borrow<py::array_t<float>>(a);
+  const float *in = scores.data();
+  for (int64_t i = 0; i < groups * tokens * experts; ++i) {
+    if (!std::isfinite(in[i])) fail("scores", "holds NaN or infinite values");
+  }
+  py::array_t<int64_t> out({groups, tokens});
+  int64_t *order = out.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    for (int64_t g = 0; g < groups; ++g) {
+      cpm2::auction(in + g * tokens * experts, tokens, experts, order + g * tokens);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_moe_helpers, m) {
@@ -429,4 +460,7 @@ PYBIND11_MODULE(_moe_helpers, m) {
         "balanced_assignment(scores float32[G, T, E], capacity) -> int64[G, T]: for each group, "
         "the expert of every token, at most `capacity` tokens per expert, with the largest total "
         "score. Needs T <= E * capacity; raises ValueError on NaN or inf scores.");
+  m.def("cpm2_auction", &cpm2_auction, py::arg("scores"),
+        "cpm2_auction(scores float32[G, T, E]) -> int64[G, T]: CPM-2-MoE's balanced assignment "
+        "(src/libbase), T / E tokens per expert, listed expert by expert (csrc/cpm2_auction.cpp).");
 }

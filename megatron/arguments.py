@@ -36,8 +36,8 @@ from megatron.config.training import BatchConfig, CheckpointConfig, LoggingConfi
 from megatron.data.data_args import add_data_args, resolve_data, t5_config_from_args
 from megatron.data.datasets.t5_dataset import T5DatasetConfig
 from megatron.initialize import choose_device
-from megatron.model.settings import ModelConfig, add_moe_args, moe_layout_problems, \
-    resolve_model
+from megatron.model.settings import ModelConfig, add_moe_args, cpm2_layout_problems, \
+    moe_layout_problems, resolve_model
 from megatron.model.transformer import ATTENTION_BACKENDS
 from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
@@ -413,6 +413,10 @@ def resolve_layout(values: Dict[str, object], parallel: ParallelConfig, device_t
     if model is not None:
         problems += moe_layout_problems(model.t5, parallel, resolved.zero.stage,
                                         resolved.precision.precision)
+        problems += cpm2_layout_problems(
+            model.t5, parallel, resolved.batch.micro_batch_size,
+            {"--encoder-seq-length": values.get("encoder_seq_length"),
+             "--decoder-seq-length": values.get("decoder_seq_length")})
     if model is not None:
         problems += cut_problems(model.t5, parallel.pipeline_model_parallel_size,
                                  parallel.pipeline_split_rank)

@@ -59,3 +59,39 @@ def balanced_assignment(scores: torch.Tensor, capacity: Optional[int] = None) ->
     array = scores.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
     expert = _moe_helpers.balanced_assignment(array, capacity)  # int64 [groups, tokens]
     return torch.from_numpy(expert).to(scores.device)
+
+
+def cpm2_assignment(scores: torch.Tensor) -> torch.Tensor:
+    """CPM-2-MoE's balanced assignment (its src/libbase: fairseq's BASE-layer auction), the same
+    answer bit for bit: for each group, T / E tokens per expert, listed expert by expert.
+
+    Unlike `balanced_assignment` this is not the best assignment: CPM-2's auction bids with a
+    fixed epsilon of 1/50 of the score range (at least 1e-4) and stops at the first round in
+    which every token has a bidder (`csrc/cpm2_auction.cpp` follows their torch operations step
+    for step, ties included). Non-finite scores are replaced by the smallest finite score of the
+    group, as CPM-2 does.
+
+    Args:
+        scores: [groups, tokens, experts] token-expert affinities (any float dtype, any device;
+            the auction runs on the CPU in float32), tokens a positive multiple of experts.
+
+    Returns:
+        LongTensor [groups, tokens] on the device of `scores`: row g holds the token indices of
+        group g, entries e * T/E ... (e + 1) * T/E - 1 going to expert e.
+
+    Raises:
+        ValueError: `scores` is not 3-D, or tokens is not a positive multiple of experts, or a
+            group has no finite score.
+    """
+    if scores.dim() != 3:
+        raise ValueError(f"cpm2_assignment: scores must be [groups, tokens, experts], got shape "
+                         f"{tuple(scores.shape)}")
+    array = scores.detach().to(device="cpu", dtype=torch.float32).clone()
+    finite = array.isfinite()
+    if not finite.all():
+        for group, ok in zip(array, finite):
+            if not ok.any():
+                raise ValueError("cpm2_assignment: a group holds no finite score")
+            group[~ok] = group[ok].min()
+    order = _moe_helpers.cpm2_auction(array.contiguous().numpy())
+    return torch.from_numpy(order).to(scores.device)

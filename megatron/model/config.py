@@ -30,6 +30,9 @@ HF_METADATA_KEYS = frozenset({
     "add_router_probs", "add_cross_attention", "chunk_size_feed_forward",  # SwitchTransformers
 })
 
+ROUTER_TYPES = ("switch", "topk", "base", "cpm2")
+"""The routers of megatron/model/moe.py and moe_cpm2.py."""
+
 CPM2_OFF_KEYS = {"do_dim_trick": False, "attn_scale": False}
 """CPM-2 switches accepted at these values only (the architecture they change is not built)."""
 
@@ -39,7 +42,7 @@ MOE_FIELDS = ("num_experts", "encoder_sparse_step", "decoder_sparse_step",
               "router_topk", "expert_capacity", "expert_capacity_factor",
               "eval_expert_capacity_factor", "router_bias", "router_jitter_noise", "router_dtype",
               "router_ignore_padding_tokens", "router_z_loss_coef", "router_aux_loss_coef",
-              "moe_expert_bias")
+              "moe_expert_bias", "router_centroid_gain")
 """The Mixture-of-Experts fields (left out of a dense model's dict)."""
 
 
@@ -113,7 +116,9 @@ class T5Config:
     num_sparse_decoder_layers: Optional[int] = None
     router_type: str = "switch"
     """'switch' (top-1, output scaled by its probability), 'topk' (router_topk experts, weights
-    renormalised) or 'base' (balanced assignment in training, greedy top-1 in evaluation)."""
+    renormalised), 'base' (balanced assignment in training, greedy top-1 in evaluation) or
+    'cpm2' (CPM-2-MoE's BASE layers: frozen random centroids, CPM-2's auction over the whole
+    data-parallel group, no gate; megatron/model/moe_cpm2.py)."""
     router_topk: int = 2
     """k of router_type 'topk'."""
     expert_capacity: Optional[int] = None
@@ -133,6 +138,9 @@ class T5Config:
     """Only false (as Hugging Face, which does not use it either)."""
     router_z_loss_coef: float = 1e-3
     router_aux_loss_coef: float = 1e-2
+    router_centroid_gain: float = 0.1
+    """router_type 'cpm2': the gain of the orthogonal initialisation of the frozen centroids
+    (CPM-2's BaseLayer: 0.1; its init_ckpt.py upcycling: 0.01)."""
     moe_expert_bias: bool = False
     """Auxiliary-loss-free balancing: a per-expert bias on the choice, moved after each step."""
 
@@ -159,6 +167,11 @@ class T5Config:
         if step <= 0:
             return []
         return [i for i in range(layers) if step == 1 or i % step == 1]
+
+    @property
+    def has_balancing_losses(self) -> bool:
+        """The sparse blocks add Switch's balancing and z-losses (not BASE layers: 'base', 'cpm2')."""
+        return self.is_moe and self.router_type not in ("base", "cpm2")
 
     @property
     def router_k(self) -> int:
@@ -237,8 +250,9 @@ class T5Config:
                 out.append(f"{name} must be a non-negative integer, not {value!r}")
         if out or not self.num_experts:
             return out
-        if self.router_type not in ("switch", "topk", "base"):
-            out.append(f"router_type must be 'switch', 'topk' or 'base', not {self.router_type!r}")
+        if self.router_type not in ROUTER_TYPES:
+            out.append(f"router_type must be 'switch', 'topk', 'base' or 'cpm2', not "
+                       f"{self.router_type!r}")
         if self.router_type == "topk" and not 1 <= self.router_topk <= self.num_experts:
             out.append(f"router_topk ({self.router_topk}) must be between 1 and num_experts "
                        f"({self.num_experts})")
@@ -247,14 +261,23 @@ class T5Config:
             if value is not None and (isinstance(value, bool)
                                       or not isinstance(value, (int, float)) or value <= 0):
                 out.append(f"{name} must be a positive number or null, not {value!r}")
-        if self.router_type == "base":
+        if self.router_type in ("base", "cpm2"):
+            kind = self.router_type
             for name in ("expert_capacity_factor", "eval_expert_capacity_factor"):
                 if getattr(self, name) is not None:
-                    out.append(f"{name} cannot be set with router_type 'base': BASE layers give "
-                               "every expert the same number of tokens, nothing is dropped")
+                    out.append(f"{name} cannot be set with router_type '{kind}': BASE layers "
+                               "give every expert the same number of tokens, nothing is dropped")
             if self.moe_expert_bias:
-                out.append("moe_expert_bias cannot be set with router_type 'base': its "
+                out.append(f"moe_expert_bias cannot be set with router_type '{kind}': its "
                            "assignment is balanced already")
+        if self.router_type == "cpm2":
+            for name in ("router_bias", "router_jitter_noise"):
+                if getattr(self, name):
+                    out.append(f"{name} cannot be set with router_type 'cpm2': CPM-2-MoE routes "
+                               "by fixed centroids (no router weights, no noise)")
+            gain = self.router_centroid_gain
+            if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not gain > 0:
+                out.append(f"router_centroid_gain must be a positive number, not {gain!r}")
         if self.router_dtype != "float32":
             out.append(f"router_dtype {self.router_dtype!r} is not supported: the router is "
                        "computed in float32")
@@ -336,6 +359,8 @@ class T5Config:
         if not self.is_moe:
             for name in MOE_FIELDS:
                 out.pop(name)
+        elif self.router_type != "cpm2":
+            out.pop("router_centroid_gain")  # (the files of other routers are as before)
         return out
 
     def to_hf_dict(self) -> Dict[str, Any]:

@@ -44,6 +44,7 @@ from megatron.tensor_parallel.mappings import (
 )
 
 ROUTER_TYPES = ("switch", "topk", "base")
+"""The routers of this module ('cpm2': megatron/model/moe_cpm2.py)."""
 
 
 class Routing(NamedTuple):
@@ -301,11 +302,11 @@ class SparseMLP(nn.Module):
     def __init__(self, config: T5Config, init, *, tp: TensorParallel, ep: ExpertParallel,
                  sparse_layers: int, device=None, dtype=None) -> None:
         super().__init__()
-        self.router = Router(config, init, device, dtype)
+        self.router = self.make_router(config, init, device, dtype)
         self.experts = Experts(config, init, tp=tp, ep=ep, device=device, dtype=dtype)
         self.num_experts, self.tp, self.ep = config.num_experts, tp, ep
         self.router_type = config.router_type
-        self.k = 1 if config.router_type in ("switch", "base") else config.router_topk
+        self.k = config.router_k
         self.capacity_factor = config.expert_capacity_factor
         self.eval_capacity_factor = config.eval_expert_capacity_factor
         self.expert_capacity = config.expert_capacity
@@ -314,6 +315,9 @@ class SparseMLP(nn.Module):
         self.stats = MoEStats()
         self.step_load: Optional[torch.Tensor] = None
         """Token choices per expert since the last `update_expert_bias` (expert bias only)."""
+
+    def make_router(self, config: T5Config, init, device, dtype) -> nn.Module:
+        return Router(config, init, device, dtype)
 
     def capacity(self, length: int) -> Optional[int]:
         """Choices an expert takes per sequence of `length` tokens (None: dropless). BASE

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Mapping, Optional, Tuple
 
-from megatron.model.config import ConfigError, T5Config, load_preset
+from megatron.model.config import ROUTER_TYPES, ConfigError, T5Config, load_preset
 from megatron.model.t5 import model_parallel_problems
 
 
@@ -53,10 +53,12 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
         "SwitchTransformers names); --expert-model-parallel-size is with the parallel flags")
     g.add_argument("--num-experts", type=int, default=None,
                    help="experts per sparse feed-forward (0: dense)")
-    g.add_argument("--moe-router-type", choices=("switch", "topk", "base"), default=None,
+    g.add_argument("--moe-router-type", choices=ROUTER_TYPES, default=None,
                    help="switch: top-1 scaled by its probability; topk: --moe-router-topk "
-                        "experts, weights renormalised; base: BASE layers' balanced assignment "
-                        "(CPM-2-MoE). Default: the model config's (switch)")
+                        "experts, weights renormalised; base: BASE layers' best balanced "
+                        "assignment, greedy top-1 in evaluation; cpm2: CPM-2-MoE's BASE layers "
+                        "as it ran them (frozen centroids, its auction over the data-parallel "
+                        "group, EP = DP). Default: the model config's (switch)")
     g.add_argument("--moe-router-topk", type=int, default=None,
                    help="k of the topk router (implies --moe-router-type topk); default 2")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=None,
@@ -124,6 +126,35 @@ def moe_layout_problems(t5: T5Config, parallel, zero_stage: int, precision: str)
         out.append(f"--zero-stage 0 with {precision} cannot train a Mixture-of-Experts model "
                    f"(num_experts {t5.num_experts}): DeepSpeed's {precision} optimizer "
                    "mixes the expert-parallel ranks' gradient norms; use --zero-stage 1 or 2")
+    return out
+
+
+def cpm2_layout_problems(t5: T5Config, parallel, micro_batch: Optional[int],
+                         lengths: Mapping[str, Optional[int]]) -> List[str]:
+    """Where the 'cpm2' router is defined (megatron/model/moe_cpm2.py): its routing pool is the
+    whole data-parallel group, so the experts are split over all of it (EP = DP); every rank's
+    tokens split into equal parts, a multiple of experts x local experts. `lengths`: flag ->
+    sequence length (None: not known here)."""
+    if not t5.is_moe or t5.router_type != "cpm2":
+        return []
+    out = []
+    ep, dp = parallel.expert_model_parallel_size, parallel.data_parallel_size
+    if ep != dp:
+        out.append(f"--moe-router-type cpm2 routes over the whole data-parallel group, as "
+                   f"CPM-2-MoE did (one expert per data-parallel rank): "
+                   f"--expert-model-parallel-size ({ep}) must equal the data-parallel size "
+                   f"({dp})")
+        return out
+    if t5.num_experts % ep:
+        return out  # (moe_layout_problems says so)
+    multiple = t5.num_experts * (t5.num_experts // ep)
+    for flag, length in lengths.items():
+        if micro_batch is None or length is None or micro_batch * length % multiple == 0:
+            continue
+        out.append(f"--moe-router-type cpm2: a rank's tokens, --micro-batch-size {micro_batch} x "
+                   f"{flag} {length} = {micro_batch * length}, must be a multiple of experts "
+                   f"x experts per rank = {t5.num_experts} x {t5.num_experts // ep} = {multiple} "
+                   "(CPM-2's shuffle and assignment cut them into equal parts)")
     return out
 
 

@@ -239,15 +239,16 @@ def persistent_buffers(module: torch.nn.Module) -> Tuple[str, ...]:
 
 def load_full_state_dict(model: torch.nn.Module, full: StateDict) -> None:
     """Pad the vocabulary rows, keep the model's tensor-parallel shard (`model.tensor_parallel`),
-    load (strict).
+    load (strict for parameters; the persistent buffers `full` holds are loaded too).
 
     Raises:
         StateDictError: missing or unexpected names, or shapes that differ, all listed.
     """
     params = dict(model.named_parameters())
+    buffers = {name: model.get_buffer(name) for name in persistent_buffers(model)}
     tp = model.tensor_parallel
     missing = sorted(set(params) - set(full))
-    unexpected = sorted(set(full) - set(params))
+    unexpected = sorted(set(full) - set(params) - set(buffers))
     problems = []
     if missing:
         problems.append(f"missing: {', '.join(missing)}")
@@ -275,11 +276,18 @@ def load_full_state_dict(model: torch.nn.Module, full: StateDict) -> None:
                             f"{tuple(param.shape)}")
             continue
         local[name] = tensor
+    for name, buffer in buffers.items():  # replicated (CPM-2's centroids, expert biases)
+        if name in full and full[name].shape != buffer.shape:
+            problems.append(f"{name}: shape {tuple(full[name].shape)} does not fit "
+                            f"{tuple(buffer.shape)}")
     if problems:
         raise StateDictError("state dict does not fit the model: " + "; ".join(problems))
     with torch.no_grad():
         for name, tensor in local.items():
             params[name].copy_(tensor)
+        for name, buffer in buffers.items():
+            if name in full:
+                buffer.copy_(full[name])
 
 
 def _local_experts(tensor: torch.Tensor, ep) -> torch.Tensor:
@@ -292,8 +300,8 @@ def _local_experts(tensor: torch.Tensor, ep) -> torch.Tensor:
 
 def gather_full_state_dict(model: torch.nn.Module, grads: bool = False) -> StateDict:
     """The full parameters (or their gradients) of a tensor-parallel model, vocabulary unpadded;
-    every tensor rank gets the whole dict. Parameters without a gradient are left out when
-    `grads` is set."""
+    every tensor rank gets the whole dict, with the persistent buffers (replicated). Parameters
+    without a gradient are left out when `grads` is set, and so are the buffers."""
     tp = model.tensor_parallel
     out = {}
     for name, param in model.named_parameters():
@@ -312,5 +320,8 @@ def gather_full_state_dict(model: torch.nn.Module, grads: bool = False) -> State
         if name in VOCAB_PARAMETERS:
             tensor = tensor[:model.config.vocab_size]
         out[name] = tensor.clone()
+    if not grads:
+        for name in persistent_buffers(model):
+            out[name] = model.get_buffer(name).detach().clone()
     return out
 

@@ -35,6 +35,7 @@ from megatron.tensor_parallel.layers import (
 )
 from megatron.model.flex import FlexBias, flex_core_attention, key_valid_from_additive
 from megatron.model.moe import SparseMLP
+from megatron.model.moe_cpm2 import CPM2SparseMLP
 from megatron.tensor_parallel.group import NO_EXPERT_PARALLEL, ExpertParallel, TensorParallel
 from megatron.tensor_parallel.random import get_cuda_rng_tracker, init_rng
 
@@ -409,8 +410,9 @@ class T5LayerFF(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         if sparse_layers:
-            self.mlp = SparseMLP(config, init, tp=tp, ep=ep, sparse_layers=sparse_layers,
-                                 device=device, dtype=dtype)
+            kind = CPM2SparseMLP if config.router_type == "cpm2" else SparseMLP
+            self.mlp = kind(config, init, tp=tp, ep=ep, sparse_layers=sparse_layers,
+                            device=device, dtype=dtype)
         else:
             self.DenseReluDense = T5DenseActDense(config, init, tp=tp, device=device,
                                                   dtype=dtype)

@@ -305,7 +305,7 @@ def cut_model(config: T5Config, pipeline_size: int, split_rank: Optional[int] = 
 
 def aux_blocks(config: T5Config) -> Tuple[int, ...]:
     """`Cut.aux_blocks` of `config`."""
-    if not config.is_moe or config.router_type == "base":
+    if not config.has_balancing_losses:
         return ()
     e = config.num_layers
     return tuple(config.sparse_blocks(False)) + tuple(e + i for i in config.sparse_blocks(True))
