@@ -31,6 +31,16 @@ megatron/checkpoint/; no process groups or GPUs: it runs on a login node, one te
     # --model-config (CPM-2's JSON or ours) and, for --to hf, its vocab.txt folder
     python data_tools/convert_checkpoint.py --from cpm2 cpm2-ckpt/ --model-config \
         enc_dec_xlarge_config.json --tokenizer-path bpe_cn/ --to hf out/cpm2-hf
+    # CPM-2-MoE (its moe branch: training saves at any data x model parallel, or init_ckpt.py's
+    # output) into ours at any EP x TP, and back into CPM-2-MoE's layout at model parallel P
+    python data_tools/convert_checkpoint.py --from cpm2 cpm2-moe/ --model-config \
+        enc_dec_xlarge_config.json --to megatron out/moe --target-expert-parallel-size 4
+    python data_tools/convert_checkpoint.py --load out/moe --to cpm2 out/cpm2-moe \
+        --target-tensor-parallel-size 8 [--dtype fp16]
+    # CPM-2's init_ckpt.py: a dense CPM-2 upcycled to CPM-2-MoE (centroid gain 0.01 as theirs)
+    python data_tools/convert_checkpoint.py --from cpm2 cpm2-ckpt/ --model-config \
+        enc_dec_xlarge_config.json --num-experts 32 --moe-router-type cpm2 --to cpm2 \
+        out/expert-32 --target-tensor-parallel-size 8 --dtype fp16
 
 Weights come from the fp32 master copy where the checkpoint has one (ZeRO 1-3, bf16 and fp16
 runs; fp16 without ZeRO gives its fp16 weights, with a warning); experts split over ranks are
@@ -72,10 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source_dir", nargs="?", metavar="DIR",
                    help="with --from: the folder (for cpm2 the --save folder of the run)")
     p.add_argument("--to", nargs=2, metavar=("FORMAT", "OUT"),
-                   help="hf, megatron or fp32, and the output folder")
+                   help="hf, megatron, fp32 or cpm2 (CPM-2-MoE's layout), and the output folder")
     p.add_argument("--iteration", type=int, default=None,
                    help="the checkpoint to read (default: the tracker's)")
-    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    p.add_argument("--target-tensor-parallel-size", type=int, default=None,
+                   help="--to megatron: default 1; --to cpm2: the model-parallel size (default "
+                        "the CPM-2 source's, else 1)")
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     p.add_argument("--target-expert-parallel-size", type=int, default=1,
                    help="--to megatron: the expert-model-parallel size the checkpoint is for "
@@ -92,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(or its folder) (default: the run's, from its flags)")
     p.add_argument("--max-shard-size", default="5GB", help="split weight files above this")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
-                   help="--to hf: the weights' dtype (default fp32)")
+                   help="--to hf: the weights' dtype (default fp32); --to cpm2: default the "
+                        "source's (CPM-2's runs saved fp16)")
     p.add_argument("--weights-only", action="store_true",
                    help="--to megatron: leave the optimizer states out (default: carried "
                         "where the source has them, so that --load resumes the run)")
@@ -108,15 +121,20 @@ def build_parser() -> argparse.ArgumentParser:
         "start it with --finetune); the trainer's flags, which set the model config's fields")
     moe.add_argument("--num-experts", type=int, default=None,
                      help="experts per sparse feed-forward")
-    moe.add_argument("--moe-router-type", choices=("switch", "topk", "base"), default=None,
+    moe.add_argument("--moe-router-type", choices=("switch", "topk", "base", "cpm2"),
+                     default=None,
                      help="default: switch; topk with renormalised weights starts as exactly "
-                          "the dense model")
+                          "the dense model; cpm2: CPM-2-MoE's BASE layer (its init_ckpt.py; "
+                          "every block sparse, --to cpm2 writes its layout)")
     moe.add_argument("--moe-router-topk", type=int, default=None,
                      help="k of the topk router (implies --moe-router-type topk)")
     moe.add_argument("--moe-encoder-sparse-step", type=int, default=None,
                      help="sparse encoder blocks: i %% step == 1, every block with 1 (default)")
     moe.add_argument("--moe-decoder-sparse-step", type=int, default=None,
                      help="the same for the decoder")
+    moe.add_argument("--moe-centroid-gain", type=float, default=None,
+                     help="--moe-router-type cpm2: the gain of the orthogonal routing centroids "
+                          "(default 0.01, init_ckpt.py's)")
     vocab = p.add_argument_group(
         "vocabulary extension", "--to megatron: CPM-2's bilingual stage, the checkpoint grown to "
         "a vocabulary that train_tokenizer.py --extend made from the run's "
@@ -174,24 +192,28 @@ def check(args) -> List[str]:
         problems.append("--to FORMAT OUT is required (hf, megatron or fp32)")
         return problems
     kind, out = args.to
-    if kind not in ("hf", "megatron", "fp32"):
-        problems.append(f"--to {kind}: not one of hf, megatron, fp32")
+    if kind not in ("hf", "megatron", "fp32", "cpm2"):
+        problems.append(f"--to {kind}: not one of hf, megatron, fp32, cpm2")
+    if args.target_tensor_parallel_size is None and kind != "cpm2":
+        args.target_tensor_parallel_size = 1
     if args.from_format == "hf" and kind == "hf":
         problems.append("--from hf --to hf: nothing to convert")
     for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
                  "target_expert_parallel_size"):
         value = getattr(args, flag)
+        if value is None:
+            continue
         if value < 1:
             problems.append(f"--{flag.replace('_', '-')} must be >= 1")
-        elif value != 1 and kind != "megatron":
+        elif value != 1 and kind not in ("megatron", "cpm2" if "tensor" in flag else ""):
             problems.append(f"--{flag.replace('_', '-')} has effect only with --to megatron")
     if args.weights_only and kind != "megatron":
         problems.append("--weights-only has effect only with --to megatron")
     problems += _upcycle_problems(args, kind)
     if args.allow_inexact_hf and kind != "hf":
         problems.append("--allow-inexact-hf has effect only with --to hf")
-    if args.dtype is not None and kind != "hf":
-        problems.append("--dtype has effect only with --to hf")
+    if args.dtype is not None and kind not in ("hf", "cpm2"):
+        problems.append("--dtype has effect only with --to hf or --to cpm2")
     if args.tokenizer_model is not None and kind != "hf" and args.extend_vocab is None:
         problems.append("--tokenizer-model has effect only with --to hf")
     problems += _extend_vocab_problems(args, kind)
@@ -260,13 +282,19 @@ def _upcycle_flags(args) -> dict:
 
 def _upcycle_problems(args, kind: str) -> List[str]:
     given = {k: v for k, v in _upcycle_flags(args).items() if v is not None}
+    if args.moe_centroid_gain is not None and given.get("router_type") != "cpm2":
+        return ["--moe-centroid-gain needs --num-experts and --moe-router-type cpm2"]
+    if args.moe_centroid_gain is not None and args.moe_centroid_gain <= 0:
+        return ["--moe-centroid-gain must be > 0"]
     if not given:
         return []
     if "num_experts" not in given:
         return ["--moe-* flags upcycle a dense model: they need --num-experts"]
     problems = []
-    if kind != "megatron":
-        problems.append("--num-experts (upcycling) has effect only with --to megatron")
+    if kind not in ("megatron", "cpm2"):
+        problems.append("--num-experts (upcycling) has effect only with --to megatron or cpm2")
+    if kind == "cpm2" and given.get("router_type") != "cpm2":
+        problems.append("--to cpm2 with --num-experts needs --moe-router-type cpm2")
     if given["num_experts"] < 1:
         problems.append("--num-experts must be >= 1")
     return problems
@@ -386,7 +414,8 @@ def optimizer_states(args, source: dict):
 def upcycled(args, model_meta: dict, tensors, source: dict):
     """(model meta, tensors, source) of the Mixture-of-Experts model --num-experts asks for, made
     from the dense source (megatron/checkpoint/formats/upcycle.py)."""
-    from megatron.checkpoint.formats.upcycle import UpcycleError, upcycle, upcycled_config
+    from megatron.checkpoint.formats.upcycle import (DEFAULT_CENTROID_GAIN, UpcycleError, upcycle,
+                                                     upcycled_config)
     from megatron.model.config import T5Config
 
     dense = T5Config.from_dict(model_meta["config"], source="the source's config")
@@ -394,11 +423,15 @@ def upcycled(args, model_meta: dict, tensors, source: dict):
         config = upcycled_config(dense, _upcycle_flags(args))
     except UpcycleError as e:
         raise CommandLineError(str(e)) from None
+    gain = DEFAULT_CENTROID_GAIN if args.moe_centroid_gain is None else args.moe_centroid_gain
+    router = f"CPM-2's orthogonal centroids (gain {gain})" if config.router_type == "cpm2" \
+        else "zero"
     source = {**source, "upcycled": {"num_experts": config.num_experts,
                                      "router_type": config.router_type,
                                      "experts_per_token": config.router_k,
-                                     "router": "zeros"}}
-    return {**model_meta, "config": config.to_dict()}, upcycle(tensors, config), source
+                                     "router": router}}
+    return {**model_meta, "config": config.to_dict()}, \
+        upcycle(tensors, config, centroid_gain=gain), source
 
 
 def to_megatron(args, out: Path, model_meta: dict, tensors, source: dict, progress,
@@ -430,10 +463,42 @@ def to_megatron(args, out: Path, model_meta: dict, tensors, source: dict, progre
     else:
         upcycle = source.get("upcycled")
         what = (f" (upcycled: {num_experts} experts, each a copy of its block's feed-forward, "
-                f"the routers zero; see megatron/checkpoint/formats/upcycle.py for what it "
-                f"computes at step 0)") if upcycle else ""
+                f"the routers {upcycle['router']}; see megatron/checkpoint/formats/upcycle.py "
+                f"for what it computes at step 0)") if upcycle else ""
         print(f"wrote {out}{what}: start the trainer with --load {out} --finetune (any {sizes}; "
               f"{config}); the optimizer starts fresh")
+    return 0
+
+
+def to_cpm2(args, out: Path, model_meta: dict, tensors, source: dict, progress) -> int:
+    """CPM-2-MoE's layout (megatron/checkpoint/formats/cpm2_moe.py): its training save, or
+    init_ckpt.py's where the source was (or was upcycled to be) that."""
+    import torch
+
+    from megatron.checkpoint.formats.cpm2_moe import check_writable, write_cpm2_moe_checkpoint
+    from megatron.model.config import T5Config
+
+    config = T5Config.from_dict(model_meta["config"], source="the source's config")
+    size = args.target_tensor_parallel_size or source.get("model_parallel_size") or 1
+    layout = "init" if "upcycled" in source else source.get("cpm2_layout", "save")
+    try:
+        check_writable(config, size, layout)
+    except ValueError as e:
+        raise CommandLineError(str(e)) from None
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype is not None else None
+
+    def counted():
+        for name, tensor in tensors:
+            progress(name)
+            yield name, tensor
+
+    iteration = source.get("iteration") or 0
+    files = write_cpm2_moe_checkpoint(out, counted(), config, iteration, size, layout=layout,
+                                      dtype=dtype, force=args.force)
+    shape = (f"{config.num_experts} data-parallel ranks (one expert each) x {size} "
+             f"model-parallel ranks" if layout == "save" else
+             f"{size} model-parallel ranks, init_ckpt.py's layout (every data rank loads them)")
+    print(f"wrote {out}: CPM-2-MoE at iteration {iteration}, {len(files)} files for {shape}")
     return 0
 
 
@@ -479,6 +544,8 @@ def run(args) -> int:
     progress = _progress(not args.no_progress, total, f"--to {kind}")
     if kind == "megatron":
         return to_megatron(args, out, model_meta, tensors, source, progress, optimizer)
+    if kind == "cpm2":
+        return to_cpm2(args, out, model_meta, tensors, source, progress)
     if kind == "fp32":
         import torch
 

@@ -62,6 +62,7 @@ from megatron.model.config import ConfigError, T5Config
 from megatron.model.meta import full_parameter_shapes
 
 SHARD = re.compile(r"mp_rank_(\d+)_model_states\.pt")
+MOE_SHARD = re.compile(r"mp_rank_(\d+)_(\d+)_model_states\.pt")  # CPM-2-MoE: cpm2_moe.py
 MAX_DISTANCE = 128  # their _relative_position_bucket's default; compute_bias never passes one
 CPM2_KEYS = {"d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
              "relative_attention_num_buckets", "dropout_rate", "layer_norm_epsilon",
@@ -254,7 +255,8 @@ def find_iteration(root: Path, iteration: Optional[int] = None) -> Path:
     """
     if not root.is_dir():
         raise CheckpointReadError(f"{root}: no such checkpoint folder")
-    if iteration is None and any(SHARD.fullmatch(p.name) for p in root.iterdir()):
+    if iteration is None and any(SHARD.fullmatch(p.name) or MOE_SHARD.fullmatch(p.name)
+                                 for p in root.iterdir()):
         return root
     foreign = _foreign(root)
     if foreign:
@@ -402,6 +404,11 @@ def read_cpm2_checkpoint(root: PathLike, model_config: PathLike,
     Raises:
         CheckpointReadError, ConfigError: one message naming the file (and the tensor).
     """
+    from megatron.checkpoint.formats import cpm2_moe
+
+    folder = find_iteration(Path(root), iteration)
+    if cpm2_moe.is_cpm2_moe(folder):
+        return cpm2_moe.read_cpm2_moe_checkpoint(folder, model_config, vocab)
     checkpoint = CPM2Checkpoint(root, iteration)
     config, notes = read_config(model_config, checkpoint.vocab_rows())
     if vocab is not None:

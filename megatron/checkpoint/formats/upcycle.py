@@ -17,6 +17,10 @@ the logit 0, so the probability 1 / E, and every expert computes the dense FFN(x
   it none at step 0: the output does not depend on the router then).
 - 'switch' (top-1 scaled by its probability): FFN(x) / E, the feed-forward scaled down E times.
 - 'base' (scaled by the sigmoid of the chosen logit): FFN(x) / 2.
+- 'cpm2' (CPM-2-MoE's BASE layer, as its init_ckpt.py): the router is not zero but E orthogonal
+  centroids [E, d_model] of norm `centroid_gain` (theirs 0.01; torch's orthogonal_, drawn in
+  fp32 from a fixed seed, then cast to the source's dtype), which CPM-2-MoE never trains; each
+  token gets one expert, unscaled, so the upcycled model computes the dense one exactly.
 The balancing losses at step 0: z-loss (ln E)^2 exactly, auxiliary loss k (each token's k choices
 over a uniform router) before their coefficients; the objective is the dense loss plus those.
 """
@@ -40,6 +44,11 @@ UPCYCLE_FLAGS = {
     "--moe-encoder-sparse-step": "encoder_sparse_step",
     "--moe-decoder-sparse-step": "decoder_sparse_step",
 }
+
+
+DEFAULT_CENTROID_GAIN = 0.01
+"""CPM-2's init_ckpt.py: orthogonal_(centroids, gain=0.01)."""
+CENTROID_SEED = 1234
 
 
 class UpcycleError(ValueError):
@@ -75,8 +84,8 @@ def _sparse_prefixes(config: T5Config) -> Dict[str, str]:
             for i in config.sparse_blocks(stack == "decoder")}
 
 
-def upcycle(tensors: Iterable[Tuple[str, torch.Tensor]], config: T5Config
-            ) -> Iterator[Tuple[str, torch.Tensor]]:
+def upcycle(tensors: Iterable[Tuple[str, torch.Tensor]], config: T5Config,
+            centroid_gain: float = DEFAULT_CENTROID_GAIN) -> Iterator[Tuple[str, torch.Tensor]]:
     """The dense model's (name, full tensor) stream as the Mixture-of-Experts model `config`'s
     (module docstring): one stacked expert weight in memory at a time. Every name and shape is
     checked against `config`'s model as it passes.
@@ -100,6 +109,7 @@ def upcycle(tensors: Iterable[Tuple[str, torch.Tensor]], config: T5Config
         return name, tensor
 
     routed = set()
+    generator = torch.Generator().manual_seed(CENTROID_SEED)
     for name, tensor in tensors:
         prefix, dense, weight = name.partition(".DenseReluDense.")
         if not dense or prefix not in sparse:
@@ -110,16 +120,23 @@ def upcycle(tensors: Iterable[Tuple[str, torch.Tensor]], config: T5Config
                       copies.contiguous())
         if prefix not in routed:
             routed.add(prefix)
-            for name_, zeros in _router(prefix, config, tensor.dtype):
-                yield checked(name_, zeros)
+            for name_, router in _router(prefix, config, tensor.dtype, centroid_gain,
+                                         generator):
+                yield checked(name_, router)
     missing = [n for n in expected if n not in seen]
     if missing:
         raise UpcycleError(f"{len(missing)} tensor(s) of the upcycled model not made from the "
                            f"source: {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
 
 
-def _router(prefix: str, config: T5Config, dtype: torch.dtype):
-    """A sparse block's new router, zero: every expert equally likely."""
+def _router(prefix: str, config: T5Config, dtype: torch.dtype, gain: float,
+            generator: torch.Generator):
+    """A sparse block's new router: zero (every expert equally likely), or CPM-2's centroids."""
+    if config.router_type == "cpm2":
+        centroids = torch.empty(config.num_experts, config.d_model)
+        torch.nn.init.orthogonal_(centroids, gain=gain, generator=generator)
+        yield f"{prefix}.mlp.router.expert_centroids", centroids.to(dtype)
+        return
     yield f"{prefix}.mlp.router.classifier.weight", torch.zeros(config.num_experts,
                                                                 config.d_model, dtype=dtype)
     if config.router_bias:
