@@ -39,7 +39,7 @@ def test_syntax_and_executable(script):
 
 @pytest.mark.parametrize("name", ["tiny_cpu.sh", "t5_base.sh", "t5_v1_1_xl_tp_zero3.sh",
                                   "cpm2_11b_fp32_zero3.sh", "switch_base_8.sh",
-                                  "cpm2_moe_198b.sh"])
+                                  "cpm2_moe_198b.sh", "cpm2_stage1_chinese.sh"])
 def test_examples_name_missing_settings(name, tmp_path):
     proc = bash(REPO / "launch/examples" / name)
     assert proc.returncode == 2
@@ -58,6 +58,7 @@ def test_examples_name_missing_settings(name, tmp_path):
     ("cpm2_11b_fp32_zero3.sh", 64, "TP 1 x PP 1 x DP 64"),
     ("switch_base_8.sh", 32, "TP 1 x PP 1 x DP 32"),
     ("cpm2_moe_198b.sh", 128, "TP 4 x PP 1 x DP 32"),
+    ("cpm2_stage1_chinese.sh", 128, "TP 4 x PP 1 x DP 32"),
 ])
 def test_gpu_examples_pass_the_dry_run(name, world_size, expect, tiny_data, tmp_path):
     proc = bash(REPO / "launch/examples" / name, env={
@@ -78,6 +79,96 @@ def test_cpm2_example_takes_the_bpe_cn_folder(tiny_data, tmp_path):
     (tmp_path / "empty").mkdir()
     proc = bash(script, env={**env, "TOKENIZER": str(tmp_path / "empty")})
     assert proc.returncode == 2 and "neither CPM-2's vocab.txt nor a SentencePiece" in proc.stderr
+
+
+# CPM-2's stages 2 and 3 (docs/cpm2-stages.md) start from the previous stage's converted
+# checkpoint (INIT); in CI, MODEL_CONFIG stands in for it (random weights, the same flags).
+CPM2_LATER_STAGES = ["cpm2_stage2_bilingual.sh", "cpm2_stage3_moe.sh"]
+
+
+def stage_env(tiny_data, tmp_path, **extra) -> dict:
+    return {"DATA_EN": tiny_data.prefix, "DATA_ZH": tiny_data.prefix,
+            "TOKENIZER": tiny_data.spm, "OUT": str(tmp_path / "out"), "INIT": "", **extra}
+
+
+@pytest.mark.parametrize("name", CPM2_LATER_STAGES)
+def test_cpm2_later_stages_name_missing_settings(name, tiny_data, tmp_path):
+    script = REPO / "launch/examples" / name
+    proc = bash(script, env={"INIT": ""})
+    assert proc.returncode == 2
+    assert "error: set DATA_EN DATA_ZH TOKENIZER OUT" in proc.stderr
+    proc = bash(script, env=stage_env(tiny_data, tmp_path))
+    assert proc.returncode == 2 and "error: set INIT" in proc.stderr
+    proc = bash(script, env=stage_env(tiny_data, tmp_path, INIT=str(tmp_path / "init")))
+    assert proc.returncode == 2
+    assert f"{tmp_path / 'init'}/model_config.json not found" in proc.stderr
+    proc = bash(script, env=stage_env(tiny_data, tmp_path, DATA_EN=str(tmp_path / "en"),
+                                      MODEL_CONFIG=str(REPO / "configs/model/cpm2-11b.json")))
+    assert proc.returncode == 2 and f"no {tmp_path / 'en'}*.idx" in proc.stderr
+
+
+@pytest.mark.parametrize("name", CPM2_LATER_STAGES)
+def test_cpm2_later_stages_blend_and_start_from_init(name, tiny_data, tmp_path):
+    """The 1:2 English:Chinese blend as --data-path weights; INIT loaded with --finetune, its
+    model_config.json the model's, until OUT has a checkpoint, which is then resumed."""
+    init = tmp_path / "init"
+    init.mkdir()
+    (init / "model_config.json").write_text("{}")
+    english = tmp_path / "en_text_document"
+    for suffix in (".bin", ".idx"):
+        os.symlink(tiny_data.prefix + suffix, f"{english}{suffix}")
+    env = stage_env(tiny_data, tmp_path, INIT=str(init), DATA_EN=str(english), LAUNCHER="echo")
+    proc = bash(REPO / "launch/examples" / name, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"--data-path 1 {english} 2 {tiny_data.prefix} " in proc.stdout
+    assert f"--model-config {init}/model_config.json " in proc.stdout
+    assert f"--load {init} --finetune " in proc.stdout
+    ckpt = tmp_path / "out/ckpt"
+    ckpt.mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("1000")
+    proc = bash(REPO / "launch/examples" / name, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert f"--load {ckpt} " in proc.stdout and "--finetune" not in proc.stdout
+
+
+def test_cpm2_stage2_passes_the_dry_run(tiny_data, tmp_path):
+    proc = bash(REPO / "launch/examples/cpm2_stage2_bilingual.sh", env=stage_env(
+        tiny_data, tmp_path, MODEL_CONFIG=str(REPO / "configs/model/cpm2-11b.json"),
+        LAUNCHER=DRY_RUN, WORLD_SIZE="128"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "valid for 128 processes (TP 4 x PP 1 x DP 32)" in proc.stdout
+
+
+@pytest.mark.parametrize("experts, world_size, expect", [
+    ("4", 16, "TP 4 x PP 1 x DP 4"),    # the small world: 4 experts, one per data-parallel rank
+    (None, 128, "TP 4 x PP 1 x DP 32"),  # CPM-2-MoE's 32
+])
+def test_cpm2_stage3_passes_the_dry_run(experts, world_size, expect, tiny_data, tmp_path):
+    env = stage_env(tiny_data, tmp_path,
+                    MODEL_CONFIG=str(REPO / "configs/model/cpm2-moe-198b.json"),
+                    LAUNCHER=DRY_RUN, WORLD_SIZE=str(world_size))
+    if experts is not None:
+        env["EXPERTS"] = experts
+    proc = bash(REPO / "launch/examples/cpm2_stage3_moe.sh", env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"valid for {world_size} processes ({expect})" in proc.stdout
+    assert f"{experts or 32} experts in 48 sparse blocks (cpm2" in proc.stdout
+
+
+def test_cpm2_stage3_refuses_a_world_where_the_experts_are_not_the_data_parallel_ranks(
+        tiny_data, tmp_path):
+    """The cpm2 router routes over the whole data-parallel group: 4 experts (EP 4) on 128
+    processes (DP 32) is refused before start, naming the flags."""
+    proc = bash(REPO / "launch/examples/cpm2_stage3_moe.sh", env=stage_env(
+        tiny_data, tmp_path, MODEL_CONFIG=str(REPO / "configs/model/cpm2-moe-198b.json"),
+        LAUNCHER=DRY_RUN, WORLD_SIZE="128", EXPERTS="4"))
+    assert proc.returncode != 0
+    assert "--expert-model-parallel-size (4) must equal the data-parallel size (32)" \
+        in proc.stdout + proc.stderr
+    proc = bash(REPO / "launch/examples/cpm2_stage3_moe.sh", env=stage_env(
+        tiny_data, tmp_path, MODEL_CONFIG=str(REPO / "configs/model/cpm2-moe-198b.json"),
+        LAUNCHER=DRY_RUN, WORLD_SIZE="16", EXPERTS="four"))
+    assert proc.returncode == 2 and "EXPERTS=four" in proc.stderr
 
 
 def test_torchrun_sh_refuses_incomplete_settings():
