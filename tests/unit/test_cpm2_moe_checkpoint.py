@@ -10,6 +10,7 @@ random centroids. Bad inputs exit non-zero with one message and leave nothing be
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -288,3 +289,87 @@ def test_a_centroid_gain_without_cpm2_routing(tmp_path, capsys):
                    "--num-experts", 2, "--moe-centroid-gain", 0.1, "--to", "megatron",
                    out) == 2
     assert "--moe-centroid-gain needs" in capsys.readouterr().err and not out.exists()
+
+
+# An imported checkpoint continues with CPM-2's losses ---------------------------------------
+def continue_training(rank, world_size, folder, fields, data):
+    """The trainer's model, router 'cpm2', at EP = DP = 2 (one expert per rank, as CPM-2), loaded
+    from the converted checkpoint as the trainer loads it, then CPM-2's steps: their batches,
+    their gradient scaling, torch's Adam. The mean of the ranks' losses before each step, and
+    this rank's first-step gradients of GRADS (CPM-2's names)."""
+    import torch.distributed as dist
+
+    from megatron import parallel_state
+    from megatron.checkpoint.formats.weights import WeightsReader, load_into
+    from megatron.model import T5Config, T5Model
+    from megatron.model.state_dict import persistent_buffers
+
+    parallel_state.initialize_model_parallel(1, 1, world_size)
+    model = T5Model(T5Config(**fields), attention_backend="eager",
+                    make_vocab_size_divisible_by=1).train()
+    problems = load_into(model, {n: n for n, _ in model.named_parameters()},
+                         WeightsReader(folder), fields["vocab_size"], 0, 1,
+                         buffers={n: n for n in persistent_buffers(model)},
+                         experts=(rank, world_size))
+    assert not problems, problems
+    optimizer = torch.optim.Adam(model.parameters(), lr=data["lr"], betas=data["betas"],
+                                 eps=data["eps"], weight_decay=data["weight_decay"])
+    losses, grads = [], {}
+    params = dict(model.named_parameters())
+    for step in range(data["losses"].shape[0]):
+        labels = data["labels"][step, rank].masked_fill(data["loss_mask"][step, rank] == 0,
+                                                        -100)
+        out = model(data["enc_input_ids"][step, rank], data["dec_input_ids"][step, rank],
+                    labels=labels)
+        out.loss.backward()
+        for p in model.parameters():
+            # CPM-2's allreduce_params(reduce_after=False): the shared weights' gradients
+            # averaged over data parallel; the experts' left as the all-to-all's backward
+            # brings them (the gradient of the SUM of the ranks' losses; our trainer divides
+            # it by DP). One expert per rank: nothing else holds it.
+            if not getattr(p, "expert_parallel", False):
+                dist.all_reduce(p.grad)
+                p.grad /= world_size
+        if step == 0:
+            grads = {theirs: params[ours].grad.clone() for theirs, ours in GRADS.items()}
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world_size)
+    return torch.tensor(losses, dtype=torch.float64), grads
+
+
+GRADS = {"encoder.blocks.0.ff.expert_network.dense_relu_dense.wo.weight":
+         "encoder.block.0.layer.1.mlp.experts.wo",
+         "decoder.blocks.1.ff.expert_network.dense_relu_dense.wi_0.weight":
+         "decoder.block.1.layer.2.mlp.experts.wi_0",
+         "encoder.blocks.0.ff.expert_network.layer_norm.weight":
+         "encoder.block.0.layer.1.layer_norm.weight",
+         "decoder.blocks.1.self_attn.self_attn.dense.weight":
+         "decoder.block.1.layer.0.SelfAttention.o.weight"}
+"""Their gradients kept by make_fixture.py -> ours: two experts' (the sum over the ranks'
+losses), the shared layer norm's and an attention weight's (averaged)."""
+
+
+@pytest.mark.slow
+def test_an_imported_checkpoint_continues_with_cpm2s_losses(tmp_path):
+    sys.path.insert(0, str(REPO / "tests" / "distributed"))
+    from harness import run_workers
+
+    ours = tmp_path / "ours"
+    assert convert("--from", "cpm2", FIXTURE / "dp2_mp1", "--model-config", CONFIG,
+                   "--tokenizer-path", FIXTURE / "vocab.txt", "--to", "megatron", ours,
+                   "--target-expert-parallel-size", EXPERTS) == 0
+    fields = json.loads((ours / "model_config.json").read_text())
+    data = torch.load(FIXTURE / "dp2_mp1" / "continuation.pt", weights_only=True)
+    got = run_workers(EXPERTS, continue_training, find_iteration(ours), fields, data,
+                      timeout=300)
+    for rank, (losses, grads) in enumerate(got):
+        torch.testing.assert_close(losses, data["losses"], rtol=1e-5, atol=0)
+        # Adam hardly sees a constant factor on a gradient (only through eps): the gradients
+        # check the scaling itself (an expert's divided by DP would be half of theirs)
+        for name, grad in grads.items():
+            want = data["first_step_grads"][name][rank]
+            torch.testing.assert_close(grad.reshape(want.shape), want, rtol=1e-4,
+                                       atol=1e-5 * want.abs().max().item(), msg=name)

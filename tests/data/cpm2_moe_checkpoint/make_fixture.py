@@ -48,6 +48,12 @@ ITERATION = 7
 LAYOUTS = ((2, 1), (2, 2))  # (data-parallel size = experts, model-parallel size)
 BATCH, ENC_LEN, DEC_LEN = 2, 9, 6
 STEPS, LR, SEED = 3, 1e-3, 4321
+GRADS = ("encoder.blocks.0.ff.expert_network.dense_relu_dense.wo.weight",
+         "decoder.blocks.1.ff.expert_network.dense_relu_dense.wi_0.weight",
+         "encoder.blocks.0.ff.expert_network.layer_norm.weight",
+         "decoder.blocks.1.self_attn.self_attn.dense.weight")
+"""Gradients kept after the first step's allreduce_params (model parallel 1): the scaling of an
+expert's (not reduced) and a shared weight's (averaged), which Adam's losses barely show."""
 
 
 def config():
@@ -132,7 +138,7 @@ def _worker(rank, dp, mp_size, src, out, init_file):
         p.expert = "expert_network" in n and "layer_norm" not in n
     optimizer = torch.optim.Adam(model.module.parameters(), lr=LR, weight_decay=0.0)
     data = batches(cfg.vocab_size, dp)
-    losses, rank_losses = [], []
+    losses, rank_losses, grads = [], [], {}
     for step in range(STEPS):
         enc, dec = data["enc_input_ids"][step, d], data["dec_input_ids"][step, d]
         masks = {"enc_attention_mask": torch.ones(BATCH, 1, ENC_LEN, ENC_LEN),
@@ -151,11 +157,17 @@ def _worker(rank, dp, mp_size, src, out, init_file):
         losses.append(reduced.item() / world)
         rank_losses.append([every[r * mp_size].item() for r in range(dp)])
         model.allreduce_params(reduce_after=False, fp32_allreduce=False)
+        if step == 0 and mp_size == 1:
+            params = dict(model.module.named_parameters())
+            every = [None] * world
+            dist.all_gather_object(every, {n: params[n].grad.clone() for n in GRADS})
+            grads = {n: torch.stack([every[r][n] for r in range(dp)]) for n in GRADS}
         optimizer.step()
         optimizer.zero_grad()
     if rank == 0:
         torch.save({**data, "losses": torch.tensor(losses, dtype=torch.float64),
                     "rank_losses": torch.tensor(rank_losses, dtype=torch.float64),
+                    "first_step_grads": grads,
                     "lr": LR, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
                    save / "continuation.pt")
     dist.barrier()
