@@ -22,7 +22,7 @@ from torch import nn
 from megatron.model.config import ConfigError, T5Config
 from megatron.model.dropout import Dropout
 from megatron.model.transformer import ATTENTION_BACKENDS, Carry, InitMethods, T5Block, \
-    T5LayerNorm
+    T5LayerNorm, attention_dtype, relative_bias_at
 from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.tensor_parallel.group import NO_EXPERT_PARALLEL, ExpertParallel, TensorParallel
 from megatron.tensor_parallel.layers import (
@@ -230,6 +230,39 @@ class T5Model(nn.Module):
         loss, token_losses = self.loss(logits, labels)
         return T5Output(logits=logits, loss=loss, token_losses=token_losses,
                         aux_loss=carry.aux_loss)
+
+    # Incremental decoding (megatron/generation/) ----------------------------------------------
+    def encode(self, encoder_input_ids: torch.Tensor,
+               encoder_attention_mask: Optional[torch.Tensor] = None):
+        """(encoder output [batch, enc_len, d_model], additive encoder mask [batch, 1, 1,
+        enc_len]): the encoder's layers of `forward`, run once before decoding."""
+        carry = self.initial_carry(encoder_input_ids, encoder_input_ids[:, :1],
+                                   encoder_attention_mask)
+        carry = self.run_layers(carry, self.layers()[:len(self.encoder.block) + 2])
+        return carry.encoder_output, carry.encoder_mask
+
+    def cross_key_values(self, encoder_output: torch.Tensor):
+        """Each decoder block's cross-attention (key, value) of the encoder output."""
+        return [block.layer[1].EncDecAttention.key_value(encoder_output)
+                for block in self.decoder.block]
+
+    def decode_step(self, decoder_input_ids: torch.Tensor, position: int, encoder_mask,
+                    layer_caches) -> torch.Tensor:
+        """Logits [batch, 1, padded vocab / TP] of the next token after `decoder_input_ids`
+        [batch, 1], the token at decoder position `position`; `layer_caches` (one per decoder
+        block, megatron/generation/cache.py) hold the earlier positions' keys and values and
+        take this one's. The relative position bias is computed for this position only."""
+        hidden = self.dropout(self.shared(decoder_input_ids))
+        table = self.decoder.block[0].layer[0].SelfAttention.relative_attention_bias
+        bias = relative_bias_at(table, self.config, True, position, position + 1)
+        dtype = attention_dtype(hidden)
+        if dtype in (torch.float16, torch.bfloat16):
+            bias = bias.to(dtype)
+        for block, cache in zip(self.decoder.block, layer_caches):
+            hidden = block.decode_step(hidden, bias, encoder_mask, cache)
+        carry = Carry(hidden=hidden, encoder_output=None, encoder_mask=encoder_mask,
+                      decoder_mask=None, position_bias=None, decoder_input_ids=None)
+        return self.lm_logits(self.finish_decoder(carry).hidden)
 
 
 _MINIMUM = torch.finfo(torch.float32).min

@@ -226,6 +226,18 @@ def relative_bias(table: RelativeAttentionBias, config: T5Config, is_decoder: bo
     return table(buckets).unsqueeze(0)
 
 
+def relative_bias_at(table: RelativeAttentionBias, config: T5Config, is_decoder: bool,
+                     query_position: int, key_length: int) -> torch.Tensor:
+    """[1, heads per rank, 1, key_length]: row `query_position` of `relative_bias`, computed
+    for that one query (a decoding step) with the same buckets and table lookup."""
+    memory = torch.arange(key_length, dtype=torch.long, device=table.weight.device)[None, :]
+    buckets = relative_position_bucket(
+        memory - query_position, bidirectional=not is_decoder,
+        num_buckets=config.relative_attention_num_buckets,
+        max_distance=config.relative_attention_max_distance)
+    return table(buckets).unsqueeze(0)
+
+
 def relative_attention_bias(config: T5Config, init: "InitMethods", is_decoder: bool,
                             tp: TensorParallel, device=None, dtype=None
                             ) -> RelativeAttentionBias:
@@ -335,6 +347,24 @@ class T5Attention(nn.Module):
                                               and query.device.type == "cuda")
         with get_cuda_rng_tracker().fork() if dropout_p > 0 else contextlib.nullcontext():
             context = core_attention(query, key, value, bias, dropout_p, use_sdpa)
+        batch, _, length, _ = context.shape
+        return self.o(context.transpose(1, 2).reshape(batch, length, -1))
+
+
+    # Incremental decoding (megatron/generation/): keys and values come from a cache ---------
+    def key_value(self, source: torch.Tensor):
+        """(key, value) of `source` [batch, length, d_model], each [batch, heads per rank,
+        length, d_kv]: what a decoding cache keeps."""
+        return self._heads(self.k(source)), self._heads(self.v(source))
+
+    def attend(self, hidden: torch.Tensor, bias: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor) -> torch.Tensor:
+        """Attention of `hidden`'s queries over given keys and values (no dropout: decoding
+        runs in evaluation); the flex backend decodes with sdpa or the eager kernel."""
+        query = self._heads(self.q(hidden))
+        use_sdpa = self.backend == "sdpa" or (self.backend in ("auto", "flex")
+                                              and query.device.type == "cuda")
+        context = core_attention(query, key, value, bias, 0.0, use_sdpa)
         batch, _, length, _ = context.shape
         return self.o(context.transpose(1, 2).reshape(batch, length, -1))
 
@@ -502,6 +532,27 @@ class T5Block(nn.Module):
             if cross_key_value:
                 flops += cross.key_value_flops(encoder_length)
         return flops + self.layer[-1].feed_forward.forward_flops(length)
+
+    def decode_step(self, hidden: torch.Tensor, self_bias: torch.Tensor,
+                    cross_bias: torch.Tensor, cache) -> torch.Tensor:
+        """A decoder block on the newest position only: hidden [batch, 1, d_model].
+
+        self_bias: [1 or batch, heads per rank, 1, positions so far] (relative bias; every
+            earlier position is attended). cross_bias: the additive encoder mask
+            [batch, 1, 1, enc_len]. cache: this block's part of a decoding cache
+            (megatron/generation/cache.py): `append(key, value)` adds the new position's
+            self-attention keys and values and returns all of them; `cross` holds the
+            cross-attention (key, value) of the encoder output, computed once.
+        """
+        sub = self.layer[0]
+        normed = sub.layer_norm(hidden)
+        key, value = cache.append(*sub.SelfAttention.key_value(normed))
+        hidden = _clamp_fp16(hidden + sub.SelfAttention.attend(normed, self_bias, key, value))
+        sub = self.layer[1]
+        hidden = _clamp_fp16(hidden + sub.EncDecAttention.attend(sub.layer_norm(hidden),
+                                                                 cross_bias, *cache.cross))
+        hidden, _ = self.layer[-1](hidden)
+        return _clamp_fp16(hidden)
 
     def forward(self, carry: Carry) -> Carry:
         hidden, position_bias = carry.hidden, carry.position_bias

@@ -1,0 +1,92 @@
+"""Decoding on one process: the KV-cached decoder against the plain forward at every step, and
+greedy and beam search against transformers' `generate` on the same weights (fp32; a v1.0
+model, relu and tied, and a v1.1 model, gated-gelu and untied; a padded batch)."""
+
+import pytest
+import torch
+from generation_models import EOS, PAD, VOCAB, hf_of, hf_rows, our_model, padded_batch
+
+from megatron.generation import Decoder, beam_search, greedy
+from megatron.generation.search import ban_repeated_ngrams, warp
+
+
+@pytest.mark.parametrize("name", ["v1_0", "v1_1"])
+def test_cached_steps_give_the_full_forward_logits(name):
+    model = our_model(name)
+    ids, mask = padded_batch()
+    decoder = Decoder(model, ids, mask)
+    g = torch.Generator().manual_seed(1)
+    targets = torch.randint(2, VOCAB, (ids.shape[0], 8), generator=g)
+    dec = torch.cat([torch.full((ids.shape[0], 1), PAD), targets], dim=1)
+    with torch.no_grad():
+        full = model(ids, dec, mask).logits[..., :VOCAB]
+    for t in range(dec.shape[1]):
+        step = decoder.step(dec[:, t])
+        torch.testing.assert_close(step, full[:, t], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ngram", [0, 2])
+@pytest.mark.parametrize("name", ["v1_0", "v1_1"])
+def test_greedy_equals_transformers(name, ngram):
+    model = our_model(name)
+    hf = hf_of(model, name)
+    ids, mask = padded_batch()
+    ours = greedy(Decoder(model, ids, mask), ids.shape[0], PAD, EOS, PAD, 12,
+                  no_repeat_ngram_size=ngram)
+    with torch.no_grad():
+        ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12,
+                          do_sample=False, num_beams=1, no_repeat_ngram_size=ngram,
+                          use_cache=False)  # (5.x: its cache assumes num_layers decoder layers)
+    assert [h.ids for h in ours] == hf_rows(ref)
+
+
+BEAM_CASES = [
+    dict(num_beams=3, length_penalty=1.0, early_stopping=False, no_repeat_ngram_size=0),
+    dict(num_beams=4, length_penalty=0.6, early_stopping=True, no_repeat_ngram_size=2),
+    dict(num_beams=2, length_penalty=2.0, early_stopping="never", no_repeat_ngram_size=3),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BEAM_CASES)))
+@pytest.mark.parametrize("name", ["v1_0", "v1_1"])
+def test_beam_search_equals_transformers(name, case):
+    flags = BEAM_CASES[case]
+    model = our_model(name, seed=case)
+    hf = hf_of(model, name)
+    ids, mask = padded_batch(seed=case)
+    ours = beam_search(Decoder(model, ids, mask, expand=flags["num_beams"]), ids.shape[0],
+                       eos_id=EOS, pad_id=PAD, start_id=PAD, max_new_tokens=10, **flags)
+    with torch.no_grad():
+        ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10,
+                          do_sample=False, output_scores=True, return_dict_in_generate=True, use_cache=False,
+                          **flags)
+    assert [h.ids for h in ours] == hf_rows(ref.sequences)
+    torch.testing.assert_close(torch.tensor([h.score for h in ours]), ref.sequences_scores,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_is_reproducible_and_stays_in_the_top_k_and_top_p_sets():
+    model = our_model("v1_1")
+    ids, mask = padded_batch()
+
+    def sample(seed, **kw):
+        return [h.ids for h in greedy(Decoder(model, ids, mask), 3, PAD, EOS, PAD, 10,
+                                      sample=True, seed=seed, **kw)]
+
+    assert sample(5, top_k=20) == sample(5, top_k=20)
+    assert sample(5) != sample(6)
+    for kw in (dict(top_k=3), dict(top_p=0.5), dict(temperature=0.7, top_k=5, top_p=0.8)):
+        runs = sample(7, **kw)
+        decoder = Decoder(model, ids, mask)
+        for t in range(max(len(r) for r in runs)):
+            previous = [PAD if t == 0 else (r[t - 1] if t - 1 < len(r) else PAD) for r in runs]
+            allowed = warp(decoder.step(torch.tensor(previous)), **kw).isfinite()
+            for row, run in enumerate(runs):
+                if t < len(run) and (t == 0 or run[t - 1] != EOS):
+                    assert allowed[row, run[t]], (kw, row, t)
+
+
+def test_no_repeat_ngram_matches_its_definition():
+    seq = torch.tensor([[0, 5, 6, 5, 7, 5]])
+    scores = ban_repeated_ngrams(seq, torch.zeros(1, 10), 2)
+    assert torch.isinf(scores[0]).nonzero().flatten().tolist() == [6, 7]
