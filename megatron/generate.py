@@ -1,0 +1,338 @@
+"""`python -m megatron.generate`: text from one of our checkpoints, with KV-cached decoding.
+
+    python -m megatron.generate --load ckpt/ --tokenizer-model spm/t5.model \
+        --input prompts.jsonl --input-key text --output out.jsonl [--num-beams 4 ...]
+    torchrun --nproc-per-node 2 -m megatron.generate ... --tensor-model-parallel-size 2
+
+Each input line is a JSON object; its `--input-key` string is tokenized as the `--to hf`
+export's tokenizer does (our SentencePiece tokenizer, EOS appended) and batched with padding
+(`--micro-batch-size`). Each output line holds `text` (the decoded output), `ids` (the generated
+ids, up to and including EOS) and, with beams, `score`. Decoding: greedy, beam search, or
+sampling (megatron/generation/search.py), up to `--max-new-tokens`. The checkpoint is read as
+full tensors and split for this run's tensor-parallel size, whatever its own; pipeline
+checkpoints and runs are refused (merge the stages with data_tools/convert_checkpoint.py).
+The output is written to a temporary name and renamed; any problem is one message naming the
+file, line or flag, and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+EXIT_USAGE = 2
+
+
+class GenerateError(Exception):
+    """A problem the user can act on; the message names the file, line or flag."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m megatron.generate",
+                                description="Generate text from one of our checkpoints.")
+    io = p.add_argument_group("input and output")
+    io.add_argument("--load", required=True, metavar="CKPT",
+                    help="the trainer's --save folder (or an iteration folder, or a weights "
+                         "checkpoint written by data_tools/convert_checkpoint.py)")
+    io.add_argument("--iteration", type=int, default=None,
+                    help="the checkpoint to read (default: the tracker's)")
+    io.add_argument("--tokenizer-model", default=None,
+                    help="the run's SentencePiece model or CPM-2 vocab.txt (default: the one "
+                         "the run recorded, if it still exists)")
+    io.add_argument("--input", required=True, metavar="IN.jsonl", help="one JSON object a line")
+    io.add_argument("--input-key", default="text", help="the field holding the input text")
+    io.add_argument("--output", required=True, metavar="OUT.jsonl")
+    io.add_argument("--micro-batch-size", type=int, default=8, help="inputs decoded together")
+    d = p.add_argument_group("decoding (as transformers' generate defines them)")
+    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.add_argument("--num-beams", type=int, default=1)
+    d.add_argument("--length-penalty", type=float, default=1.0)
+    d.add_argument("--early-stopping", nargs="?", const="true", default="false",
+                   choices=("true", "false", "never"),
+                   help="beam search: stop when num_beams hypotheses ended (true), by "
+                        "transformers' heuristic (false, the default) or never")
+    d.add_argument("--no-repeat-ngram-size", type=int, default=0)
+    d.add_argument("--do-sample", action="store_true", help="sample instead of greedy search")
+    d.add_argument("--temperature", type=float, default=1.0)
+    d.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
+    d.add_argument("--top-p", type=float, default=1.0)
+    d.add_argument("--seed", type=int, default=1234, help="of the sampling")
+    r = p.add_argument_group("runtime")
+    r.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                   help="default: the number of processes")
+    r.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="only 1: generation runs without a pipeline")
+    r.add_argument("--attention-backend", default="auto", choices=("auto", "sdpa", "eager"))
+    r.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="the weights' dtype while decoding")
+    return p
+
+
+def flag_problems(args, world_size: int) -> List[str]:
+    """Every problem of the flags alone, all at once."""
+    out = []
+    positive = ("micro_batch_size", "max_new_tokens", "num_beams")
+    for name in positive:
+        if getattr(args, name) < 1:
+            out.append(f"--{name.replace('_', '-')} must be at least 1, not "
+                       f"{getattr(args, name)}")
+    if args.no_repeat_ngram_size < 0:
+        out.append("--no-repeat-ngram-size must be 0 (off) or more")
+    if args.do_sample and args.num_beams > 1:
+        out.append("--do-sample with --num-beams > 1 (beam sampling) is not supported: "
+                   "choose one")
+    if args.temperature <= 0:
+        out.append(f"--temperature must be positive, not {args.temperature}")
+    if args.top_k < 0:
+        out.append(f"--top-k must be 0 (off) or more, not {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        out.append(f"--top-p must be in (0, 1], not {args.top_p}")
+    if args.pipeline_model_parallel_size != 1:
+        out.append(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
+                   "generation runs without a pipeline (use tensor parallelism)")
+    tp = args.tensor_model_parallel_size or world_size
+    if tp != world_size:
+        out.append(f"--tensor-model-parallel-size {tp}: generation runs with one tensor-"
+                   f"parallel group, so it must equal the number of processes ({world_size})")
+    if not Path(args.input).is_file():
+        out.append(f"--input {args.input}: no such file")
+    out_dir = Path(args.output).resolve().parent
+    if not out_dir.is_dir():
+        out.append(f"--output {args.output}: its folder {out_dir} does not exist")
+    return out
+
+
+def read_inputs(path: str, key: str) -> List[str]:
+    """The `key` string of each line of the JSONL file `path` (blank lines are skipped).
+
+    Raises:
+        GenerateError: a line that is not a JSON object, or lacks a string under `key`.
+    """
+    texts = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise GenerateError(f"{path} line {number}: not JSON ({e.msg}, column "
+                                        f"{e.colno})") from None
+                if not isinstance(record, dict):
+                    raise GenerateError(f"{path} line {number}: a JSON object is expected, "
+                                        f"not {type(record).__name__}")
+                if key not in record:
+                    keys = ", ".join(sorted(record)) or "none"
+                    raise GenerateError(f"{path} line {number}: no key {key!r} (--input-key); "
+                                        f"its keys: {keys}")
+                if not isinstance(record[key], str):
+                    raise GenerateError(f"{path} line {number}: {key!r} (--input-key) is a "
+                                        f"{type(record[key]).__name__}, not a string")
+                texts.append(record[key])
+    except UnicodeDecodeError as e:
+        raise GenerateError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise GenerateError(f"--input {path}: unreadable ({e.strerror})") from None
+    return texts
+
+
+def merge_command(load: str) -> str:
+    return (f"python data_tools/convert_checkpoint.py --load {load} --to megatron MERGED "
+            f"--target-pipeline-parallel-size 1 --weights-only")
+
+
+def read_checkpoint(load: str, iteration: Optional[int]):
+    """(iteration folder, meta.json, model config) of the checkpoint to decode with.
+
+    Raises:
+        GenerateError: unreadable, a pipeline checkpoint, or a model this command cannot run.
+    """
+    from megatron.checkpoint.formats.deepspeed import CheckpointReadError, find_iteration, \
+        model_config, read_meta
+
+    try:
+        folder = find_iteration(Path(load), iteration)
+        meta = read_meta(folder)
+        config = model_config(meta, folder / "meta.json")
+    except CheckpointReadError as e:
+        raise GenerateError(f"--load: {e}") from None
+    layout = meta.get("layout") or {}
+    stages = layout.get("pipeline_model_parallel_size", 1)
+    if stages != 1:
+        raise GenerateError(f"--load {load}: saved with pipeline-model-parallel size {stages}; "
+                            f"generation runs without a pipeline. Merge the stages first: "
+                            f"{merge_command(load)}, then --load MERGED")
+    if config.is_moe and config.router_type == "cpm2":
+        raise GenerateError(f"--load {load}: a Mixture-of-Experts model with the cpm2 router "
+                            "(CPM-2-MoE's BASE layers need a fixed token multiple per batch), "
+                            "which generation does not run")
+    return folder, meta, config
+
+
+def load_tokenizer(args, meta):
+    from megatron.data.tokenizers.tokenizer import build_tokenizer, resolve_tokenizer
+
+    path, kind = args.tokenizer_model, None
+    if path is None:
+        flags = meta.get("flags") or {}
+        path, kind = flags.get("tokenizer_model"), flags.get("tokenizer_type")
+        if not path or not Path(path).exists():
+            raise GenerateError("--tokenizer-model is required: the checkpoint does not name "
+                                "a tokenizer that exists here")
+    try:
+        return build_tokenizer(resolve_tokenizer(path, kind))
+    except ValueError as e:
+        raise GenerateError(str(e)) from None
+
+
+def build_model(folder, meta, config, tp, device, dtype, backend):
+    """The model of `config`, this rank's tensor-parallel shard of the checkpoint's weights
+    (read as full tensors: any saved tensor-parallel size), in evaluation mode."""
+    from megatron.checkpoint.formats.deepspeed import CheckpointReadError, iter_full_tensors
+    from megatron.model.state_dict import StateDictError, load_full_state_dict
+    from megatron.model.t5 import T5Model
+    from megatron.tensor_parallel.group import ExpertParallel
+
+    model_meta = meta.get("model") or {}
+    divisible = int(model_meta.get("make_vocab_size_divisible_by", 128))
+    model = T5Model(config, make_vocab_size_divisible_by=divisible, attention_backend=backend,
+                    device="meta", dtype=dtype, tensor_parallel=tp,
+                    expert_parallel=ExpertParallel())
+    model = model.to_empty(device=device)
+    kind = "master"
+    if (meta.get("layout") or {}).get("zero_stage") == 0 and \
+            model_meta.get("precision") == "fp16":
+        kind = "weights"  # DeepSpeed's fp16 optimizer keeps unnamed masters
+    try:
+        full = dict(iter_full_tensors(folder, kind))
+        load_full_state_dict(model, full)
+    except (CheckpointReadError, StateDictError) as e:
+        raise GenerateError(f"--load {folder}: {e}") from None
+    del full
+    return model.eval()
+
+
+def batches(texts: List[str], size: int):
+    for start in range(0, len(texts), size):
+        yield start, texts[start:start + size]
+
+
+def generate_all(args, model, tokenizer, texts, device) -> List[dict]:
+    """One record per input: text, ids (and score with beams)."""
+    import torch
+
+    from megatron.generation import Decoder, beam_search, greedy
+
+    pad = getattr(tokenizer, "pad_id", tokenizer.decoder_start_token_id)
+    start, eos = tokenizer.decoder_start_token_id, tokenizer.eos_id
+    early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
+    records = []
+    for first, chunk in batches(texts, args.micro_batch_size):
+        encoded = [tokenizer.encode(t, add_eos=True) for t in chunk]
+        length = max(len(e) for e in encoded)
+        ids = torch.full((len(encoded), length), pad, dtype=torch.long)
+        mask = torch.zeros(len(encoded), length, dtype=torch.long)
+        for row, e in enumerate(encoded):
+            ids[row, :len(e)] = torch.tensor(e)
+            mask[row, :len(e)] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        if args.num_beams > 1:
+            decoder = Decoder(model, ids, mask, expand=args.num_beams)
+            found = beam_search(decoder, len(chunk), args.num_beams, start, eos, pad,
+                                args.max_new_tokens, args.length_penalty, early,
+                                args.no_repeat_ngram_size, device=device)
+        else:
+            found = greedy(Decoder(model, ids, mask), len(chunk), start, eos, pad,
+                           args.max_new_tokens, args.no_repeat_ngram_size,
+                           sample=args.do_sample, temperature=args.temperature,
+                           top_k=args.top_k, top_p=args.top_p, seed=args.seed + first,
+                           device=device)
+        for hypothesis in found:
+            record = {"text": tokenizer.decode(hypothesis.ids, skip_special_tokens=True),
+                      "ids": hypothesis.ids}
+            if hypothesis.score is not None:
+                record["score"] = hypothesis.score
+            records.append(record)
+    return records
+
+
+def write_jsonl(path: str, records: List[dict]) -> None:
+    """Write to a temporary name beside `path`, then rename: never half-written."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise GenerateError(f"--output {path}: cannot write ({e.strerror})") from None
+
+
+def run(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from megatron import parallel_state
+    from megatron.initialize import choose_device, distributed_env
+    from megatron.tensor_parallel.group import TensorParallel
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    problems = flag_problems(args, world_size)
+    if problems:
+        raise GenerateError("the command line cannot run:\n" +
+                            "\n".join(f"  - {p}" for p in problems))
+    texts = read_inputs(args.input, args.input_key)
+    folder, meta, config = read_checkpoint(args.load, args.iteration)
+    tokenizer = load_tokenizer(args, meta)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise GenerateError(f"--tokenizer-model: {tokenizer.vocab_size} tokens, more than the "
+                            f"model's vocab_size {config.vocab_size}: not this run's tokenizer")
+    device_type, backend, _ = choose_device(None)
+    created = False
+    if world_size > 1 and not dist.is_initialized():
+        os.environ.update(distributed_env(os.environ))
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        dist.init_process_group(backend=backend, init_method="env://")
+        created = True
+    try:
+        if world_size > 1:
+            parallel_state.initialize_model_parallel(world_size, 1, 1)
+        tp = TensorParallel.of_this_process()
+        device = torch.device(device_type, torch.cuda.current_device()) \
+            if device_type == "cuda" else torch.device("cpu")
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                 "fp16": torch.float16}[args.dtype]
+        model = build_model(folder, meta, config, tp, device, dtype, args.attention_backend)
+        records = generate_all(args, model, tokenizer, texts, device)
+        if tp.rank == 0:
+            write_jsonl(args.output, records)
+            print(f"wrote {args.output}: {len(records)} outputs", file=sys.stderr)
+    finally:
+        if world_size > 1:
+            parallel_state.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except GenerateError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

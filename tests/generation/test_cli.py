@@ -1,0 +1,145 @@
+"""`python -m megatron.generate` end to end: a weights checkpoint of a tiny model and the
+session's SentencePiece model -> OUT.jsonl, equal to decoding in-process; bad input gets one
+message naming the file, line or flag, a non-zero exit, and no output."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron import generate
+from megatron.checkpoint.formats.weights import write_weights_checkpoint
+from megatron.data.tokenizers.tokenizer import T5Tokenizer
+from megatron.generation import Decoder, beam_search, greedy
+from megatron.model import T5Config, T5Model
+from megatron.model.state_dict import gather_full_state_dict
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = dict(vocab_size=4100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+            num_heads=4, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+            dropout_rate=0.0)
+TEXTS = ["To be, or not to be: that is the question.", "Hello world", "床前明月光"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(weights checkpoint folder, model): a random tiny model, its embedding scaled so that
+    its outputs are peaked."""
+    torch.manual_seed(0)
+    model = T5Model(T5Config(**TINY), make_vocab_size_divisible_by=1).eval()
+    with torch.no_grad():
+        model.shared.weight.mul_(3.0)
+        model.lm_head.weight.mul_(3.0)
+    out = tmp_path_factory.mktemp("generate") / "ckpt"
+    write_weights_checkpoint(out, gather_full_state_dict(model).items(),
+                             {"config": T5Config(**TINY).to_dict(),
+                              "make_vocab_size_divisible_by": 128})
+    return out, model
+
+
+def inputs(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+def argv(ckpt, spm, inp, out, *extra):
+    return ["--load", str(ckpt), "--tokenizer-model", str(spm), "--input", str(inp),
+            "--output", str(out), "--max-new-tokens", "8", "--micro-batch-size", "2", *extra]
+
+
+def reference(model, spm, texts, beams=1):
+    tok = T5Tokenizer(str(spm))
+    encoded = [tok.encode(t, add_eos=True) for t in texts]
+    out = []
+    for i in range(0, len(encoded), 2):
+        chunk = encoded[i:i + 2]
+        n = max(map(len, chunk))
+        ids = torch.tensor([e + [tok.pad_id] * (n - len(e)) for e in chunk])
+        mask = torch.tensor([[1] * len(e) + [0] * (n - len(e)) for e in chunk])
+        if beams > 1:
+            out += beam_search(Decoder(model, ids, mask, expand=beams), len(chunk), beams,
+                               tok.pad_id, tok.eos_id, tok.pad_id, 8)
+        else:
+            out += greedy(Decoder(model, ids, mask), len(chunk), tok.pad_id, tok.eos_id,
+                          tok.pad_id, 8)
+    return out, tok
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_cli_writes_text_and_ids(tiny, spm_model, tmp_path, beams):
+    ckpt, model = tiny
+    lines = [json.dumps({"text": t, "other": 1}, ensure_ascii=False) for t in TEXTS]
+    inp, out = inputs(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    assert generate.main(argv(ckpt, spm_model, inp, out, "--num-beams", str(beams))) == 0
+    got = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    want, tok = reference(model, spm_model, TEXTS, beams)
+    assert [g["ids"] for g in got] == [h.ids for h in want]
+    assert [g["text"] for g in got] == [tok.decode(h.ids, skip_special_tokens=True)
+                                        for h in want]
+    assert ("score" in got[0]) == (beams > 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
+    assert any(len(g["ids"]) > 1 for g in got)
+
+
+def test_cli_sampling_is_reproducible(tiny, spm_model, tmp_path):
+    ckpt, _ = tiny
+    inp = inputs(tmp_path / "in.jsonl", [json.dumps({"q": t}) for t in TEXTS])
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}.jsonl"
+        assert generate.main(argv(ckpt, spm_model, inp, out, "--input-key", "q", "--do-sample",
+                                  "--top-k", "20", "--seed", "3")) == 0
+        runs.append(out.read_text())
+    assert runs[0] == runs[1]
+
+
+def run_cli(args):
+    return subprocess.run([sys.executable, "-m", "megatron.generate", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+
+
+def check_refused(result, out, *words):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    for word in words:
+        assert word in result.stderr, result.stderr
+    assert not out.exists()
+    assert not list(out.parent.glob(f".{out.name}.tmp-*"))
+
+
+def test_bad_inputs_are_refused_by_name(tiny, spm_model, tmp_path):
+    ckpt, _ = tiny
+    out = tmp_path / "out.jsonl"
+    missing = tmp_path / "nope.jsonl"
+    check_refused(run_cli(argv(ckpt, spm_model, missing, out)), out, str(missing), "--input")
+    bad = inputs(tmp_path / "bad.jsonl", [json.dumps({"text": "a"}), "{not json"])
+    check_refused(run_cli(argv(ckpt, spm_model, bad, out)), out, bad, "line 2", "not JSON")
+    key = inputs(tmp_path / "key.jsonl", [json.dumps({"text": "a"}), json.dumps({"q": "b"})])
+    check_refused(run_cli(argv(ckpt, spm_model, key, out)), out, key, "line 2", "'text'",
+                  "--input-key")
+    ok = inputs(tmp_path / "ok.jsonl", [json.dumps({"text": "a"})])
+    check_refused(run_cli(argv(ckpt, spm_model, ok, out, "--num-beams", "2", "--do-sample")),
+                  out, "--do-sample")
+    check_refused(run_cli(argv(tmp_path / "no_ckpt", spm_model, ok, out)), out, "--load",
+                  "no_ckpt")
+
+
+def test_a_pipeline_checkpoint_is_refused_with_the_merge_command(tiny, spm_model, tmp_path):
+    ckpt, _ = tiny
+    pp = tmp_path / "pp"
+    folder = pp / "iter_0000002"
+    folder.mkdir(parents=True)
+    (pp / "latest_checkpointed_iteration.txt").write_text("2")
+    meta = json.loads((ckpt / "iter_0000000" / "meta.json").read_text())
+    meta.pop("format")
+    meta["layout"] = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2,
+                      "data_parallel_size": 1, "zero_stage": 0}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    out = tmp_path / "out.jsonl"
+    ok = inputs(tmp_path / "ok.jsonl", [json.dumps({"text": "a"})])
+    check_refused(run_cli(argv(pp, spm_model, ok, out)), out, "pipeline-model-parallel size 2",
+                  "convert_checkpoint.py", "--target-pipeline-parallel-size 1")
