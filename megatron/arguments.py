@@ -148,6 +148,10 @@ def _add_batch_args(parser: argparse.ArgumentParser) -> None:
                    help="evaluate on the validation split every this many steps (0: never)")
     g.add_argument("--eval-iters", type=int, default=100,
                    help="global batches per evaluation (the same ones each time)")
+    g.add_argument("--eval-log-samples", type=int, default=0,
+                   help="at each evaluation, log this many decoded examples of the first "
+                        "batch (input, target, the model's greedy fill) and write them to "
+                        "TensorBoard")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="save (with --save) and exit after a step divisible by this")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
@@ -353,6 +357,8 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     problems += profile_problems(values, parallel.world_size)
     if values["dry_run_device"] != "auto" and not values["dry_run"]:
         problems.append("--dry-run-device has effect only with --dry-run")
+    if values["eval_log_samples"] < 0:
+        problems.append("--eval-log-samples must be 0 or more")
     if values["peak_tflops"] is not None and values["peak_tflops"] <= 0:
         problems.append("--peak-tflops must be positive")
     if values["save"] is not None and not values["dry_run"]:
@@ -365,7 +371,8 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
         return None, problems
     batch = BatchConfig(resolved.batch.micro_batch_size, global_batch,
                         resolved.batch.gradient_accumulation_steps, values["train_iters"],
-                        values["eval_interval"], values["eval_iters"])
+                        values["eval_interval"], values["eval_iters"],
+                        values["eval_log_samples"])
     optimizer = OptimizerConfig(schedule=lr_schedule, **vars(resolved.optimizer))
     divergence = divergence_config(values)
     if divergence.enabled:  # the thresholds in force, for the flags line and meta.json
@@ -413,15 +420,29 @@ def resolve_layout(values: Dict[str, object], parallel: ParallelConfig, device_t
     if model is not None:
         problems += moe_layout_problems(model.t5, parallel, resolved.zero.stage,
                                         resolved.precision.precision)
-        problems += cpm2_layout_problems(
-            model.t5, parallel, resolved.batch.micro_batch_size,
-            {"--encoder-seq-length": values.get("encoder_seq_length"),
-             "--decoder-seq-length": values.get("decoder_seq_length")})
+        problems += cpm2_layout_problems(model.t5, parallel, resolved.batch.micro_batch_size,
+                                         _sample_lengths(values))
     if model is not None:
         problems += cut_problems(model.t5, parallel.pipeline_model_parallel_size,
                                  parallel.pipeline_split_rank)
         problems += flex_problems(model, parallel, device_type)
     return resolved, values, model, problems
+
+
+def _sample_lengths(values: Mapping[str, object]) -> Dict[str, Optional[int]]:
+    """flag -> the encoder and decoder lengths of the samples (the span-corruption target length
+    when --decoder-seq-length is not given; None where not known before the data: UL2)."""
+    encoder, decoder = values.get("encoder_seq_length"), values.get("decoder_seq_length")
+    if values.get("t5_objective") in (None, "span-corruption") and isinstance(encoder, int):
+        try:
+            _, encoder, decoder = T5DatasetConfig(
+                encoder, decoder, values["noise_density"], values["mean_noise_span_length"]
+            ).lengths()
+        except (ValueError, KeyError, TypeError):
+            pass  # (reported where the data flags are checked)
+    elif values.get("t5_objective") == "ul2":
+        encoder = decoder = None
+    return {"--encoder-seq-length": encoder, "--decoder-seq-length": decoder}
 
 
 def flex_problems(model: ModelConfig, parallel: ParallelConfig, device_type: str) -> List[str]:

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # CPM-2-MoE (198B parameters, 11B active per token): CPM-2's 11B encoder-decoder with every
-# feed-forward of its 24 + 24 blocks replaced by 32 experts routed by BASE layers (a balanced
-# assignment in training, greedy top-1 in evaluation, no auxiliary loss); the experts split over
-# the 32 data-parallel ranks (one expert per rank, as CPM-2-MoE was trained), each tensor-parallel
-# over 4 GPUs; bf16, ZeRO-2: 128 GPUs (16 nodes x 8). As CPM-2-MoE was, start it from the dense
-# CPM-2 checkpoint: `python data_tools/convert_checkpoint.py --load cpm2-dense --to megatron
-# OUT/upcycled --num-experts 32 --moe-router-type base` (each expert a copy of the dense
-# feed-forward), then INIT=OUT/upcycled.
+# feed-forward of its 24 + 24 blocks replaced by 32 experts routed as CPM-2-MoE routed them
+# (router 'cpm2', the preset's: CPM-2's shuffle, frozen random centroids, its balanced assignment
+# over the data-parallel group, no gate, no auxiliary loss); the experts split over the 32
+# data-parallel ranks (one expert per rank, as CPM-2-MoE was trained: the cpm2 router needs
+# EP = DP), each tensor-parallel over 4 GPUs; bf16, ZeRO-2: 128 GPUs (16 nodes x 8). As
+# CPM-2-MoE was, start it from the dense CPM-2 checkpoint: `python data_tools/convert_checkpoint.py
+# --load cpm2-dense --to megatron OUT/upcycled --num-experts 32 --moe-router-type cpm2` (each
+# expert a copy of the dense feed-forward, centroids of gain 0.01 as CPM-2's init_ckpt.py), then
+# INIT=OUT/upcycled. CPM-2's three stages from the start: docs/cpm2-stages.md.
 #
 #   DATA=data/mix_cpm2_t5_document TOKENIZER=bpe_cn OUT=runs/cpm2-moe \
 #       LAUNCHER="sbatch --nodes 16 --gpus-per-node 8 launch/slurm/pretrain_t5.sbatch" \

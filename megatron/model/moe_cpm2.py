@@ -9,7 +9,9 @@ data-parallel ranks with one expert each, every feed-forward sublayer replaced:
    so it is never updated: a random projection used as a locality-sensitive hash;
 3. the assignment: CPM-2's auction (libbase, `cpm2_assignment`) splits each rank's N tokens into
    W equal shares, one per expert; the shares go to the experts by an all-to-all and back;
-4. the expert is the whole sublayer x + FFN(layer_norm(x)); its output is not scaled by a gate;
+4. the expert is the whole sublayer x + FFN(layer_norm(x)); its output is not scaled by a gate
+   (where tied scores make the auction list a token twice, `repair_assignment` differs from
+   CPM-2, which would return uninitialised rows);
 5. all of it in evaluation too (their `is_training` is always true).
 The expert's layer norm is one per block here: CPM-2 keeps a copy in every expert, but trains it
 as a shared weight (its optimizer marks `expert_network` parameters other than the layer norm as
@@ -72,6 +74,28 @@ def token_multiple(num_experts: int, expert_parallel_size: int) -> int:
     return num_experts * (num_experts // expert_parallel_size)
 
 
+def repair_assignment(order: torch.Tensor) -> torch.Tensor:
+    """CPM-2's auction can list a token twice and miss another where scores tie exactly (its
+    loop ends when every token has a bid, but it returns each expert's last selection, which can
+    overlap): CPM-2 then runs the twice-listed token twice and gives the missed one uninitialised
+    rows. Here each token keeps its first slot and the repeated slots go to the missed tokens in
+    index order, so every expert keeps its equal share. [groups, tokens] -> the same (`order`
+    itself when every row is a permutation, the usual case)."""
+    tokens = order.shape[1]
+    counts = torch.zeros_like(order).scatter_add_(1, order, torch.ones_like(order))
+    if bool((counts == 1).all()):
+        return order
+    fixed = order.clone()
+    for row, count in zip(fixed, counts):
+        missed = (count == 0).nonzero().flatten().tolist()
+        seen = torch.zeros(tokens, dtype=torch.bool)
+        for slot, token in enumerate(row.tolist()):
+            if seen[token]:
+                row[slot] = missed.pop(0)
+            seen[token] = True
+    return fixed
+
+
 class CPM2SparseMLP(SparseMLP):
     """The Mixture-of-Experts feed-forward of router type 'cpm2' (module docstring); the experts,
     statistics and named ranges are SparseMLP's. forward(normalised hidden) -> (FFN output, None)."""
@@ -112,7 +136,7 @@ class CPM2SparseMLP(SparseMLP):
             .reshape(local, share, width)  # per virtual rank: chunks in CPM-2's rank order
         # 2.-3. scores and CPM-2's assignment, per pool: share / experts tokens per expert
         scores = self.router(pools)
-        order = cpm2_assignment(scores)  # [local, share], expert by expert
+        order = repair_assignment(cpm2_assignment(scores))  # [local, share], by expert
         routed = torch.gather(pools, 1, order[..., None].expand(-1, -1, width))
         # to the experts: rank q gets [our pool j'][its local expert l][chunk]
         routed = routed.view(local, ranks, local, chunk, width).permute(1, 0, 2, 3, 4)

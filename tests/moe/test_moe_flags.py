@@ -54,6 +54,19 @@ CASES = {
     "topk_above_the_experts_in_the_model_config": Case(
         model={"num_experts": 4, "router_type": "topk", "router_topk": 5},
         expect=[("--model-config", "<model>", "router_topk (5)", "num_experts (4)")]),
+    "cpm2_expert_parallel_not_the_data_parallel_size": Case(
+        extra=["--num-experts", "2", "--moe-router-type", "cpm2"], env={"WORLD_SIZE": "2"},
+        expect=[("--moe-router-type cpm2", "--expert-model-parallel-size (1) must equal the "
+                 "data-parallel size (2)")]),
+    "cpm2_tokens_not_in_equal_parts": Case(
+        extra=[*MOE, "--moe-router-type", "cpm2", "--expert-model-parallel-size", "2",
+               "--decoder-seq-length", "15"], env={"WORLD_SIZE": "2"},
+        expect=[("--moe-router-type cpm2", "--micro-batch-size 2 x --decoder-seq-length 15 = 30",
+                 "multiple of experts x experts per rank = 4 x 2 = 8")]),
+    "capacity_factor_with_cpm2": Case(
+        extra=["--num-experts", "2", "--moe-router-type", "cpm2",
+               "--moe-expert-capacity-factor", "1.0"],
+        expect=[("--moe-expert-capacity-factor", "router_type 'cpm2'")]),
     "capacity_factor_with_base": Case(
         extra=[*MOE, "--moe-router-type", "base", "--moe-expert-capacity-factor", "1.0"],
         expect=[("--moe-expert-capacity-factor", "router_type 'base'")]),

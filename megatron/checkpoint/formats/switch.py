@@ -71,6 +71,11 @@ def export_problems(config: T5Config) -> Tuple[List[str], List[str]]:
         inexact.append(f"top-{config.router_topk} routing with renormalised weights "
                        f"(transformers routes each token to its top-1 expert, scaled by its "
                        f"probability)")
+    if config.router_type == "cpm2":
+        never.append("router_type 'cpm2' (CPM-2-MoE's BASE layers): its frozen centroids "
+                     "(`mlp.router.expert_centroids`) and its assignment over the data-parallel "
+                     "group have no SwitchTransformers counterpart; keep it in our format or "
+                     "write CPM-2's (`--to cpm2`)")
     if config.router_type == "base":
         inexact.append("BASE routing (greedy top-1 in evaluation scaled by the sigmoid of its "
                        "logit; transformers scales by the softmax probability)")
