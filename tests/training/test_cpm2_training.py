@@ -2,7 +2,7 @@
 over 2 data-parallel ranks (EP = DP = 2, ZeRO-1) give the losses and gradient norms of one
 process holding both experts with the same global batch in one micro-batch (CPM-2 routes over
 the whole data-parallel group, so one process stands for both ranks by cutting its micro-batch
-in two); every expert gets exactly its equal share in every logged step (max load 1.00,
+in two), also with a pipeline of two stages; every expert gets exactly its equal share in every logged step (max load 1.00,
 nothing dropped); the frozen centroids are saved and stay bit for bit what they were; a run
 that stops and resumes equals the straight run."""
 
@@ -68,3 +68,12 @@ def test_a_resumed_run_is_the_straight_run(runs):
     resumed, straight = runs["resumed"]["losses"], runs["two"]["losses"]
     assert sorted(resumed) == [3, 4]
     assert [resumed[i] for i in (3, 4)] == [straight[i] for i in (3, 4)]
+
+
+def test_a_pipeline_of_two_stages_with_the_experts_split_equals_one_process(train_data, runs):
+    """PP 2 x DP 2, EP = DP = 2: each stage routes its own blocks over its data-parallel pair."""
+    got = run_workers(4, run_pretrain, [
+        base_argv(train_data, *CPM2, *EP2, "--pipeline-model-parallel-size", "2")],
+        timeout=900)
+    result = next(r[0] for r in got if r[0]["losses"])
+    assert_same_run(result, runs["one"], rtol=2e-5, label="PP 2 x EP = DP = 2")
