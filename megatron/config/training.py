@@ -23,6 +23,9 @@ class BatchConfig:
     """Steps between evaluations (0: never)."""
     eval_iters: int = 100
     """Global batches per evaluation."""
+    eval_log_samples: int = 0
+    """Decoded examples (input, target, the model's greedy fill) of the first evaluation batch
+    logged by rank 0 at each evaluation (0: none)."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,10 @@ mean of).
 
 Evaluation runs over the same first `eval_iters` global batches of the split each time, so the
 numbers are comparable across evaluations and across a resume; its loss is the token-weighted
-mean over all ranks.
+mean over all ranks, and its span-filling accuracy the share of labelled target tokens whose
+teacher-forced greedy prediction is right (step.span_accuracy_counts), reduced by name in the
+same all-reduce. With --eval-log-samples N, rank 0 also logs N decoded examples of the first
+evaluation batch (input, target, the model's fill).
 
 After each step one all-reduce agrees on stopping: the exit conditions, the NaN guard (a loss or
 gradient norm that is not finite) and the divergence guard's numbers (divergence.py). Either
@@ -24,7 +27,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,6 +38,7 @@ from megatron.checkpoint.io.saver import SaveFailed
 from megatron.config import RunConfig, RuntimeConfig
 from megatron.config.lr_schedule import LRSchedule
 from megatron.config.training import BatchConfig, CheckpointConfig, LoggingConfig
+from megatron.data.tokenizers.tokenizer import build_tokenizer
 from megatron.failures import RunFailure
 from megatron.training import (denoiser_metrics, divergence, moe_metrics, nan_locator, producers,
                                step_metrics)
@@ -45,7 +49,8 @@ from megatron.training.nan_locator import locate
 from megatron.training.profiling import (CHECKPOINT_SAVE, DATA_WAIT, EVALUATION, LOSS_ALL_REDUCE,
                                          STOP_ALL_REDUCE, TRAIN_STEP, StepProfiler,
                                          no_range)
-from megatron.training.step import INPUT_TOKENS, LOSS, TARGET_TOKENS, TrainStep
+from megatron.training.step import (INPUT_TOKENS, LOSS, SPAN_CORRECT, SPAN_TOKENS, TARGET_TOKENS,
+                                    Batch, TrainStep)
 from megatron.training.step_metrics import MAX, SUM, Metrics
 from megatron.training.watchdog import NoWatchdog
 
@@ -67,7 +72,9 @@ class TrainState:
     """UL2: iteration -> {denoiser kind: (token-weighted loss, labelled tokens)} of that step,
     over all data-parallel ranks; kinds the step drew none of are absent."""
     evaluations: List[tuple] = field(default_factory=list)
-    """(iteration, split, loss)."""
+    """(iteration, split, loss, span_accuracy): plain tuples (they travel through torch.save
+    with weights_only); span_accuracy is None where the step reports none (absent in the
+    3-tuples of callers of `evaluate`)."""
     exit_reason: str = ""
     diverged: str = ""
     """Why the run stopped at a non-finite loss or gradient norm ('' while it has not)."""
@@ -85,32 +92,115 @@ class StepCost:
     """The device's peak, for MFU (None: not known)."""
 
 
-def evaluate(step: TrainStep, batch_config: BatchConfig, runtime: RuntimeConfig,
-             loader: Optional[Iterable], watchdog=None) -> Optional[float]:
-    """Token-weighted mean loss over `eval_iters` global batches of `loader` (all ranks)."""
+class Evaluation(NamedTuple):
+    """What `run_evaluation` found, on every rank."""
+
+    loss: float
+    """Token-weighted mean loss over all ranks."""
+    span_accuracy: Optional[float]
+    """Labelled target tokens predicted right over all of them (None: the step reports no
+    counts)."""
+    first_batch: Optional[Batch] = None
+    """This rank's first evaluation batch (as the loader gave it), with `predictions`."""
+    predictions: Optional[torch.Tensor] = None
+    """[batch, dec_len] the greedy prediction of `first_batch` where asked for and read on this
+    rank (the first pipeline stage; every rank without a pipeline), else None."""
+
+
+_EVAL_LOSS_SUM, _EVAL_TOKENS = "eval/loss_sum", "eval/tokens"
+
+
+def run_evaluation(step: TrainStep, batch_config: BatchConfig, runtime: RuntimeConfig,
+                   loader: Optional[Iterable], watchdog=None,
+                   predictions: bool = False) -> Optional[Evaluation]:
+    """The loss and span-filling accuracy over `eval_iters` global batches of `loader` (all
+    ranks; one all-reduce over the data-parallel group reduces every number by name).
+    predictions: keep the first batch and its greedy prediction (the samples that
+    --eval-log-samples logs; the same on every rank: a pipeline sends it between stages).
+    None where there is nothing to evaluate."""
     if loader is None or batch_config.eval_iters == 0:
         return None
     watchdog = watchdog or NoWatchdog()
     collective_s = 60 * runtime.distributed_timeout_minutes
     data_s = 60 * runtime.data_timeout_minutes
-    total = torch.zeros(2, dtype=torch.float64, device=runtime.torch_device())  # [loss sum, tokens]
+    device = runtime.torch_device()
+    # every name on every rank, even one that reads no batch (the names must agree)
+    totals = {name: torch.zeros((), dtype=torch.float64, device=device)
+              for name in (_EVAL_LOSS_SUM, _EVAL_TOKENS, SPAN_CORRECT, SPAN_TOKENS)}
+    first_batch = first_predictions = None
     limit = batch_config.eval_iters * batch_config.gradient_accumulation_steps
     batches = iter(loader)
     step.train(False)
-    for _ in range(limit):
+    for index in range(limit):
         with watchdog.watch("data: the next evaluation batch from the data loader", data_s):
             batch = next(batches, None)
         if batch is None:
             break
         with watchdog.watch("an evaluation step (collectives with the other ranks)",
                             collective_s):
-            result = step.eval_step(batch)
-            total[0] += result.loss_sum
-            total[1] += result.tokens
+            if predictions and index == 0:
+                result = step.eval_step(batch, predictions=True)
+                first_batch, first_predictions = batch, result.predictions
+            else:
+                result = step.eval_step(batch)
+            totals[_EVAL_LOSS_SUM] += result.loss_sum
+            totals[_EVAL_TOKENS] += result.tokens
+            for name, value in step_metrics.select(result.metrics or {}, SUM).items():
+                if name in totals:
+                    totals[name] += value
+                else:
+                    totals[name] = value.clone()
     step.train(True)
+    reducer = step_metrics.Reducer(SUM, parallel_state.get_data_parallel_group(), device,
+                                   to_host=True)
     with watchdog.watch("collective: the all-reduce of the evaluation loss", collective_s):
-        dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    return float(total[0] / total[1]) if total[1] > 0 else None
+        sums, = reducer([totals])
+    if not sums[_EVAL_TOKENS] > 0:
+        return None
+    accuracy = float(sums[SPAN_CORRECT] / sums[SPAN_TOKENS]) if sums[SPAN_TOKENS] > 0 else None
+    return Evaluation(float(sums[_EVAL_LOSS_SUM] / sums[_EVAL_TOKENS]), accuracy, first_batch,
+                      first_predictions)
+
+
+def evaluate(step: TrainStep, batch_config: BatchConfig, runtime: RuntimeConfig,
+             loader: Optional[Iterable], watchdog=None) -> Optional[float]:
+    """Token-weighted mean loss over `eval_iters` global batches of `loader` (all ranks):
+    `run_evaluation`'s loss."""
+    evaluation = run_evaluation(step, batch_config, runtime, loader, watchdog)
+    return None if evaluation is None else evaluation.loss
+
+
+def decode_samples(batch: Batch, predictions: torch.Tensor, tokenizer,
+                   count: int) -> List[Tuple[str, str, str]]:
+    """The first `count` examples of `batch` as text, (input, target, fill) each: the encoder
+    input without padding (sentinels as the tokenizer writes them), the labelled target tokens,
+    and the greedy prediction at those positions. An id the tokenizer does not have (a model
+    vocabulary larger than the tokenizer's) is written <id N>."""
+    out = []
+    predictions = predictions.cpu()
+    for i in range(min(count, predictions.shape[0])):
+        labels = batch["labels"][i].cpu()
+        labelled = labels != -100
+        inputs = batch["encoder_input_ids"][i].cpu()[batch["encoder_attention_mask"][i].cpu()
+                                                     .bool()]
+        out.append(tuple(_decode(tokenizer, ids.tolist())
+                         for ids in (inputs, labels[labelled], predictions[i][labelled])))
+    return out
+
+
+def _decode(tokenizer, ids: List[int]) -> str:
+    size, parts, run = len(tokenizer), [], []
+    for i in ids:
+        if 0 <= i < size:
+            run.append(i)
+            continue
+        if run:
+            parts.append(tokenizer.decode(run))
+            run = []
+        parts.append(f"<id {i}>")
+    if run:
+        parts.append(tokenizer.decode(run))
+    return "".join(parts)
 
 
 def _timed_batches(batches: Iterator, timer: Timer, watchdog, data_s: float,
@@ -194,6 +284,7 @@ class _Loop:
         self.collective_s = 60 * parts.runtime.distributed_timeout_minutes
         self.device = parts.runtime.torch_device()
         self.stats, self.timer = IntervalStats(), Timer()
+        self._sample_tokenizer = None  # --eval-log-samples: the run's tokenizer, when needed
         self.interval: Dict[str, torch.Tensor] = {}  # the interval's reduced SUM metrics, summed
         # the loop reads every reduced value on the host: one copy per all-reduce
         self.sums = step_metrics.Reducer(SUM, parallel_state.get_data_parallel_group(),
@@ -321,12 +412,29 @@ class _Loop:
 
     def _evaluate(self) -> None:
         p, state = self.p, self.state
+        samples = p.batch.eval_log_samples
         with self.ranges(EVALUATION):
-            loss = evaluate(p.step, p.batch, p.runtime, p.valid_loader, self.watchdog)
-        if loss is not None:
-            state.evaluations.append((state.iteration, "valid", loss))
-            p.writer.write_eval(state.iteration, "valid", loss)
+            evaluation = run_evaluation(p.step, p.batch, p.runtime, p.valid_loader,
+                                        self.watchdog, predictions=samples > 0)
+        if evaluation is not None:
+            state.evaluations.append((state.iteration, "valid", evaluation.loss,
+                                      evaluation.span_accuracy))
+            p.writer.write_eval(state.iteration, "valid", evaluation.loss,
+                                evaluation.span_accuracy)
+            if samples > 0 and p.writer.enabled and evaluation.predictions is not None:
+                p.writer.write_eval_samples(
+                    state.iteration, "valid",
+                    decode_samples(evaluation.first_batch, evaluation.predictions,
+                                   self._tokenizer(), samples))
         self.timer.reset()
+
+    def _tokenizer(self):
+        """The run's tokenizer (built the first time the samples need it)."""
+        if self._sample_tokenizer is None:
+            data = self.p.config.data
+            self._sample_tokenizer = build_tokenizer(data.tokenizer,
+                                                     extra_ids=data.vocab_extra_ids)
+        return self._sample_tokenizer
 
     def _agree_on_stopping(self, result) -> bool:
         """The one all-reduce after a step: its MAX metrics (the exit conditions, the NaN

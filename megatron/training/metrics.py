@@ -14,7 +14,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -279,8 +279,11 @@ class MetricsWriter:
             self._tb.add_scalar(tag, value, iteration)
         self._tb.flush()
 
-    def write_eval(self, iteration: int, split: str, loss: float) -> None:
-        """Log an evaluation loss and its perplexity (exp of the loss capped at 20).
+    def write_eval(self, iteration: int, split: str, loss: float,
+                   span_accuracy: Optional[float] = None) -> None:
+        """Log an evaluation loss and its perplexity (exp of the loss capped at 20), and the
+        span-filling accuracy where known (after the perplexity; TensorBoard
+        `{split}/span_accuracy`).
 
         Raises ValueError when split is not 'valid' or 'test'.
         """
@@ -289,11 +292,35 @@ class MetricsWriter:
         if not self.enabled:
             return
         ppl = math.exp(min(loss, _PPL_LOSS_CAP))
+        accuracy = "" if span_accuracy is None else f" span accuracy: {span_accuracy:.4f} |"
         self.write_text(f" {_EVAL_LABELS[split]} loss at iteration {iteration} | "
-                        f"lm loss: {loss:.4E} | lm loss PPL: {ppl:.4E} |")
+                        f"lm loss: {loss:.4E} | lm loss PPL: {ppl:.4E} |{accuracy}")
         if self._tb is not None:
             self._tb.add_scalar(f"{split}/loss", loss, iteration)
             self._tb.add_scalar(f"{split}/ppl", ppl, iteration)
+            if span_accuracy is not None:
+                self._tb.add_scalar(f"{split}/span_accuracy", span_accuracy, iteration)
+            self._tb.flush()
+
+    def write_eval_samples(self, iteration: int, split: str,
+                           samples: Sequence[Tuple[str, str, str]]) -> None:
+        """Log decoded evaluation examples, (input, target, fill) each, as the lines
+        `sample k input: ...`, `sample k target: ...`, `sample k fill: ...`, and write them to
+        TensorBoard as the text `{split}/samples` (a code block: sentinels such as
+        <extra_id_0> would read as HTML tags)."""
+        if split not in _EVAL_LABELS:
+            raise ValueError(f"split must be 'valid' or 'test', got {split!r}")
+        if not self.enabled or not samples:
+            return
+        # one line per field: a newline inside a text is written as backslash-n
+        lines = [f"sample {k} {field}: " + text.replace("\n", "\\n")
+                 for k, sample in enumerate(samples)
+                 for field, text in zip(("input", "target", "fill"), sample)]
+        for line in lines:
+            self.write_text(line)
+        if self._tb is not None:
+            self._tb.add_text(f"{split}/samples", "\n".join("    " + line for line in lines),
+                              iteration)
             self._tb.flush()
 
     def close(self) -> None:

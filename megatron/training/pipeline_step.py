@@ -41,7 +41,8 @@ from megatron.training.engine import build_optimizer
 from megatron.training.profiling import PIPELINE_BATCH, PIPELINE_SUMS
 from megatron.training import deepspeed_internals, denoiser_metrics, step_metrics
 from megatron.training.denoiser_metrics import KIND_KEY
-from megatron.training.step import LOSS, Batch, EngineStep, EvalResult, StepResult, core_metrics
+from megatron.training.step import (LOSS, Batch, EngineStep, EvalResult, StepResult, core_metrics,
+                                    span_accuracy_counts, span_accuracy_metrics)
 from megatron.training.step_metrics import SUM, Metric
 
 
@@ -52,9 +53,11 @@ class PipelineLoss:
                  tp: TensorParallel) -> None:
         self.vocab_size, self.label_smoothing, self.tp = vocab_size, label_smoothing, tp
         self.evaluating = False
-        self.sums = torch.zeros(2, dtype=torch.float64, device=device)
-        """Training: [sum of micro-batch mean losses, target tokens]; evaluation: [sum of token
-        losses, target tokens]."""
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        """Training: [sum of micro-batch mean losses, target tokens, 0]; evaluation: [sum of
+        token losses, target tokens, target tokens predicted right (span_accuracy_counts)]."""
+        self.predictions: Optional[torch.Tensor] = None
+        """Evaluation: the last batch's greedy prediction (step.greedy_tokens)."""
         self.kind_sums = denoiser_metrics.zeros(device)
         """Training: denoiser_metrics.kind_sums of the micro-batches whose kinds `kinds` held."""
         self.kinds: collections.deque = collections.deque()
@@ -69,8 +72,11 @@ class PipelineLoss:
                                                     tp=self.tp)
         count = (labels != -100).sum()
         if self.evaluating:
+            counts = span_accuracy_counts(logits.detach(), labels, self.vocab_size, self.tp)
             self.sums[0] += token_losses.detach().double().sum()
             self.sums[1] += count
+            self.sums[2] += counts.correct
+            self.predictions = counts.predictions
             return token_losses.detach().sum()
         loss = token_losses.sum() / count.clamp(min=1)
         if self.kinds:
@@ -135,16 +141,33 @@ class PipelineStep(EngineStep):
         return StepResult({name: Metric(value, SUM) for name, value in sums.items()}, norm,
                           engine.skipped_steps > skipped_before, self._loss_scale())
 
-    def eval_step(self, batch: Batch) -> EvalResult:
+    def eval_step(self, batch: Batch, predictions: bool = False) -> EvalResult:
         self.loss.evaluating = True
         self.loss.sums.zero_()
+        self.loss.predictions = None
         feed = self._feed(iter([batch]), 1, None) if self.first or self.last else None
         self.engine.eval_batch(feed, compute_loss=True, reduce_output=None, bcast_loss=False,
                                num_micro_batches=1)
         sums = self.loss.sums.clone() if self.last else torch.zeros_like(self.loss.sums)
         dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
         self.loss.evaluating = False
-        return EvalResult(sums[0], sums[1])
+        return EvalResult(sums[0], sums[1], span_accuracy_metrics(sums[2], sums[1]),
+                          self._first_stage_predictions(batch) if predictions else None)
+
+    def _first_stage_predictions(self, batch: Batch) -> Optional[torch.Tensor]:
+        """The last stage's greedy prediction of `batch`, sent to the first stage (which logs
+        the samples); None on the stages between. One stage: its own."""
+        if self.first and self.last:
+            return self.loss.predictions
+        if not (self.first or self.last):
+            return None
+        if self.last:
+            dist.send(self.loss.predictions.contiguous(),
+                      dst=parallel_state.get_pipeline_model_parallel_first_rank())
+            return None
+        out = torch.empty(batch["labels"].shape, dtype=torch.int64, device=self.device)
+        dist.recv(out, src=parallel_state.get_pipeline_model_parallel_last_rank())
+        return out
 
     def save(self, root: Path, tag: str, iteration: int) -> None:
         super().save(root, tag, iteration)

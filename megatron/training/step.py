@@ -2,7 +2,8 @@
 
 The loop (loop.py) knows one interface, `TrainStep`: `step(batches, lr)` runs one optimizer
 update over this rank's share of the global batch, pulling its micro-batches from `batches`,
-and returns a `StepResult`; `eval_step(batch)` returns the token-weighted loss of one batch;
+and returns a `StepResult`; `eval_step(batch)` returns the token-weighted loss of one batch and
+its span-filling accuracy counts (`span_accuracy_counts`);
 `save` / `load` write and read the engine's files in a folder the checkpoint code chooses. Every
 DeepSpeed detail lives behind it: the micro-step API (`engine(...)`, `backward`, `step` per
 micro-batch, the update at the accumulation boundary), the learning rate written into the
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron import parallel_state
 from megatron.checkpoint.formats.deepspeed_files import OPTIMIZER_PARAMETERS
@@ -28,6 +30,7 @@ from megatron.checkpoint.io.checkpointing import rng_state, set_rng_state
 from megatron.checkpoint.io.optimizer_state import load_optimizer_state
 from megatron.model.moe import expert_bias_layers, update_expert_bias
 from megatron.model.state_dict import persistent_buffers
+from megatron.tensor_parallel.group import TensorParallel
 from megatron.training import experts
 from megatron.training.layer_norms import LayerGradNorms
 from megatron.training.nan_locator import GradientCheck, NonFiniteWatch
@@ -76,6 +79,73 @@ class EvalResult(NamedTuple):
     """float64 scalar: the sum of the token losses of the batch on this rank."""
     tokens: torch.Tensor
     """Labelled tokens of the batch on this rank."""
+    metrics: Optional[Metrics] = None
+    """More SUM numbers of the batch by name (`span_accuracy_metrics`); None: none."""
+    predictions: Optional[torch.Tensor] = None
+    """[batch, dec_len] int64: the teacher-forced greedy prediction at every decoder position,
+    where `eval_step` was asked for it (on the ranks that read batches); else None."""
+
+
+SPAN_CORRECT, SPAN_TOKENS = "span_accuracy/correct", "span_accuracy/tokens"
+"""The evaluation's span-filling accuracy: labelled target tokens whose greedy prediction is the
+label, and labelled target tokens (`span_accuracy_metrics`)."""
+
+
+class SpanCounts(NamedTuple):
+    correct: torch.Tensor
+    """int64 scalar: labelled positions where the greedy prediction is the label."""
+    total: torch.Tensor
+    """int64 scalar: labelled positions (labels != ignore_index)."""
+    predictions: torch.Tensor
+    """[...] int64: the greedy prediction at every position (global vocabulary ids)."""
+
+
+def greedy_tokens(logits: torch.Tensor, vocab_size: int, tp: TensorParallel) -> torch.Tensor:
+    """The greedy prediction [...] (int64 global ids, the same on every tensor rank) from this
+    rank's vocabulary-parallel logits [..., padded vocab / tp.size].
+
+    Ids at or past `vocab_size` (the padding that makes the table divide by the TP size) are
+    never predicted. Ties go to the lowest global id at any TP size: each rank takes its local
+    maximum (torch's first index), then one all-reduce MAX of the values and one MIN of the
+    indices of the ranks holding that maximum."""
+    per_rank = logits.shape[-1]
+    start = tp.rank * per_rank
+    valid = max(min(vocab_size - start, per_rank), 0)  # local columns below vocab_size
+    none = torch.full(logits.shape[:-1], vocab_size, dtype=torch.int64, device=logits.device)
+    if valid > 0:
+        best, index = logits[..., :valid].float().max(dim=-1)
+        index = index + start
+    else:  # every column of this rank is padding
+        best = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
+        index = none
+    if tp.size > 1:
+        top = best.clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp.group)
+        index = torch.where(best == top, index, none)
+        dist.all_reduce(index, op=dist.ReduceOp.MIN, group=tp.group)
+    return index
+
+
+def span_accuracy_counts(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                         tp: TensorParallel, ignore_index: int = -100) -> SpanCounts:
+    """Span-filling accuracy counts of a batch, teacher-forced: of the labelled positions
+    (labels != ignore_index: padding and unlabelled positions do not count), those where the
+    greedy prediction (`greedy_tokens`) is the label.
+
+    Args:
+        logits: [..., padded vocab / tp.size] this rank's vocabulary slice (any float dtype).
+        labels: [...] global ids, or ignore_index.
+        vocab_size: the true vocabulary size (the tokenizer's): larger ids are never predicted.
+        tp: the ranks that split the vocabulary (collective over tp.group when tp.size > 1).
+    """
+    predictions = greedy_tokens(logits, vocab_size, tp)
+    labelled = labels != ignore_index
+    return SpanCounts(((predictions == labels) & labelled).sum(), labelled.sum(), predictions)
+
+
+def span_accuracy_metrics(correct, total) -> Metrics:
+    """The SUM metrics of span-filling accuracy (reduced with the evaluation loss)."""
+    return {SPAN_CORRECT: metric(correct, SUM), SPAN_TOKENS: metric(total, SUM)}
 
 
 class TrainStep(abc.ABC):
@@ -101,8 +171,10 @@ class TrainStep(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def eval_step(self, batch: Batch) -> EvalResult:
-        """The loss of `batch` without gradients (the model in evaluation mode)."""
+    def eval_step(self, batch: Batch, predictions: bool = False) -> EvalResult:
+        """The loss of `batch` without gradients (the model in evaluation mode) and its
+        span-filling accuracy counts; predictions: also return the greedy prediction (for the
+        logged samples: --eval-log-samples) where the batch is read."""
 
     @abc.abstractmethod
     def train(self, mode: bool = True) -> None:
@@ -394,11 +466,19 @@ class DataParallelStep(EngineStep):
         return merge(core_metrics(totals[0] / self.micro_batches, totals[1], totals[2]),
                      denoiser_metrics.metrics(kinds))
 
-    def eval_step(self, batch: Batch) -> EvalResult:
+    def eval_step(self, batch: Batch, predictions: bool = False) -> EvalResult:
         batch = to_device(batch, self.device)
         with torch.no_grad():
             out = self.engine(**batch)
-        return EvalResult(out.token_losses.double().sum(), (batch["labels"] != -100).sum())
+            counts = span_accuracy_counts(out.logits, batch["labels"], self._vocab_size,
+                                          TensorParallel.of_this_process())
+        return EvalResult(out.token_losses.double().sum(), counts.total,
+                          span_accuracy_metrics(counts.correct, counts.total),
+                          counts.predictions if predictions else None)
+
+    @property
+    def _vocab_size(self) -> int:
+        return module_vocab_size(self.engine.module)
 
     def _hold(self, loss_sum: torch.Tensor, norm: Optional[float]) -> bool:
         """Whether any rank's loss, gradient norm (ZeRO-0 fp32: known before the update) or
