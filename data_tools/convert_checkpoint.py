@@ -49,6 +49,10 @@ run resumes in the new layout (any TP, PP, EP, DP and ZeRO stage; an upcycled mo
 only). Output is written to OUT.tmp and renamed; an existing OUT is refused without --force.
 Exit status: 0 done, 2 bad command line, 1 a checkpoint that cannot be read or written (one
 message naming the file and the tensor).
+
+(Slightly over 600 lines: the flag checks of every source and target format stay in one
+`check` so that a command line gets all its problems at once; the formats themselves live in
+megatron/checkpoint/formats/.)
 """
 
 from __future__ import annotations
