@@ -200,10 +200,11 @@ def build_model(folder, meta, config, tp, device, dtype, backend):
 
     model_meta = meta.get("model") or {}
     divisible = int(model_meta.get("make_vocab_size_divisible_by", 128))
+    # built where it runs (not on the meta device: to_empty would drop the parameters'
+    # tensor-parallel attributes, which say how the full tensors are split)
     model = T5Model(config, make_vocab_size_divisible_by=divisible, attention_backend=backend,
-                    device="meta", dtype=dtype, tensor_parallel=tp,
+                    device=device, dtype=dtype, tensor_parallel=tp,
                     expert_parallel=ExpertParallel())
-    model = model.to_empty(device=device)
     kind = "master"
     if (meta.get("layout") or {}).get("zero_stage") == 0 and \
             model_meta.get("precision") == "fp16":

@@ -1,0 +1,39 @@
+"""Worker functions for the multi-process generation tests (run by tests/distributed/harness.py
+on gloo)."""
+
+import torch
+import torch.distributed as dist
+
+
+def decode_tensor_parallel(rank, world_size, name, full, ids, mask, beam_flags):
+    """Greedy and beam-search ids of a TP = world_size model holding `full`'s weights."""
+    from generation_models import CONFIGS, EOS, PAD
+
+    from megatron.generation import Decoder, beam_search, greedy
+    from megatron.model import T5Config, T5Model
+    from megatron.model.state_dict import load_full_state_dict
+    from megatron.tensor_parallel.group import TensorParallel
+
+    tp = TensorParallel(world_size, rank, dist.group.WORLD)
+    model = T5Model(T5Config(**CONFIGS[name]), tensor_parallel=tp)
+    load_full_state_dict(model, full)
+    model.eval()
+    out = {"greedy": [h.ids for h in greedy(Decoder(model, ids, mask), ids.shape[0], PAD, EOS,
+                                            PAD, 12)]}
+    beams = beam_search(Decoder(model, ids, mask, expand=beam_flags["num_beams"]),
+                        ids.shape[0], eos_id=EOS, pad_id=PAD, start_id=PAD, max_new_tokens=10,
+                        **beam_flags)
+    out["beam"] = [h.ids for h in beams]
+    out["scores"] = torch.tensor([h.score for h in beams])
+    return out
+
+
+def run_generate(rank, world_size, argv):
+    """megatron.generate's main on every rank; rank 0 returns its output file's text."""
+    from pathlib import Path
+
+    from megatron import generate
+
+    code = generate.main(argv)
+    out = Path(argv[argv.index("--output") + 1])
+    return {"code": code, "text": out.read_text(encoding="utf-8") if rank == 0 else None}

@@ -1,0 +1,77 @@
+"""Generation on several processes (gloo) and from a real training checkpoint: greedy and beam
+search at TP 2 equal transformers' `generate`; `python -m megatron.generate` on the checkpoint
+of a 2-step pretraining run writes text and ids, the same at TP 1 and TP 2 (the checkpoint,
+saved at TP 1, split on load)."""
+
+import json
+
+import pytest
+import torch
+from generation_models import hf_of, hf_rows, our_model, padded_batch
+from harness import run_workers
+from train_workers import base_argv, run_pretrain
+
+from megatron.model.state_dict import gather_full_state_dict
+
+pytestmark = pytest.mark.slow
+
+BEAMS = dict(num_beams=3, length_penalty=0.8, early_stopping=False, no_repeat_ngram_size=2)
+
+
+@pytest.mark.parametrize("name", ["v1_0", "v1_1"])
+def test_tensor_parallel_search_equals_transformers(name):
+    model = our_model(name, seed=3)
+    full = gather_full_state_dict(model)
+    hf = hf_of(model, name)
+    ids, mask = padded_batch(seed=3)
+    from generation_workers import decode_tensor_parallel
+
+    got = run_workers(2, decode_tensor_parallel, name, full,
+                      ids, mask, BEAMS, timeout=300)
+    with torch.no_grad():
+        greedy = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12,
+                             do_sample=False, num_beams=1, use_cache=False)
+        beams = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10,
+                            do_sample=False, output_scores=True, return_dict_in_generate=True,
+                            use_cache=False, **BEAMS)
+    for rank in got:
+        assert rank["greedy"] == hf_rows(greedy)
+        assert rank["beam"] == hf_rows(beams.sequences)
+        torch.testing.assert_close(rank["scores"], beams.sequences_scores, rtol=1e-5,
+                                   atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def trained(train_data, tmp_path_factory):
+    """The checkpoint of a 2-step one-process pretraining run (the training tests' tiny
+    model and data)."""
+    ckpt = tmp_path_factory.mktemp("trained") / "ckpt"
+    run_workers(1, run_pretrain, [base_argv(train_data, "--save", str(ckpt), iters=2)],
+                timeout=600)
+    return ckpt
+
+
+def test_generate_from_a_pretraining_checkpoint_at_tp_1_and_2(train_data, trained, tmp_path):
+    from generation_workers import run_generate
+
+    texts = ["To be, or not to be", "Good morrow, kind sir.", "从前有座山", "The king"]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts),
+                   encoding="utf-8")
+    outputs = {}
+    for tp, extra in ((1, []), (2, ["--tensor-model-parallel-size", "2"])):
+        for mode in (["--num-beams", "1"], ["--num-beams", "3"]):
+            out = tmp_path / f"out_tp{tp}_{mode[1]}.jsonl"
+            argv = ["--load", str(trained), "--tokenizer-model", train_data.spm,
+                    "--input", str(inp), "--output", str(out), "--max-new-tokens", "6",
+                    "--micro-batch-size", "3", *mode, *extra]
+            result = run_workers(tp, run_generate, argv, timeout=300)[0]
+            assert result["code"] == 0
+            outputs[tp, mode[1]] = [json.loads(line) for line in result["text"].splitlines()]
+    for beams in ("1", "3"):
+        one, two = outputs[1, beams], outputs[2, beams]
+        assert len(one) == len(texts)
+        assert all(isinstance(r["text"], str) and r["ids"] for r in one)
+        assert [r["ids"] for r in one] == [r["ids"] for r in two]
+        assert [r["text"] for r in one] == [r["text"] for r in two]
+    assert all("score" in r for r in outputs[1, "3"])
