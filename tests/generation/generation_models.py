@@ -29,11 +29,19 @@ def our_model(name: str, seed: int = 0, **kw) -> T5Model:
 
 def sharpen(model: T5Model) -> None:
     """Scale the embedding (and head) so that a random model's next-token distribution is
-    peaked and EOS comes up now and then: searches then differ and some hypotheses end."""
+    peaked: searches then differ. An untied head's EOS row is pointed along the decoder's mean
+    output, so that EOS comes up after a few tokens and some hypotheses end before the limit
+    (a tied model's EOS row is also its input embedding, which this would disturb)."""
     with torch.no_grad():
         model.shared.weight.mul_(3.0)
         if hasattr(model, "lm_head"):
             model.lm_head.weight.mul_(3.0)
+            ids, mask = padded_batch(seed=9)
+            dec = torch.randint(2, VOCAB, (3, 6), generator=torch.Generator().manual_seed(9))
+            hidden = model.run_layers(model.initial_carry(ids, dec, mask)).hidden
+            mean = hidden.reshape(-1, hidden.shape[-1]).mean(0)
+            head = model.lm_head.weight
+            head[EOS] = mean / mean.norm() * head[:VOCAB].norm(dim=1).mean() * 1.5
 
 
 def hf_model(name: str, full):

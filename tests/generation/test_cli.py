@@ -143,3 +143,19 @@ def test_a_pipeline_checkpoint_is_refused_with_the_merge_command(tiny, spm_model
     ok = inputs(tmp_path / "ok.jsonl", [json.dumps({"text": "a"})])
     check_refused(run_cli(argv(pp, spm_model, ok, out)), out, "pipeline-model-parallel size 2",
                   "convert_checkpoint.py", "--target-pipeline-parallel-size 1")
+
+
+def test_the_cpm2_router_is_refused(tiny, spm_model, tmp_path, capsys):
+    ckpt, _ = tiny
+    moe = tmp_path / "moe"
+    folder = moe / "iter_0000000"
+    folder.mkdir(parents=True)
+    (moe / "latest_checkpointed_iteration.txt").write_text("0")
+    meta = json.loads((ckpt / "iter_0000000" / "meta.json").read_text())
+    meta["model"]["config"].update(num_experts=2, router_type="cpm2")
+    (folder / "meta.json").write_text(json.dumps(meta))
+    out = tmp_path / "out.jsonl"
+    ok = inputs(tmp_path / "ok.jsonl", [json.dumps({"text": "a"})])
+    assert generate.main(argv(moe, spm_model, ok, out)) == 2
+    assert "cpm2 router" in capsys.readouterr().err
+    assert not out.exists()

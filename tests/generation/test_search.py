@@ -58,11 +58,14 @@ def test_beam_search_equals_transformers(name, case):
                        eos_id=EOS, pad_id=PAD, start_id=PAD, max_new_tokens=10, **flags)
     with torch.no_grad():
         ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10,
-                          do_sample=False, output_scores=True, return_dict_in_generate=True, use_cache=False,
-                          **flags)
+                          do_sample=False, output_scores=True, return_dict_in_generate=True,
+                          use_cache=False, **flags)
     assert [h.ids for h in ours] == hf_rows(ref.sequences)
     torch.testing.assert_close(torch.tensor([h.score for h in ours]), ref.sequences_scores,
                                rtol=1e-5, atol=1e-5)
+    if name == "v1_1" and case < 2:  # hypotheses that end with EOS before the limit (the
+        # third case's length penalty of 2 favours the long ones)
+        assert any(h.ids[-1] == EOS and len(h.ids) < 10 for h in ours)
 
 
 def test_sampling_is_reproducible_and_stays_in_the_top_k_and_top_p_sets():
@@ -90,3 +93,24 @@ def test_no_repeat_ngram_matches_its_definition():
     seq = torch.tensor([[0, 5, 6, 5, 7, 5]])
     scores = ban_repeated_ngrams(seq, torch.zeros(1, 10), 2)
     assert torch.isinf(scores[0]).nonzero().flatten().tolist() == [6, 7]
+
+
+@pytest.mark.parametrize("router", ["switch", "topk", "base"])
+def test_cached_steps_of_a_mixture_of_experts_model(router):
+    """Sparse decoder blocks decode with their routers in evaluation mode: the cached steps
+    give the plain forward's logits."""
+    from generation_models import CONFIGS
+
+    from megatron.model import T5Config, T5Model
+
+    torch.manual_seed(4)
+    config = T5Config(**CONFIGS["v1_1"], num_experts=4, encoder_sparse_step=2,
+                      decoder_sparse_step=2, router_type=router)
+    model = T5Model(config).eval()
+    ids, mask = padded_batch()
+    decoder = Decoder(model, ids, mask)
+    dec = torch.cat([torch.full((3, 1), PAD), torch.randint(2, VOCAB, (3, 6))], dim=1)
+    with torch.no_grad():
+        full = model(ids, dec, mask).logits[..., :VOCAB]
+    for t in range(dec.shape[1]):
+        torch.testing.assert_close(decoder.step(dec[:, t]), full[:, t], rtol=1e-5, atol=1e-5)
