@@ -41,7 +41,7 @@ from megatron.training.data_workers import reap_daemonic_children
 from megatron.training.engine import build_model, count_parameters, initialize_engine
 from megatron.training.layer_norms import layer_groups
 from megatron.training.loaders import build_data
-from megatron.training.loop import LoopParts, StepCost, TrainState, evaluate, train
+from megatron.training.loop import LoopParts, StepCost, TrainState, run_evaluation, train
 from megatron.training.metrics import MetricsWriter, peak_tflops
 from megatron.training.pipeline_step import build_pipeline_step
 from megatron.training.profiling import StepProfiler
@@ -285,10 +285,10 @@ def _saver(step, config: RunConfig, writer: MetricsWriter, watchdog) -> Saver:
 def _final_evaluation(step, config: RunConfig, state: TrainState, writer: MetricsWriter,
                       watchdog, valid_loader, test_loader) -> None:
     for split, loader in (("valid", valid_loader), ("test", test_loader)):
-        loss = evaluate(step, config.batch, config.runtime, loader, watchdog)
-        if loss is not None:
-            state.evaluations.append((state.iteration, split, loss))
-            writer.write_eval(state.iteration, split, loss)
+        ev = run_evaluation(step, config.batch, config.runtime, loader, watchdog)
+        if ev is not None:
+            state.evaluations.append((state.iteration, split, ev.loss, ev.span_accuracy))
+            writer.write_eval(state.iteration, split, ev.loss, ev.span_accuracy)
 
 
 def _plot(config: RunConfig, writer: MetricsWriter) -> None:

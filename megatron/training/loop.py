@@ -73,8 +73,7 @@ class TrainState:
     over all data-parallel ranks; kinds the step drew none of are absent."""
     evaluations: List[tuple] = field(default_factory=list)
     """(iteration, split, loss, span_accuracy): plain tuples (they travel through torch.save
-    with weights_only); span_accuracy is None where the step reports none (absent in the
-    3-tuples of callers of `evaluate`)."""
+    with weights_only); span_accuracy is None where the step reports none."""
     exit_reason: str = ""
     diverged: str = ""
     """Why the run stopped at a non-finite loss or gradient norm ('' while it has not)."""
@@ -160,14 +159,6 @@ def run_evaluation(step: TrainStep, batch_config: BatchConfig, runtime: RuntimeC
     accuracy = float(sums[SPAN_CORRECT] / sums[SPAN_TOKENS]) if sums[SPAN_TOKENS] > 0 else None
     return Evaluation(float(sums[_EVAL_LOSS_SUM] / sums[_EVAL_TOKENS]), accuracy, first_batch,
                       first_predictions)
-
-
-def evaluate(step: TrainStep, batch_config: BatchConfig, runtime: RuntimeConfig,
-             loader: Optional[Iterable], watchdog=None) -> Optional[float]:
-    """Token-weighted mean loss over `eval_iters` global batches of `loader` (all ranks):
-    `run_evaluation`'s loss."""
-    evaluation = run_evaluation(step, batch_config, runtime, loader, watchdog)
-    return None if evaluation is None else evaluation.loss
 
 
 def decode_samples(batch: Batch, predictions: torch.Tensor, tokenizer,
