@@ -9,7 +9,7 @@
 # 128 (16 nodes x 8) for CPM-2-MoE's 32. The router balances the tokens of a micro-batch on a
 # rank over the experts: micro batch x 512 and micro batch x 256 must be multiples of EXPERTS
 # (8 x 512 = 4096 and 8 x 256 = 2048: 32 divides both). bf16, ZeRO-2.
-# (cpm2_moe_198b.sh is the same model with our BASE router, started from the dense CPM-2.)
+# (cpm2_moe_198b.sh is the same model and router started from the dense CPM-2 directly.)
 #
 # Its input, stage 2's checkpoint upcycled (each expert a copy of the dense feed-forward), with
 # stage 2's datasets and tokenizer:
