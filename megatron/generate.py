@@ -7,7 +7,8 @@
 Each input line is a JSON object; its `--input-key` string is tokenized as the `--to hf`
 export's tokenizer does (our SentencePiece tokenizer, EOS appended) and batched with padding
 (`--micro-batch-size`). Each output line holds `text` (the decoded output), `ids` (the generated
-ids, up to and including EOS) and, with beams, `score`. Decoding: greedy, beam search, or
+ids, up to and including EOS; the text leaves EOS and padding out and keeps sentinels) and,
+with beams, `score`. Decoding: greedy, beam search, or
 sampling (megatron/generation/search.py), up to `--max-new-tokens`. The checkpoint is read as
 full tensors and split for this run's tensor-parallel size, whatever its own; pipeline
 checkpoints and runs are refused (merge the stages with data_tools/convert_checkpoint.py).
@@ -254,8 +255,10 @@ def generate_all(args, model, tokenizer, texts, device) -> List[dict]:
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed + first,
                            device=device)
         for hypothesis in found:
-            record = {"text": tokenizer.decode(hypothesis.ids, skip_special_tokens=True),
-                      "ids": hypothesis.ids}
+            # EOS and padding left out of the text; sentinels (<extra_id_N>) kept, as a span
+            # corruption target reads
+            shown = [i for i in hypothesis.ids if i not in (eos, pad)]
+            record = {"text": tokenizer.decode(shown), "ids": hypothesis.ids}
             if hypothesis.score is not None:
                 record["score"] = hypothesis.score
             records.append(record)
@@ -286,7 +289,7 @@ def run(args) -> int:
     from megatron.initialize import choose_device, distributed_env
     from megatron.tensor_parallel.group import TensorParallel
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = int(distributed_env(os.environ)["WORLD_SIZE"])  # torchrun's, or Slurm's
     problems = flag_problems(args, world_size)
     if problems:
         raise GenerateError("the command line cannot run:\n" +

@@ -75,3 +75,30 @@ def test_generate_from_a_pretraining_checkpoint_at_tp_1_and_2(train_data, traine
         assert [r["ids"] for r in one] == [r["ids"] for r in two]
         assert [r["text"] for r in one] == [r["text"] for r in two]
     assert all("score" in r for r in outputs[1, "3"])
+
+
+def test_torchrun_launches_it_like_training(train_data, trained, tmp_path):
+    """`torchrun --nproc-per-node 2 -m megatron.generate ... --tensor-model-parallel-size 2`
+    writes what one process without torchrun writes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from harness import free_port
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["The king", "Good morrow"]))
+    flags = ["--load", str(trained), "--tokenizer-model", train_data.spm, "--input", str(inp),
+             "--max-new-tokens", "5", "--num-beams", "2"]
+    repo = Path(__file__).resolve().parents[2]
+    one = subprocess.run([sys.executable, "-m", "megatron.generate", *flags, "--output",
+                          str(tmp_path / "one.jsonl")], cwd=repo, capture_output=True,
+                         text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), "-m", "megatron.generate", *flags,
+                          "--tensor-model-parallel-size", "2", "--output",
+                          str(tmp_path / "two.jsonl")], cwd=repo, capture_output=True,
+                         text=True, timeout=300)
+    assert two.returncode == 0, two.stderr
+    assert (tmp_path / "one.jsonl").read_text() == (tmp_path / "two.jsonl").read_text()
