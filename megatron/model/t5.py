@@ -21,6 +21,7 @@ from torch import nn
 
 from megatron.model.config import ConfigError, T5Config
 from megatron.model.dropout import Dropout
+from megatron.model.prompt import place_prompt
 from megatron.model.transformer import ATTENTION_BACKENDS, Carry, InitMethods, T5Block, \
     T5LayerNorm, attention_dtype, relative_bias_at
 from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -137,11 +138,18 @@ class T5Model(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = untied_lm_head(config, self.padded_vocab_size, tp, device, dtype)
         self.dropout = Dropout(config.dropout_rate)
+        self.prompt = None  # prompt tuning: a PromptEncoder (megatron/model/prompt.py)
 
     # The flat layer list ----------------------------------------------------------------------
     def embed_encoder(self, carry: Carry) -> Carry:
-        """carry.hidden holds the encoder input ids on entry."""
-        return carry._replace(hidden=self.dropout(self.shared(carry.hidden)))
+        """carry.hidden holds the encoder input ids on entry; with a prompt, its vectors are
+        placed among them (the encoder input and its mask grow by the prompt's length)."""
+        if self.prompt is None:
+            return carry._replace(hidden=self.dropout(self.shared(carry.hidden)))
+        ids, keep = place_prompt(carry.hidden, carry.encoder_mask[:, 0, 0, :] == 0,
+                                 self.prompt.layout)
+        return carry._replace(hidden=self.dropout(self.prompt(ids, self.shared)),
+                              encoder_mask=additive_encoder_mask(keep))
 
     def finish_encoder(self, carry: Carry) -> Carry:
         output = self.dropout(self.encoder.final_layer_norm(carry.hidden))
