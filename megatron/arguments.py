@@ -43,6 +43,7 @@ from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
 from megatron.config.divergence_args import (add_divergence_args, divergence_config,
                                              divergence_problems)
+from megatron.config.prompt_args import add_prompt_args, prompt_problems
 from megatron.training.ds_config import OPTIMIZER_DEFAULTS
 from megatron.training.profiling import add_profile_args, profile_config, profile_problems
 
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_deepspeed_args(parser)
     _add_checkpoint_args(parser)
     _add_logging_args(parser)
+    add_prompt_args(parser)
     add_profile_args(parser)
     return parser
 
@@ -312,9 +314,10 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     problems: List[str] = []
     values = dict(vars(args))
     parallel = resolve_parallel(values, env, problems)
-    for flag, dest in (("--data-path", "data_path"), ("--model-config", "model_config")):
-        if values[dest] is None:
-            problems.append(f"{flag} is required")
+    if values["data_path"] is None and values["finetune_data"] is None:
+        problems.append("--data-path is required (or --finetune-data, for fine-tuning)")
+    if values["model_config"] is None:
+        problems.append("--model-config is required")
     if (values["train_iters"] is None) == (values["train_samples"] is None):
         problems.append("give exactly one of --train-iters and --train-samples")
 
@@ -352,6 +355,7 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     problems += loop_problems(values)
     problems += checkpoint_flag_problems(values)
     problems += divergence_problems(values)
+    problems += prompt_problems(values)
     if not values["plots"] and values["save"] is None:
         problems.append("--no-plots needs --save (the figures go to SAVE/plots/)")
     problems += profile_problems(values, parallel.world_size)

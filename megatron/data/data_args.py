@@ -27,6 +27,7 @@ from megatron.data.datasets.builder import (
 from megatron.data.storage.data_meta import APPEND_EOD_MODES, SAMPLE_DOCUMENTS
 from megatron.data.storage.indexed_dataset import IMPLS
 from megatron.data.storage.object_storage import ObjectStorage, StorageSettings
+from megatron.data.datasets.seq2seq import Seq2SeqConfig, source_problems
 from megatron.data.datasets.ul2 import (
     DEFAULT_MODE_TOKENS,
     S_PREFIX,
@@ -127,8 +128,9 @@ def add_data_args(parser: argparse.ArgumentParser,
     g.add_argument("--t5-objective", choices=OBJECTIVES, default="span-corruption",
                    help="span-corruption: T5's, on _text_document data; megatron: Megatron's "
                         "geometric n-gram masking on _text_sentence data; ul2: UL2's mixture of "
-                        "denoisers on _text_document data (CPM-2 three-file data is recognised "
-                        "by its files)")
+                        "denoisers on _text_document data; seq2seq: the (input, target) pairs "
+                        "of --finetune-data (which implies it) (CPM-2 three-file data is "
+                        "recognised by its files)")
     g.add_argument("--ul2-denoisers", default="ul2",
                    help="--t5-objective ul2: the mixture: a preset (ul2: the paper's seven, "
                         "equal weights; upalm: 50%% S, 25%% R, 25%% X), a JSON file or inline "
@@ -155,6 +157,7 @@ def add_data_args(parser: argparse.ArgumentParser,
                         "probability of a shorter sample")
     g.add_argument("--max-ngram", type=int, default=10,
                    help="--t5-objective megatron: longest masked n-gram")
+    add_finetune_args(parser)
     add_object_storage_args(parser)
     if not schedule:
         return parser
@@ -165,6 +168,65 @@ def add_data_args(parser: argparse.ArgumentParser,
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     return parser
+
+
+def add_finetune_args(parser: argparse.ArgumentParser) -> None:
+    """Seq2seq fine-tuning on (input, target) pairs (megatron/data/datasets/seq2seq.py)."""
+    g = parser.add_argument_group("fine-tuning (seq2seq pairs; docs/finetuning.md)")
+    g.add_argument("--finetune-data", default=None,
+                   help="the training pairs instead of --data-path: a JSONL file (one object "
+                        "per line, --input-key and --target-key) or the --output-prefix of "
+                        "preprocess_data.py --json-keys INPUT TARGET; one example per row, "
+                        "padded, longer ones cut (EOS kept); needs --decoder-seq-length")
+    g.add_argument("--finetune-valid-data", default=None,
+                   help="the validation pairs (same forms); without it no validation")
+    g.add_argument("--input-key", default="input", help="the pairs' input key")
+    g.add_argument("--target-key", default="target", help="the pairs' target key")
+    g.add_argument("--label-words", nargs="+", default=None,
+                   help="a label task's words: validation reports the accuracy of the "
+                        "generated labels (a prediction equal to none of them is wrong)")
+
+
+def finetune_problems(flags: Mapping[str, Any]) -> List[str]:
+    """Every problem of the --finetune-* flags, their files included (a JSONL file is read
+    once, a preprocessed pair's indexes opened)."""
+    get = flags.get
+    train, valid = get("finetune_data"), get("finetune_valid_data")
+    if train is None:
+        return [f"{flag} needs --finetune-data" for flag, value in
+                (("--finetune-valid-data", valid), ("--label-words", get("label_words")))
+                if value is not None]
+    problems = []
+    if get("data_path") is not None:
+        problems.append("--finetune-data reads its pairs instead of --data-path: give one of "
+                        "them")
+    if get("t5_objective", "span-corruption") not in ("span-corruption", "seq2seq"):
+        problems.append(f"--t5-objective {get('t5_objective')} cannot read --finetune-data "
+                        "(its pairs are the seq2seq objective)")
+    if get("decoder_seq_length") is None:
+        problems.append("--finetune-data needs --decoder-seq-length (the target tokens per "
+                        "sample, EOS included; longer targets are cut)")
+    input_key, target_key = get("input_key", "input"), get("target_key", "target")
+    if input_key == target_key:
+        problems.append(f"--input-key and --target-key are both {input_key!r}")
+        return problems
+    words = get("label_words")
+    if words is not None:
+        if any(not w.strip() for w in words):
+            problems.append("--label-words: a label word is empty")
+        if len(set(words)) != len(words):
+            problems.append("--label-words has a word twice")
+    for flag, path in (("--finetune-data", train), ("--finetune-valid-data", valid)):
+        if path is not None:
+            problems += source_problems(flag, path, input_key, target_key)
+    return problems
+
+
+def objective_of(args: argparse.Namespace) -> str:
+    """--t5-objective, or seq2seq with --finetune-data."""
+    if getattr(args, "finetune_data", None) is not None:
+        return "seq2seq"
+    return args.t5_objective
 
 
 def add_object_storage_args(parser: argparse.ArgumentParser) -> None:
@@ -253,6 +315,8 @@ def check_data_args(args: argparse.Namespace) -> List[str]:
         problems.append("--max-ngram must be >= 1")
     if args.t5_objective == "megatron" and args.decoder_seq_length is None:
         problems.append("--t5-objective megatron needs --decoder-seq-length")
+    if args.t5_objective == "seq2seq" and getattr(args, "finetune_data", None) is None:
+        problems.append("--t5-objective seq2seq needs --finetune-data")
     if args.t5_objective == "ul2":
         defaults = {"noise_density": 0.15, "mean_noise_span_length": 3.0,
                     "whole_word_masking": False}
@@ -260,7 +324,7 @@ def check_data_args(args: argparse.Namespace) -> List[str]:
             if getattr(args, name) != default:
                 problems.append(f"--{name.replace('_', '-')} has no effect with --t5-objective "
                                 f"ul2: its denoisers set the noise (--ul2-denoisers)")
-    if not problems and args.t5_objective in ("span-corruption", "ul2"):
+    if not problems and objective_of(args) in ("span-corruption", "ul2"):
         try:
             t5_config_from_args(args).lengths()
         except ValueError as e:
@@ -305,9 +369,15 @@ def ul2_config_from_args(args: argparse.Namespace) -> UL2Config:
 
 
 def data_config_from_args(args: argparse.Namespace) -> DataConfig:
-    return DataConfig(data_path=args.data_path, split=args.split, data_impl=args.data_impl,
-                      data_cache_path=args.data_cache_path, cache_timeout=args.data_cache_timeout,
-                      t5=t5_config_from_args(args), objective=args.t5_objective,
+    seq2seq = None
+    if objective_of(args) == "seq2seq":
+        seq2seq = Seq2SeqConfig(args.finetune_data, args.finetune_valid_data, args.input_key,
+                                args.target_key, tokenizer_spec_from_args(args),
+                                args.vocab_extra_ids, tuple(args.label_words or ()))
+    return DataConfig(data_path=args.data_path if seq2seq is None else (), split=args.split,
+                      data_impl=args.data_impl, data_cache_path=args.data_cache_path,
+                      cache_timeout=args.data_cache_timeout, seq2seq=seq2seq,
+                      t5=t5_config_from_args(args), objective=objective_of(args),
                       short_seq_prob=args.short_seq_prob, max_ngram=args.max_ngram,
                       ul2_layout=args.ul2_sample_layout,
                       append_eod=getattr(args, "data_append_eod", "auto"))
@@ -382,9 +452,11 @@ def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
     store = ObjectStorage(storage)  # what the checks below read through
     if flags["data_path"] is not None and not storage_problems:
         problems += data_file_problems(flags["data_path"], flags["data_impl"], store)
+    problems += finetune_problems(flags)
+    finetune = flags.get("finetune_data") is not None
     if flags["num_workers"] < 0:
         problems.append("--num-workers must be >= 0")
-    if schedule is None or flags["data_path"] is None:
+    if schedule is None or (flags["data_path"] is None and not finetune):
         return None, problems
     view = argparse.Namespace(**{**flags, "train_iters": schedule[0],
                                  "global_batch_size": schedule[1]})
@@ -395,7 +467,8 @@ def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
     if data_problems or tokenizer is None:
         return None, problems
     t5 = t5_config_from_args(view)
-    t5 = dataclasses.replace(t5, decoder_seq_length=t5.lengths()[2])
+    if not finetune:  # seq2seq: the flag's (required)
+        t5 = dataclasses.replace(t5, decoder_seq_length=t5.lengths()[2])
     dataset = dataclasses.replace(data_config_from_args(view), t5=t5)
     if dataset.packs_documents() and not problems:
         # Before the model is built: whether documents end with EOD (data_meta.decide_eod).

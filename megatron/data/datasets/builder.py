@@ -25,6 +25,7 @@ from megatron.data.storage.data_meta import decide_eod
 from megatron.data.storage.indexed_dataset import IndexedDataset, Read, dataset_exists
 from megatron.data.storage.object_storage import ObjectStorage
 from megatron.data.datasets.megatron_t5_dataset import MegatronT5Dataset, MegatronUL2Dataset
+from megatron.data.datasets.seq2seq import Seq2SeqConfig, build_seq2seq_datasets
 from megatron.data.datasets.t5_dataset import (
     T5DatasetConfig,
     T5SpanCorruptionDataset,
@@ -222,6 +223,9 @@ class DataConfig:
     "auto": each prefix's sidecar, checked against a bounded sample of its document ends, or
     that sample alone (megatron/data/storage/data_meta.py). Read by the objectives that pack documents
     (span corruption, UL2's packed layout)."""
+    seq2seq: Optional[Seq2SeqConfig] = None
+    """objective "seq2seq" (fine-tuning, `--finetune-data`): the pairs it reads instead of
+    `data_path` (megatron/data/datasets/seq2seq.py)."""
 
     def packs_documents(self) -> bool:
         """Whether the objective packs documents back to back (and so needs EOD between)."""
@@ -293,10 +297,16 @@ def _ul2(name: str, indexed: IndexedDataset, documents: Tuple[int, int], num_sam
                       config.cache_timeout, config.append_eod)
 
 
+def _seq2seq(name: str, indexed: IndexedDataset, *rest) -> None:
+    raise ValueError(f"--t5-objective seq2seq reads --finetune-data, not --data-path "
+                     f"({indexed.path_prefix})")
+
+
 OBJECTIVES: Dict[str, Callable[..., object]] = {
     "span-corruption": _span_corruption,
     "megatron": _megatron,
     "ul2": _ul2,
+    "seq2seq": _seq2seq,  # built from DataConfig.seq2seq by build_datasets
 }
 """--t5-objective: the dataset of a split of a token dataset, by objective (a new objective is
 one entry here): f(split name, IndexedDataset, (first, end) documents, samples, DataConfig,
@@ -312,6 +322,12 @@ def build_datasets(config: DataConfig, tokens: T5SpecialTokens,
     if config.objective not in OBJECTIVES:
         raise ValueError(f"--t5-objective {config.objective!r}: choose one of "
                          f"{', '.join(OBJECTIVES)}")
+    if config.objective == "seq2seq":
+        if config.seq2seq is None:
+            raise ValueError("--t5-objective seq2seq needs --finetune-data")
+        t5 = config.t5
+        return build_seq2seq_datasets(config.seq2seq, t5.encoder_seq_length,
+                                      t5.decoder_seq_length, t5.seed, tokens, num_samples)
     storage = storage if storage is not None else ObjectStorage()
     prefixes, weights = parse_data_path(config.data_path, storage)
     sources = [_Source(p, config.data_impl, storage) for p in prefixes]

@@ -1,0 +1,85 @@
+"""Seq2seq fine-tuning through the real entry point (docs/finetuning.md): the pairs of
+tests/data/finetune train a tiny model, from scratch or from a pretraining run's checkpoint
+(--load --finetune); TP 2 and ZeRO data parallelism give one process's losses; bad flags are
+refused with one message each."""
+
+from pathlib import Path
+
+import pytest
+
+from harness import run_workers
+from train_workers import assert_same_run, base_argv, losses, run_pretrain
+
+FINETUNE = Path(__file__).resolve().parents[1] / "data" / "finetune"
+TRAIN, VALID = str(FINETUNE / "cloze_train.jsonl"), str(FINETUNE / "cloze_valid.jsonl")
+
+
+def finetune_argv(data, *extra, iters=4):
+    """4 steps, global batch 4, 32 encoder and 8 decoder tokens, validation every 2 steps."""
+    return ["--finetune-data", TRAIN, "--finetune-valid-data", VALID,
+            "--tokenizer-model", data.spm, "--model-config", data.tiny, "--lr", "3e-3",
+            "--lr-warmup-iters", "1", "--train-iters", str(iters),
+            "--encoder-seq-length", "32", "--decoder-seq-length", "8",
+            "--eval-interval", "2", "--eval-iters", "1", "--log-interval", "2",
+            "--num-workers", "0", "--seed", "7", "--micro-batch-size", "2",
+            "--global-batch-size", "4", *extra]
+
+
+@pytest.fixture(scope="module")
+def single(train_data):
+    """One process, gradient accumulation 2."""
+    return run_workers(1, run_pretrain, [finetune_argv(train_data)], timeout=600)[0][0]
+
+
+def test_finetuning_learns_and_validates(single):
+    fp32 = losses(single)
+    assert fp32[-1] < fp32[0]
+    # validation at steps 2 and 4 (the last one also serves as the final); no test split
+    assert [e[:2] for e in single["evals"]] == [(2, "valid"), (4, "valid")]
+
+
+def test_finetuning_from_a_pretrained_checkpoint(train_data, tmp_path, single):
+    ckpt = str(tmp_path / "pretrained")
+    log = tmp_path / "finetune.log"
+    pretrained, tuned = run_workers(1, run_pretrain, [
+        base_argv(train_data, "--save", ckpt, "--save-interval", "2", iters=2),
+        finetune_argv(train_data, "--load", ckpt, "--finetune", "--log-file", str(log))],
+        timeout=600)[0]
+    assert pretrained["iteration"] == 2
+    # the schedule starts fresh: four steps of its own, from the pretrained weights
+    assert sorted(tuned["losses"]) == [1, 2, 3, 4]
+    assert "(--finetune: optimizer, LR schedule and data start fresh)" in log.read_text()
+    assert tuned["losses"][1] != single["losses"][1]
+
+
+def test_bad_flags_are_refused_one_message_each(train_data, tmp_path):
+    from megatron.arguments import ArgumentsError, parse_args
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input": "a", "target": "b"}\n{"input": "a", "label": "b"}\n')
+    with pytest.raises(ArgumentsError) as e:
+        parse_args(finetune_argv(train_data, "--data-path", train_data.prefix,
+                                 "--finetune-valid-data", str(bad)), env={})
+    assert e.value.problems == [
+        "--finetune-data reads its pairs instead of --data-path: give one of them",
+        f"--finetune-valid-data {bad} line 2: no key 'target' (--target-key)"]
+    argv = [a for a in finetune_argv(train_data) if a not in ("--decoder-seq-length", "8")]
+    with pytest.raises(ArgumentsError) as e:
+        parse_args(argv, env={})
+    assert [p.split(" (")[0] for p in e.value.problems] == \
+        ["--finetune-data needs --decoder-seq-length"]
+
+
+@pytest.mark.slow
+def test_tensor_and_zero_data_parallel_match_one_process(train_data, single):
+    runs = [["--zero-stage", str(s)] for s in (0, 1, 2, 3)]
+    got = run_workers(2, run_pretrain, [finetune_argv(train_data, *r) for r in runs],
+                      timeout=900)
+    assert got[0] == got[1]
+    for flags, result in zip(runs, got[0]):
+        assert_same_run(result, single, rtol=2e-5, label=flags)
+    got = run_workers(2, run_pretrain, [finetune_argv(
+        train_data, "--tensor-model-parallel-size", "2", "--global-batch-size", "4")],
+        timeout=600)
+    assert got[0] == got[1]
+    assert_same_run(got[0][0], single, rtol=2e-5, label="TP 2")
