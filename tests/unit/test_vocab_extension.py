@@ -10,6 +10,7 @@ CPM-2's vocab.txt is extended in CPM-2's layout."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -252,3 +253,39 @@ def test_cpm2_finetunes_bilingual_vocabulary_is_bpe_cn_plus_english():
     new = en[26051:-185]
     assert len(new) == 25_732 and not set(new) & set(cn)
     assert sum(p.isascii() for p in new) > 0.9 * len(new)
+
+
+def test_a_cpm2_checkpoint_is_grown_on_import(tmp_path):
+    """`--from cpm2 DIR --tokenizer-path vocab.txt --to megatron OUT --extend-vocab NEW.txt`: the
+    rows of the CPM-2 checkpoint (written by CPM-2's code) under our names, old tokens' rows
+    unchanged and sentinels moved with their ids, new rows by the prefix rule (checked by hand)
+    or a copy of an old row."""
+    fixture = Path(__file__).resolve().parents[1] / "data" / "cpm2_checkpoint"
+    old = (fixture / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    first_sentinel = old.index("<s_0>")
+    new_pieces = ["cab", "dd", "zzz"]
+    grown = old[:first_sentinel] + new_pieces + old[first_sentinel:]
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "vocab.txt").write_text("\n".join(grown) + "\n", encoding="utf-8")
+    common = ["--from", "cpm2", str(fixture / "mp1"), "--model-config",
+              str(fixture / "config.json"), "--tokenizer-path", str(fixture / "vocab.txt"),
+              "--no-progress", "--to", "megatron"]
+    assert convert_checkpoint.main([*common, str(tmp_path / "plain")]) == 0
+    assert convert_checkpoint.main([*common, str(tmp_path / "grown"), "--extend-vocab",
+                                    str(tmp_path / "new" / "vocab.txt")]) == 0
+
+    def reader(name):
+        return WeightsReader(next((tmp_path / name).glob("iter_*")))
+
+    before, after = reader("plain"), reader("grown")
+    config = json.loads((tmp_path / "grown" / "model_config.json").read_text())
+    assert config["vocab_size"] == len(grown)
+    for name in ("shared.weight", "lm_head.weight"):
+        a, b = before.slice(name), after.slice(name)
+        assert b.shape[0] == len(grown)
+        assert torch.equal(b[:first_sentinel], a[:first_sentinel])  # old ids unchanged
+        assert torch.equal(b[first_sentinel + 3:], a[first_sentinel:])  # sentinels moved up
+        added = b[first_sentinel:first_sentinel + 3]
+        assert torch.equal(added[0], a[old.index("c")])  # 'cab': longest old prefix 'c'
+        assert torch.equal(added[1], a[old.index("d")])  # 'dd': 'd'
+        assert any(torch.equal(added[2], row) for row in a)  # 'zzz': a random old row
