@@ -82,3 +82,57 @@ def read_predictions(path: str, prediction_key: str = "prediction",
                     raise ValueError(f"{path} line {number}: no string {key!r}")
                 into.append(record[key])
     return predictions, targets
+
+
+def decoded_targets(batch, tokenizer) -> List[str]:
+    """Each row's labelled target (EOS and padding left out) as text."""
+    eos, pad = tokenizer.eos_id, getattr(tokenizer, "pad_id", None)
+    out = []
+    for row in batch["labels"].cpu().tolist():
+        out.append(tokenizer.decode([i for i in row if i != -100 and i not in (eos, pad)]))
+    return out
+
+
+def greedy_predictions(model, batch, tokenizer, max_new_tokens: int) -> List[str]:
+    """Each row's greedy decoding (megatron/generation) of the batch's encoder input, as text
+    (EOS and padding left out, as `python -m megatron.generate` writes it). `model`: a whole
+    T5Model in evaluation mode (any tensor-parallel size; no pipeline, parameters not ZeRO-3
+    partitioned)."""
+    from megatron.generation import Decoder, greedy
+
+    ids, mask = batch["encoder_input_ids"], batch["encoder_attention_mask"]
+    eos = tokenizer.eos_id
+    pad = getattr(tokenizer, "pad_id", tokenizer.decoder_start_token_id)
+    found = greedy(Decoder(model, ids, mask), ids.shape[0], tokenizer.decoder_start_token_id,
+                   eos, pad, max_new_tokens, device=ids.device)
+    return [tokenizer.decode([i for i in h.ids if i not in (eos, pad)]) for h in found]
+
+
+def generation_counts(model, batches, tokenizer, max_new_tokens: int,
+                      label_words: Sequence[str] = ()) -> Dict[str, int]:
+    """{"examples", "exact", and with label words "label_right"} over `batches` (greedy
+    decoding of each, the targets from its labels): sums, to be added over data-parallel
+    ranks before `rates` divides them."""
+    counts = {"examples": 0, "exact": 0}
+    if label_words:
+        counts["label_right"] = 0
+    for batch in batches:
+        predictions = greedy_predictions(model, batch, tokenizer, max_new_tokens)
+        targets = decoded_targets(batch, tokenizer)
+        n = len(targets)
+        counts["examples"] += n
+        counts["exact"] += round(exact_match(predictions, targets) * n)
+        if label_words:
+            counts["label_right"] += round(label_accuracy(predictions, targets, label_words) * n)
+    return counts
+
+
+def rates(counts: Dict[str, float]) -> Dict[str, float]:
+    """{"exact_match", and "accuracy" where labels were counted} from `generation_counts`'s
+    sums (empty without examples)."""
+    if not counts.get("examples"):
+        return {}
+    out = {"exact_match": counts["exact"] / counts["examples"]}
+    if "label_right" in counts:
+        out["accuracy"] = counts["label_right"] / counts["examples"]
+    return out

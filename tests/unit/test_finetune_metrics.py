@@ -53,3 +53,46 @@ def test_bad_inputs_are_named(tmp_path):
     bad.write_text('{"target": "a", "prediction": "a"}\n{"target": "a"}\n')
     with pytest.raises(ValueError, match=r"p.jsonl line 2: no string 'prediction'"):
         read_predictions(str(bad))
+
+
+def test_generation_counts_score_the_greedy_decoding(spm_model):
+    """generation_counts on a tiny random model: the targets set to the model's own greedy
+    output are all exact; the cloze targets (none of them what a random model writes) none."""
+    import numpy as np
+    import torch
+
+    from megatron.data.datasets.seq2seq import Seq2SeqDataset, open_examples
+    from megatron.data.datasets.t5_dataset import T5SpecialTokens, collate, make_sample
+    from megatron.data.tokenizers.tokenizer import T5Tokenizer
+    from megatron.model import T5Config, T5Model
+    from megatron.training.finetune_metrics import generation_counts, greedy_predictions, rates
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=4100, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                      num_decoder_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
+                      tie_word_embeddings=False, dropout_rate=0.0)
+    model = T5Model(config, make_vocab_size_divisible_by=1).eval()
+    tokenizer = T5Tokenizer(str(spm_model))
+    tokens = T5SpecialTokens.from_tokenizer(tokenizer)
+    valid = str(PREDICTIONS.parent / "cloze_valid.jsonl")
+    ds = Seq2SeqDataset("valid", open_examples(valid, "input", "target", tokenizer), 8, 24, 6,
+                        tokens)
+    batch = {k: torch.from_numpy(v) for k, v in collate([ds[i] for i in range(8)]).items()}
+    predicted = greedy_predictions(model, batch, tokenizer, max_new_tokens=5)
+    assert len(predicted) == 8
+    counts = generation_counts(model, [batch], tokenizer, 5)
+    assert counts == {"examples": 8, "exact": 0}
+    # targets = the model's own greedy ids: every prediction exact, and a label when listed
+    own = []
+    for i, text in enumerate(predicted):
+        ids = np.array(tokenizer.encode(text) + [tokenizer.eos_id])
+        own.append(make_sample(batch["encoder_input_ids"][i].numpy()[:1], ids[:6], 24, 6,
+                               tokens.pad_id, tokens.decoder_start_token_id))
+    own = {k: torch.from_numpy(v) for k, v in collate(own).items()}
+    own["encoder_input_ids"] = batch["encoder_input_ids"]
+    own["encoder_attention_mask"] = batch["encoder_attention_mask"]
+    counts = generation_counts(model, [own], tokenizer, 5, label_words=[predicted[0]])
+    assert counts["examples"] == 8 and counts["exact"] == 8
+    assert counts["label_right"] == sum(p == predicted[0] for p in predicted)
+    assert rates(counts)["exact_match"] == 1.0
+    assert rates({"examples": 0}) == {}
