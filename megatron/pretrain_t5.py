@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -28,10 +29,11 @@ import torch.distributed as dist
 from megatron import parallel_state
 from megatron.arguments import ArgumentsError, parse_args
 from megatron.checkpoint.io.checkpointing import CheckpointError, layout, load_checkpoint, \
-    resumes_schedule
+    read_meta, read_tracker, resumes_schedule
 from megatron.checkpoint.io.ownership import SaveLock, SaveLockError, describe, watch_launcher
 from megatron.checkpoint.io.saver import Saver
 from megatron.config import RunConfig
+from megatron.config.prompt_args import prompt_settings
 from megatron.config.lr_schedule import resolve_with_checkpoint
 from megatron.cost.report import print_dry_run
 from megatron.failures import DataError, RunFailure, report_failure
@@ -60,7 +62,7 @@ def build_step(config: RunConfig, watchdog, writer):
     with watchdog.watch("building the model (ZeRO-3 partitions it with the other ranks)",
                         collective_s):
         model = build_model(config.model, config.zero, runtime.torch_device(),
-                            config.deepspeed_json())
+                            config.deepspeed_json(), prompt_settings(config.flags))
     writer.write_text(f"parameters on tensor rank 0: {count_parameters(model):,}")
     with watchdog.watch("engine setup (DeepSpeed broadcasts and partitions the weights "
                         "with the other ranks)", collective_s):
@@ -148,6 +150,7 @@ def _pretrain(config: RunConfig, signals, watchdog, lock):
         step = build_step(config, watchdog, writer)
         _instrument(step, config, profiler)
         state, schedule = _resume(step, config, writer, watchdog)
+        prompt_base = _start_prompt(step, config, writer)
         with watchdog.watch("data: building the datasets (index caches; another rank may be "
                             "building them)", runtime.data_cache_timeout_s + 60):
             loaders = build_data(config.data, config.batch, runtime.device_type,
@@ -156,7 +159,8 @@ def _pretrain(config: RunConfig, signals, watchdog, lock):
                                  parallel_state.is_pipeline_last_stage())
         if loaders.train is None:
             raise DataError("the train split is empty: check --split and --data-path")
-        saver = _saver(step, config, writer, watchdog) if ckpt.save is not None else None
+        saver = _saver(step, config, writer, watchdog, prompt_base) \
+            if ckpt.save is not None else None
 
         def save(s: TrainState, hold: bool = False) -> None:
             if saver.save(s.iteration, s.consumed_samples, schedule.state_dict(),
@@ -258,12 +262,39 @@ def _resume(step, config: RunConfig, writer: MetricsWriter, watchdog):
     return state, schedule
 
 
-def _saver(step, config: RunConfig, writer: MetricsWriter, watchdog) -> Saver:
+def _start_prompt(step, config: RunConfig, writer: MetricsWriter):
+    """Prompt tuning: the prompt started once the base model is loaded; the base's identity
+    (None without --prompt-tune)."""
+    settings = prompt_settings(config.flags)
+    if settings is None:
+        return None
+    from megatron.data.tokenizers.tokenizer import build_tokenizer
+    from megatron.training.prompt_tuning import init_token_id, start_prompt
+
+    token = init_token_id(settings, build_tokenizer(config.data.tokenizer))
+    load = Path(config.checkpoint.load) if config.checkpoint.load else None
+    iteration = read_tracker(load) if load is not None and load.is_dir() else None
+    meta = read_meta(load, iteration) if iteration is not None else {}
+    identity = start_prompt(step.engine, settings, token, config.checkpoint.load,
+                            meta.get("iteration"))
+    source = f"--prompt-load {settings.load}" if settings.load else \
+        ("random" if token is None else f"token id {token}")
+    writer.write_text(f"prompt tuning: {settings.layout.length} vectors "
+                      f"({'/'.join(map(str, settings.layout.counts()))} front to back) from "
+                      f"{source}; base {config.checkpoint.load} digest "
+                      f"{identity['digest'][:12]}")
+    return identity
+
+
+def _saver(step, config: RunConfig, writer: MetricsWriter, watchdog,
+           prompt_base=None) -> Saver:
     """The saver of --save, saying in the log what each save cost."""
     ckpt = config.checkpoint
     model_meta = {"config": config.model.t5.to_dict(),
                   "make_vocab_size_divisible_by": config.model.make_vocab_size_divisible_by,
                   "precision": config.precision.precision}
+    if prompt_base is not None:
+        model_meta["prompt_base"] = prompt_base
     if config.parallel.pipeline_model_parallel_size > 1:
         model_meta["pipeline_blocks"] = list(config.pipeline_cut().blocks)
     saver = Saver(step, ckpt.save, layout(config.parallel, config.zero.stage),

@@ -106,8 +106,12 @@ class PromptEncoder(nn.Module):
         self.layout = layout
         self.weight = nn.Parameter(torch.empty(layout.length, d_model, device=device,
                                                dtype=dtype))
-        if self.weight.device.type != "meta":
-            nn.init.normal_(self.weight, std=1.0)
+        if self.weight.device.type != "meta":  # drawn on the CPU, as tensor_parallel's layers
+            with torch.no_grad():
+                self.weight.copy_(torch.randn(self.weight.shape).to(self.weight.dtype))
+
+        # a base model's checkpoint has no prompt: loading it keeps this one
+        self.register_load_state_dict_pre_hook(_keep_when_absent)
 
     def forward(self, ids: torch.Tensor, words: nn.Module) -> torch.Tensor:
         is_prompt = ids < 0
@@ -128,6 +132,10 @@ class PromptEncoder(nn.Module):
         """Every vector drawn from N(0, std^2) (the same on every rank for the same generator)."""
         values = torch.randn(self.weight.shape, generator=generator) * std
         self.weight.copy_(values.to(self.weight.device, self.weight.dtype))
+
+
+def _keep_when_absent(module, state_dict, prefix, *args) -> None:
+    state_dict.setdefault(prefix + "weight", module.weight.detach())
 
 
 def attach_prompt(model: nn.Module, layout: PromptLayout) -> PromptEncoder:

@@ -11,33 +11,41 @@
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
 from megatron import parallel_state
+from megatron.config.prompt_args import PromptSettings
 from megatron.config.training import OptimizerConfig, ZeroConfig
 from megatron.model.settings import ModelConfig
 from megatron.model.t5 import T5Model, compile_blocks
 from megatron.training import deepspeed_internals, experts
+from megatron.training.prompt_tuning import prepare_model
 
 NO_DECAY_MARKERS = ("layer_norm", "bias", "relative_attention_bias")
 
 
 def build_model(model: ModelConfig, zero: ZeroConfig, device: torch.device,
-                ds_json: Dict) -> T5Model:
+                ds_json: Dict, prompt: Optional[PromptSettings] = None) -> T5Model:
     """The model for this rank (weights identical on every data-parallel rank).
 
-    ds_json: DeepSpeed's config, read by zero.Init under ZeRO-3."""
+    ds_json: DeepSpeed's config, read by zero.Init under ZeRO-3.
+    prompt: prompt tuning's settings: the prompt attached, the rest frozen (the optimizer
+        takes only what requires a gradient: `param_groups`)."""
     # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
     import deepspeed
 
     def make(device=None):
-        return T5Model(model.t5, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
-                       attention_backend=model.attention_backend,
-                       checkpoint_activations=model.checkpoint_activations,
-                       checkpoint_num_layers=model.checkpoint_num_layers,
-                       label_smoothing=model.label_smoothing, device=device)
+        built = T5Model(model.t5,
+                        make_vocab_size_divisible_by=model.make_vocab_size_divisible_by,
+                        attention_backend=model.attention_backend,
+                        checkpoint_activations=model.checkpoint_activations,
+                        checkpoint_num_layers=model.checkpoint_num_layers,
+                        label_smoothing=model.label_smoothing, device=device)
+        if prompt is not None:
+            prepare_model(built, prompt)
+        return built
 
     if zero.stage == 3:
         remote = None if zero.offload_param == "none" else zero.offload_param

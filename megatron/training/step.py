@@ -291,8 +291,11 @@ class EngineStep(TrainStep):
         order = self._optimizer_parameters()
         if order is not None:
             client_state[OPTIMIZER_PARAMETERS] = order
+        # prompt tuning: the frozen model stays in its base checkpoint
+        frozen = getattr(self.engine.module, "prompt", None) is not None \
+            and any(not p.requires_grad for p in self.engine.module.parameters())
         self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state,
-                                    save_latest=False)
+                                    save_latest=False, exclude_frozen_parameters=frozen)
         for path, state in experts.expert_files(self.engine.module, root / tag).items():
             self.engine.checkpoint_engine.save(state, str(path))
 

@@ -1,0 +1,113 @@
+"""Prompt tuning in real runs (megatron/training/prompt_tuning.py): a base model trained and
+saved, then a prompt trained on it with every model parameter frozen: the model stays bit for
+bit, the prompt moves, the loss falls, the saved checkpoint holds the prompt alone with its
+base's identity, a prompt is refused on another base, and TP 2 gives TP 1's losses."""
+
+import json
+
+import pytest
+import torch
+
+from harness import run_workers
+from train_workers import base_argv, losses, run_pretrain, run_pretrain_until_error
+
+pytestmark = pytest.mark.slow
+
+PROMPT = ["--prompt-tune", "--prompt-length", "6", "--prompt-positions", "0.5,0,0.5"]
+
+
+def run_keeping_model(rank, world_size, argvs):
+    """As run_pretrain; each result also holds the model's state after the run (CPU tensors)."""
+    import megatron.pretrain_t5 as entry
+
+    built = []
+    build_step = entry.build_step
+
+    def keeping(*args, **kwargs):
+        built.append(build_step(*args, **kwargs))
+        return built[-1]
+
+    entry.build_step = keeping
+    try:
+        out = []
+        for argv in argvs:
+            result = run_pretrain(rank, world_size, [argv])[0]
+            module = built[-1].engine.module
+            result["state"] = {k: v.detach().cpu().clone()
+                               for k, v in module.state_dict().items()}
+            result["trainable"] = sorted(n for n, p in module.named_parameters()
+                                         if p.requires_grad)
+            out.append(result)
+        return out
+    finally:
+        entry.build_step = build_step
+
+
+def _module_file(folder):
+    (tag,) = [p for p in folder.iterdir() if p.name.startswith("iter_")]
+    return tag, torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                           weights_only=False)["module"]
+
+
+def test_prompt_tuning_freezes_the_model_and_saves_the_prompt(train_data, tmp_path):
+    base, other, prompt = (str(tmp_path / n) for n in ("base", "other", "prompt"))
+    run = lambda *extra, iters=8: base_argv(train_data, "--zero-stage", "1", *extra,  # noqa
+                                            iters=iters)
+    results = run_workers(1, run_keeping_model, [
+        run("--save", base),
+        run("--load", base, "--finetune", "--save", prompt, *PROMPT, "--lr", "0.05",
+            "--prompt-init-token", "<extra_id_0>", "--eval-interval", "2", iters=10),
+    ], timeout=600)[0]
+    trained, tuned = results
+    _, base_module = _module_file(tmp_path / "base")
+    # every model parameter bitwise unchanged; the prompt alone was trainable
+    assert tuned["trainable"] == ["prompt.weight"]
+    assert set(tuned["state"]) == set(base_module) | {"prompt.weight"}
+    for name, tensor in base_module.items():
+        assert torch.equal(tuned["state"][name], tensor), name
+    # the prompt started at the token's embedding and moved
+    from megatron.data.tokenizers.tokenizer import build_tokenizer, resolve_tokenizer
+    token = build_tokenizer(resolve_tokenizer(train_data.spm)).vocab["<extra_id_0>"]
+    start = base_module["shared.weight"][token]
+    assert not torch.equal(tuned["state"]["prompt.weight"], start.expand(6, -1))
+    # the loss falls: the same validation batches, evaluated every 2 steps
+    valid = [e[2] for e in tuned["evals"] if e[1] == "valid"]
+    assert valid[-1] < valid[0], valid
+    # the saved checkpoint: the prompt alone, and the base it was trained on
+    tag, saved = _module_file(tmp_path / "prompt")
+    assert list(saved) == ["prompt.weight"]
+    assert torch.equal(saved["prompt.weight"], tuned["state"]["prompt.weight"])
+    meta = json.loads((tag / "meta.json").read_text())
+    assert meta["model"]["prompt_base"]["load"] == base
+    assert meta["model"]["prompt_base"]["iteration"] == 8
+    size = sum(f.stat().st_size for f in tag.iterdir() if f.suffix == ".pt")
+    base_size = sum(f.stat().st_size for f in next((tmp_path / "base").glob("iter_*")).iterdir()
+                    if f.suffix == ".pt")
+    assert size < base_size / 10, (size, base_size)
+    # the prompt goes back onto its base, and is refused on another one, naming both
+    back, _ = run_workers(1, run_pretrain_until_error, [
+        run("--load", base, "--finetune", *PROMPT, "--prompt-load", prompt, "--lr", "0",
+            iters=2),
+        run("--seed", "8", "--save", other, iters=2),
+    ], timeout=600)[0]
+    assert "error" not in back, back
+    refused = run_workers(1, run_pretrain_until_error, [
+        run("--load", other, "--finetune", *PROMPT, "--prompt-load", prompt, iters=2),
+    ], timeout=600)[0][0]
+    assert "error" in refused
+    assert f"{base} iteration 8" in refused["error"] and f"{other} iteration 2" in \
+        refused["error"], refused["error"]
+
+
+def test_tensor_parallel_prompt_tuning_equals_one_rank(train_data):
+    """TP 2 and TP 1 (both with 2 ranks: DP 1 and DP 2) give the same losses and prompts."""
+    run = lambda *extra: base_argv(train_data, "--zero-stage", "1", *PROMPT,  # noqa: E731
+                                   "--lr", "0.05", *extra)
+    ranks = run_workers(2, run_keeping_model, [run("--tensor-model-parallel-size", "2"), run()],
+                        timeout=600)
+    tp2, tp1 = ranks[0]
+    assert losses(tp2) == pytest.approx(losses(tp1), rel=1e-5)
+    torch.testing.assert_close(tp2["state"]["prompt.weight"], tp1["state"]["prompt.weight"],
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ranks[1][0]["state"]["prompt.weight"],
+                               tp2["state"]["prompt.weight"], rtol=0, atol=0)
