@@ -53,9 +53,9 @@ def add_prompt_args(parser) -> None:
                    help="start from the prompt of a prompt-tuning run's --save (its latest "
                         "checkpoint), refused unless --load is the base it was trained on")
     g.add_argument("--prompt-train-model", action="store_true",
-                   help="with --prompt-tune: train the model too (the second stage of "
-                        "CPM-2-Finetune's two-stage tuning: --load the prompt-tuned checkpoint "
-                        "--finetune)")
+                   help="with --prompt-tune: train the model too, the prompt with it (the "
+                        "second stage of CPM-2-Finetune's two-stage tuning: --load BASE "
+                        "--finetune --prompt-load the first stage's --save)")
 
 
 def _shares(text: str) -> Tuple[Tuple[float, ...], List[str]]:
