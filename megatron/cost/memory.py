@@ -175,7 +175,8 @@ def _validate(tp, dp, zero_stage, precision, offload_optimizer, offload_param, s
 
 def estimate_memory(layout: "Layout", device_type: str = "cuda", attention_kernel: str = "fused",
                     pipeline_cut: Optional["Cut"] = None,
-                    pipeline_stage: int = 0) -> MemoryEstimate:
+                    pipeline_stage: int = 0, prompt_length: int = 0,
+                    frozen_model: bool = False) -> MemoryEstimate:
     """Per-rank memory of training `layout` with DeepSpeed ZeRO and Adam(W).
 
     Args:
@@ -196,6 +197,10 @@ def estimate_memory(layout: "Layout", device_type: str = "cuda", attention_kerne
             and what 'auto' runs on the CPU, model/eager_attention.py).
         pipeline_cut, pipeline_stage: with a cut of more than one stage, the memory of a rank
             of that stage (see the module docstring); None or one stage: no pipeline.
+        prompt_length: prompt tuning (megatron/model/prompt.py): the encoder input grows by
+            this many vectors, a [prompt_length, d_model] parameter on every rank; with
+            frozen_model, the model's parameters are held (16-bit ones in 16 bits) but have no
+            gradients, optimizer states or ZeRO partitions: only the prompt's are counted.
 
     Raises:
         ValueError: a setting out of range or a combination DeepSpeed does not run.
@@ -205,7 +210,7 @@ def estimate_memory(layout: "Layout", device_type: str = "cuda", attention_kerne
     config, tp, dp = model.t5, parallel.tensor_model_parallel_size, parallel.data_parallel_size
     ep, precision, zero = parallel.expert_model_parallel_size, layout.precision.precision, \
         layout.zero
-    e, d = layout.encoder_seq_length, layout.decoder_seq_length
+    e, d = layout.encoder_seq_length + prompt_length, layout.decoder_seq_length
     micro_batches = batch.gradient_accumulation_steps
     buckets = ZeroBuckets.from_zero_config(layout.deepspeed.get("zero_optimization", {}))
     sizes = {"micro_batch_size": batch.micro_batch_size, "encoder_seq_length": e,
@@ -217,6 +222,9 @@ def estimate_memory(layout: "Layout", device_type: str = "cuda", attention_kerne
     if pipelined and pipeline_stage not in range(pipeline_cut.stages):
         problems.append(f"pipeline_stage must be 0 .. {pipeline_cut.stages - 1}, not "
                         f"{pipeline_stage!r}")
+    if prompt_length and (pipelined or zero.stage == 3 or ep > 1):
+        problems.append("prompt tuning is estimated without a pipeline, ZeRO stage 3 or expert "
+                        "parallelism")
     if pipelined and zero.stage not in (0, 1):
         problems.append("a pipeline runs ZeRO stage 0 or 1 only (DeepSpeed's pipeline engine)")
     if problems:
@@ -239,6 +247,10 @@ def estimate_memory(layout: "Layout", device_type: str = "cuda", attention_kerne
                                dp // ep)
     numels = parameter_numels(config, tp, divisor, ep)
     states = (zero.stage, precision, zero.offload_optimizer, zero.offload_param, buckets)
+    if prompt_length:
+        return _prompt_estimate(list(numels.values()), prompt_length * config.d_model,
+                                frozen_model, dp, states, shape, tp, vocab, e, d, model,
+                                device_type, micro_batches)
     params, grads, optimizer, buffers, step, offloaded = _model_states(
         list(numels.values()), dp, *states)
     if config.is_moe and ep > 1:  # the experts' states over expert-data ranks
@@ -260,13 +272,15 @@ def estimate_memory(layout: "Layout", device_type: str = "cuda", attention_kerne
 
 
 def estimate_run(config: "Layout", device_type: str, stage: Optional[int] = None,
-                 cut: Optional["Cut"] = None) -> MemoryEstimate:
+                 cut: Optional["Cut"] = None, prompt_length: int = 0,
+                 frozen_model: bool = False) -> MemoryEstimate:
     """`estimate_memory` for a run's layout (`RunConfig.layout()`, or `layout_from_flags` in
     megatron/arguments.py) on `device_type` ('cuda' or 'cpu'), with the attention kernel that
     the model's 'auto' backend picks there (fused on CUDA, eager on the CPU). What `--dry-run`,
     the training bench and the planner share. With a pipeline: a rank of `stage`, or with None
     of the stage with the largest total (`estimate_stages` gives them all); `cut`: the layout's
-    `pipeline_cut()` when the caller has it already."""
+    `pipeline_cut()` when the caller has it already; prompt_length, frozen_model: prompt
+    tuning (see estimate_memory)."""
     if config.parallel.pipeline_model_parallel_size == 1:
         cut = None
     elif cut is None:
@@ -274,7 +288,8 @@ def estimate_run(config: "Layout", device_type: str, stage: Optional[int] = None
     if cut is not None and stage is None:
         return max(estimate_stages(config, device_type, cut), key=lambda e: e.total)
     kernel = "fused" if device_type == "cuda" else "eager"
-    return estimate_memory(config, device_type, kernel, cut, stage or 0)
+    return estimate_memory(config, device_type, kernel, cut, stage or 0, prompt_length,
+                           frozen_model)
 
 
 def estimate_stages(config: "Layout", device_type: str,
@@ -284,6 +299,29 @@ def estimate_stages(config: "Layout", device_type: str,
     if stages > 1 and cut is None:
         cut = config.pipeline_cut()
     return [estimate_run(config, device_type, s, cut) for s in range(stages)]
+
+
+def _prompt_estimate(numels, prompt_numel, frozen_model, dp, states, shape, tp, vocab, e, d,
+                     model, device_type, micro_batches) -> MemoryEstimate:
+    """estimate_memory of prompt tuning: the states of what trains (the prompt alone with a
+    frozen model), plus the frozen parameters as they are held."""
+    trained = [prompt_numel] if frozen_model else numels + [prompt_numel]
+    frozen = 0
+    if frozen_model:  # held in the model's dtype, no fp32 master, never partitioned
+        frozen = (4 if states[1] == "fp32" else 2) * sum(numels)
+    saved, activations = micro_batch_activations(shape, tp, vocab, e, d,
+                                                 model.checkpoint_activations,
+                                                 model.checkpoint_num_layers)
+    if device_type == "cpu":
+        out = _host_estimate(trained, dp, *states, saved, activations, micro_batches)
+        return replace(out, parameters=out.parameters + frozen, total=out.total + frozen,
+                       between_steps=out.between_steps + frozen)
+    params, grads, optimizer, buffers, step, offloaded = _model_states(trained, dp, *states)
+    params += frozen
+    return MemoryEstimate(parameters=params, gradients=grads, optimizer_states=optimizer,
+                          activations=activations, activations_saved=saved, buffers=buffers,
+                          total=params + grads + optimizer + buffers + max(activations, step),
+                          offloaded=offloaded, between_steps=params + grads + optimizer + buffers)
 
 
 def optimizer_bytes(stage: int, precision: str, numel: int) -> int:

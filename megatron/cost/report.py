@@ -4,6 +4,7 @@ stage with a pipeline), for the device `--dry-run-device` names; nothing is allo
 from __future__ import annotations
 
 from megatron.config import RunConfig
+from megatron.config.prompt_args import prompt_settings
 from megatron.cost.memory import estimate_run, estimate_stages, stage_parameter_numels
 from megatron.model.meta import active_parameters, count_parameters, is_expert_parameter, \
     num_parameters, parameter_numels
@@ -19,7 +20,11 @@ def print_dry_run(config: RunConfig) -> int:
     total = num_parameters(model.t5, model.make_vocab_size_divisible_by, tp)
     ep = parallel.expert_model_parallel_size
     per_rank = count_parameters(model.t5, tp, model.make_vocab_size_divisible_by, ep)
-    estimate = estimate_run(config.layout(), device)
+    prompt = prompt_settings(config.flags)
+    prompt_length = prompt.layout.length if prompt is not None else 0
+    frozen = prompt is not None and not prompt.train_model
+    estimate = estimate_run(config.layout(), device, prompt_length=prompt_length,
+                            frozen_model=frozen)
     print(f"dry run: the flags and files are valid for {parallel.world_size} processes "
           f"(TP {tp} x PP {parallel.pipeline_model_parallel_size} x DP "
           f"{parallel.data_parallel_size})")
@@ -35,6 +40,11 @@ def print_dry_run(config: RunConfig) -> int:
     ul2 = config.data.dataset.t5.ul2
     if ul2 is not None:
         print(ul2.describe_budget(config.data.encoder_seq_length, config.data.decoder_seq_length))
+    if prompt is not None:
+        print(f"prompt tuning: {prompt_length} vectors of {model.t5.d_model} in the encoder "
+              f"input (+{prompt_length} positions)" + (
+                  "; the model's parameters frozen: no gradients, optimizer states or ZeRO "
+                  "partitions for them" if frozen else "; the model trains too"))
     if parallel.pipeline_model_parallel_size == 1:
         print(f"memory per rank, estimated for {device} (--dry-run-device):")
         for line in estimate.table():

@@ -11,7 +11,10 @@ import torch
 from harness import run_workers
 from train_workers import base_argv, losses, run_pretrain, run_pretrain_until_error
 
-pytestmark = pytest.mark.slow
+from megatron.arguments import parse_args
+from megatron.cost.memory import estimate_run
+from megatron.model import T5Model
+from megatron.pretrain_t5 import main
 
 PROMPT = ["--prompt-tune", "--prompt-length", "6", "--prompt-positions", "0.5,0,0.5"]
 
@@ -49,6 +52,7 @@ def _module_file(folder):
                            weights_only=False)["module"]
 
 
+@pytest.mark.slow
 def test_prompt_tuning_freezes_the_model_and_saves_the_prompt(train_data, tmp_path):
     base, other, prompt = (str(tmp_path / n) for n in ("base", "other", "prompt"))
     run = lambda *extra, iters=8: base_argv(train_data, "--zero-stage", "1", *extra,  # noqa
@@ -99,6 +103,7 @@ def test_prompt_tuning_freezes_the_model_and_saves_the_prompt(train_data, tmp_pa
         refused["error"], refused["error"]
 
 
+@pytest.mark.slow
 def test_tensor_parallel_prompt_tuning_equals_one_rank(train_data):
     """TP 2 and TP 1 (both with 2 ranks: DP 1 and DP 2) give the same losses and prompts."""
     run = lambda *extra: base_argv(train_data, "--zero-stage", "1", *PROMPT,  # noqa: E731
@@ -111,3 +116,26 @@ def test_tensor_parallel_prompt_tuning_equals_one_rank(train_data):
                                rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ranks[1][0]["state"]["prompt.weight"],
                                tp2["state"]["prompt.weight"], rtol=0, atol=0)
+
+
+def test_dry_run_counts_the_prompt_states_only(train_data, capsys):
+    """--dry-run with --prompt-tune: the frozen model's parameters are held, its gradients and
+    optimizer states are not; the prompt's are (bf16, ZeRO 2 over 4 ranks, on CUDA)."""
+    argv = base_argv(train_data, "--dry-run", "--dry-run-device", "cuda", "--zero-stage", "2",
+                     "--bf16", "--global-batch-size", "8")
+    env = {"WORLD_SIZE": "4"}
+    full = parse_args(argv, env=env)
+    tuned = parse_args(argv + PROMPT, env=env)
+    layout = full.layout()
+    d_model = full.model.t5.d_model
+    psi = sum(p.numel() for p in T5Model(full.model.t5, device="meta").parameters())
+    want = estimate_run(layout, "cuda")
+    got = estimate_run(tuned.layout(), "cuda", prompt_length=6, frozen_model=True)
+    assert got.parameters == 2 * (psi + 6 * d_model)
+    assert got.gradients == 2 * -(-6 * d_model // 4)  # the prompt's, partitioned
+    assert got.optimizer_states == 12 * -(-6 * d_model // 4)
+    assert want.optimizer_states == 12 * -(-psi // 4) and want.gradients == 2 * -(-psi // 4)
+    assert got.total < want.total
+    assert main(argv + PROMPT) == 0
+    out = capsys.readouterr().out
+    assert "prompt tuning: 6 vectors" in out and "frozen" in out
