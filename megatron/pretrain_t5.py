@@ -41,6 +41,7 @@ from megatron.initialize import distributed_env, join_deepspeed, join_process_gr
 from megatron.model.flops import training_step_flops
 from megatron.training.data_workers import reap_daemonic_children
 from megatron.training.engine import build_model, count_parameters, initialize_engine
+from megatron.training.finetune_metrics import generation_line, validation_generation
 from megatron.training.layer_norms import layer_groups
 from megatron.training.loaders import build_data
 from megatron.training.loop import LoopParts, StepCost, TrainState, run_evaluation, train
@@ -320,6 +321,11 @@ def _final_evaluation(step, config: RunConfig, state: TrainState, writer: Metric
         if ev is not None:
             state.evaluations.append((state.iteration, split, ev.loss, ev.span_accuracy))
             writer.write_eval(state.iteration, split, ev.loss, ev.span_accuracy)
+    generation = validation_generation(step, config, valid_loader, watchdog)  # fine-tuning
+    if generation:
+        writer.write_text(generation_line(state.iteration, generation))
+        writer.write_scalars({f"validation/{k}": v for k, v in generation.items()},
+                             state.iteration)
 
 
 def _plot(config: RunConfig, writer: MetricsWriter) -> None:

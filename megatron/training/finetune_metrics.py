@@ -14,6 +14,7 @@ prediction file written by `python -m megatron.generate`.
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from typing import Dict, List, Optional, Sequence, Tuple
 
 
@@ -136,3 +137,61 @@ def rates(counts: Dict[str, float]) -> Dict[str, float]:
     if "label_right" in counts:
         out["accuracy"] = counts["label_right"] / counts["examples"]
     return out
+
+
+def validation_generation(step, config, loader, watchdog=None,
+                          tokenizer=None) -> Optional[Dict[str, float]]:
+    """Exact match (and label accuracy with --label-words) of the greedy decoding of the
+    validation batches `run_evaluation` scores (the first eval_iters global batches), summed
+    over data-parallel ranks; at most --decoder-seq-length new tokens. None where there is
+    nothing to score: no seq2seq validation data, or a layout whose model is not whole on a
+    rank (pipeline parallelism, ZeRO-3), which is not supported yet."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron import parallel_state
+
+    seq2seq = getattr(config.data.dataset, "seq2seq", None)
+    if loader is None or seq2seq is None or seq2seq.valid is None \
+            or config.batch.eval_iters == 0:
+        return None
+    if config.parallel.pipeline_model_parallel_size > 1 or config.zero.stage == 3:
+        return None
+    if tokenizer is None:
+        from megatron.data.tokenizers.tokenizer import build_tokenizer
+
+        tokenizer = build_tokenizer(seq2seq.tokenizer, extra_ids=seq2seq.extra_ids)
+    device = config.runtime.torch_device()
+    limit = config.batch.eval_iters * config.batch.gradient_accumulation_steps
+    collective_s = 60 * config.runtime.distributed_timeout_minutes
+
+    def batches():
+        for index, batch in enumerate(loader):
+            if index == limit:
+                return
+            yield {k: v.to(device) for k, v in batch.items()}
+
+    step.train(False)
+    try:
+        with torch.no_grad():
+            counts = generation_counts(step.reporting_module(), batches(), tokenizer,
+                                       config.data.decoder_seq_length, seq2seq.label_words)
+    finally:
+        step.train(True)
+    names = sorted(counts)
+    summed = torch.tensor([float(counts[n]) for n in names], dtype=torch.float64,
+                          device=device)
+    if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        watch = watchdog.watch("collective: the all-reduce of the generation metrics",
+                               collective_s) if watchdog is not None else nullcontext()
+        with watch:
+            dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
+    return rates(dict(zip(names, summed.tolist())))
+
+
+def generation_line(iteration: int, metrics: Dict[str, float]) -> str:
+    """The log line of `validation_generation`'s numbers."""
+    parts = [f"exact match: {metrics['exact_match']:.4f}"]
+    if "accuracy" in metrics:
+        parts.append(f"label accuracy: {metrics['accuracy']:.4f}")
+    return f" validation generation at iteration {iteration} | " + " | ".join(parts) + " |"

@@ -43,6 +43,7 @@ from megatron.failures import RunFailure
 from megatron.training import (denoiser_metrics, divergence, moe_metrics, nan_locator, producers,
                                step_metrics)
 from megatron.training.divergence import DivergenceError, DivergenceGuard, WeightGrowth
+from megatron.training.finetune_metrics import generation_line, validation_generation
 from megatron.training.layer_norms import write_layer_norms
 from megatron.training.metrics import IntervalStats, MetricsWriter, Timer
 from megatron.training.nan_locator import locate
@@ -417,6 +418,12 @@ class _Loop:
                     state.iteration, "valid",
                     decode_samples(evaluation.first_batch, evaluation.predictions,
                                    self._tokenizer(), samples))
+        # seq2seq fine-tuning: exact match and label accuracy of the greedy decoding
+        generation = validation_generation(p.step, p.config, p.valid_loader, self.watchdog)
+        if generation:
+            p.writer.write_text(generation_line(state.iteration, generation))
+            p.writer.write_scalars({f"validation/{k}": v for k, v in generation.items()},
+                                   state.iteration)
         self.timer.reset()
 
     def _tokenizer(self):

@@ -3,6 +3,7 @@ tests/data/finetune train a tiny model, from scratch or from a pretraining run's
 (--load --finetune); TP 2 and ZeRO data parallelism give one process's losses; bad flags are
 refused with one message each."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -26,16 +27,34 @@ def finetune_argv(data, *extra, iters=4):
 
 
 @pytest.fixture(scope="module")
-def single(train_data):
-    """One process, gradient accumulation 2."""
-    return run_workers(1, run_pretrain, [finetune_argv(train_data)], timeout=600)[0][0]
+def single_log(train_data, tmp_path_factory):
+    """One process, gradient accumulation 2, label words (two of the cloze targets): the
+    result and the log."""
+    log = tmp_path_factory.mktemp("finetune") / "single.log"
+    result = run_workers(1, run_pretrain, [finetune_argv(
+        train_data, "--label-words", "proceed", "resolved", "--log-file", str(log))],
+        timeout=600)[0][0]
+    return result, log.read_text()
 
 
-def test_finetuning_learns_and_validates(single):
+@pytest.fixture(scope="module")
+def single(single_log):
+    return single_log[0]
+
+
+def test_finetuning_learns_and_validates(single_log):
+    single, log = single_log
     fp32 = losses(single)
     assert fp32[-1] < fp32[0]
     # validation at steps 2 and 4 (the last one also serves as the final); no test split
     assert [e[:2] for e in single["evals"]] == [(2, "valid"), (4, "valid")]
+    # with the loss, the greedy decoding's exact match and label accuracy (4 of the 16
+    # validation examples: eval_iters 1 x global batch 4)
+    lines = re.findall(r"validation generation at iteration (\d+) \| exact match: ([0-9.]+) "
+                       r"\| label accuracy: ([0-9.]+)", log)
+    assert [int(i) for i, _, _ in lines] == [2, 4]
+    for _, exact, accuracy in lines:
+        assert float(exact) * 4 == round(float(exact) * 4) and 0 <= float(accuracy) <= 1
 
 
 def test_finetuning_from_a_pretrained_checkpoint(train_data, tmp_path, single):
