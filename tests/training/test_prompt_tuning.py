@@ -11,7 +11,7 @@ import torch
 from harness import run_workers
 from train_workers import base_argv, losses, run_pretrain, run_pretrain_until_error
 
-from megatron.arguments import parse_args
+from megatron.arguments import ArgumentsError, parse_args
 from megatron.cost.memory import estimate_run
 from megatron.model import T5Model
 from megatron.pretrain_t5 import main
@@ -89,12 +89,16 @@ def test_prompt_tuning_freezes_the_model_and_saves_the_prompt(train_data, tmp_pa
                     if f.suffix == ".pt")
     assert size < base_size / 10, (size, base_size)
     # the prompt goes back onto its base, and is refused on another one, naming both
-    back, _ = run_workers(1, run_pretrain_until_error, [
-        run("--load", base, "--finetune", *PROMPT, "--prompt-load", prompt, "--lr", "0",
-            iters=2),
-        run("--seed", "8", "--save", other, iters=2),
+    # ... as the start of CPM-2-Finetune's second stage: the model trains too (lr 0 here, so
+    # the prompt and the model are still the saved ones after the steps)
+    (second,) = run_workers(1, run_keeping_model, [
+        run("--load", base, "--finetune", *PROMPT, "--prompt-load", prompt,
+            "--prompt-train-model", "--lr", "0", iters=2),
     ], timeout=600)[0]
-    assert "error" not in back, back
+    assert set(second["trainable"]) == set(base_module) | {"prompt.weight"}
+    assert torch.equal(second["state"]["prompt.weight"], saved["prompt.weight"])
+    assert all(torch.equal(second["state"][n], t) for n, t in base_module.items())
+    run_workers(1, run_pretrain, [run("--seed", "8", "--save", other, iters=2)], timeout=600)
     refused = run_workers(1, run_pretrain_until_error, [
         run("--load", other, "--finetune", *PROMPT, "--prompt-load", prompt, iters=2),
     ], timeout=600)[0][0]
@@ -139,3 +143,14 @@ def test_dry_run_counts_the_prompt_states_only(train_data, capsys):
     assert main(argv + PROMPT) == 0
     out = capsys.readouterr().out
     assert "prompt tuning: 6 vectors" in out and "frozen" in out
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--prompt-length", "4"], "--prompt-length has effect only with --prompt-tune"),
+    (PROMPT[:1] + ["--prompt-positions", "0.5,0.2"], "add up to 1"),
+    (PROMPT[:1] + ["--prompt-positions", "front"], "comma-separated numbers"),
+    (PROMPT + ["--zero-stage", "3"], "ZeRO stage 3"),
+])
+def test_prompt_flags_are_checked(train_data, extra, message):
+    with pytest.raises(ArgumentsError, match=message):
+        parse_args(base_argv(train_data, *extra), env={})
