@@ -90,15 +90,16 @@ def test_bad_flags_are_refused_one_message_each(train_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_tensor_and_zero_data_parallel_match_one_process(train_data, single):
+def test_tensor_pipeline_and_zero_data_parallel_match_one_process(train_data, single):
     runs = [["--zero-stage", str(s)] for s in (0, 1, 2, 3)]
     got = run_workers(2, run_pretrain, [finetune_argv(train_data, *r) for r in runs],
                       timeout=900)
     assert got[0] == got[1]
     for flags, result in zip(runs, got[0]):
         assert_same_run(result, single, rtol=2e-5, label=flags)
-    got = run_workers(2, run_pretrain, [finetune_argv(
-        train_data, "--tensor-model-parallel-size", "2", "--global-batch-size", "4")],
-        timeout=600)
+    layouts = [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]]
+    got = run_workers(2, run_pretrain, [finetune_argv(train_data, *r) for r in layouts],
+                      timeout=900)
     assert got[0] == got[1]
-    assert_same_run(got[0][0], single, rtol=2e-5, label="TP 2")
+    for flags, result in zip(layouts, got[0]):
+        assert_same_run(result, single, rtol=2e-5, label=flags)
