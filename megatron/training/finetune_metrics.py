@@ -13,6 +13,7 @@ prediction file written by `python -m megatron.generate`.
 
 from __future__ import annotations
 
+import functools
 import json
 from contextlib import nullcontext
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -139,6 +140,14 @@ def rates(counts: Dict[str, float]) -> Dict[str, float]:
     return out
 
 
+@functools.lru_cache(maxsize=2)
+def _tokenizer(spec, extra_ids: int):
+    """The run's tokenizer, built at the first evaluation and kept."""
+    from megatron.data.tokenizers.tokenizer import build_tokenizer
+
+    return build_tokenizer(spec, extra_ids=extra_ids)
+
+
 def validation_generation(step, config, loader, watchdog=None,
                           tokenizer=None) -> Optional[Dict[str, float]]:
     """Exact match (and label accuracy with --label-words) of the greedy decoding of the
@@ -158,9 +167,7 @@ def validation_generation(step, config, loader, watchdog=None,
     if config.parallel.pipeline_model_parallel_size > 1 or config.zero.stage == 3:
         return None
     if tokenizer is None:
-        from megatron.data.tokenizers.tokenizer import build_tokenizer
-
-        tokenizer = build_tokenizer(seq2seq.tokenizer, extra_ids=seq2seq.extra_ids)
+        tokenizer = _tokenizer(seq2seq.tokenizer, seq2seq.extra_ids)
     device = config.runtime.torch_device()
     limit = config.batch.eval_iters * config.batch.gradient_accumulation_steps
     collective_s = 60 * config.runtime.distributed_timeout_minutes
