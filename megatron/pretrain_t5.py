@@ -276,9 +276,10 @@ def _start_prompt(step, config: RunConfig, writer: MetricsWriter):
     load = Path(config.checkpoint.load) if config.checkpoint.load else None
     iteration = read_tracker(load) if load is not None and load.is_dir() else None
     meta = read_meta(load, iteration) if iteration is not None else {}
+    loaded = "prompt_base" in meta.get("model", {})
     identity = start_prompt(step.engine, settings, token, config.checkpoint.load,
-                            meta.get("iteration"))
-    source = f"--prompt-load {settings.load}" if settings.load else \
+                            meta.get("iteration"), loaded)
+    source = f"--prompt-load {settings.load}" if settings.load else "--load" if loaded else \
         ("random" if token is None else f"token id {token}")
     writer.write_text(f"prompt tuning: {settings.layout.length} vectors "
                       f"({'/'.join(map(str, settings.layout.counts()))} front to back) from "

@@ -66,8 +66,36 @@ def _shares(text: str) -> Tuple[Tuple[float, ...], List[str]]:
                     f"0.33,0.34,0.33"]
 
 
+def prompt_only_checkpoint(load: Optional[str]) -> Optional[dict]:
+    """The base identity (meta.json's model.prompt_base) when --load's latest checkpoint holds
+    a prompt alone (a run with --prompt-tune and a frozen model), else None."""
+    from pathlib import Path
+
+    from megatron.checkpoint.io.checkpointing import read_meta, read_tracker
+
+    root = Path(load) if load else None
+    iteration = read_tracker(root) if root is not None and root.is_dir() else None
+    if iteration is None:
+        return None
+    try:
+        meta = read_meta(root, iteration)
+    except Exception:  # noqa: BLE001 - a damaged checkpoint is reported by the load's checks
+        return None
+    flags = meta.get("flags", {})
+    base = meta.get("model", {}).get("prompt_base")
+    if base is None or not flags.get("prompt_tune") or flags.get("prompt_train_model"):
+        return None
+    return base
+
+
 def prompt_problems(values: Mapping[str, object]) -> List[str]:
-    """The prompt flags (`vars(namespace)`): ranges and combinations."""
+    """The prompt flags (`vars(namespace)`): ranges and combinations; a --load that holds a
+    prompt alone."""
+    base = prompt_only_checkpoint(values.get("load"))
+    if base is not None:
+        return [f"--load {values['load']} holds a prompt alone (a --prompt-tune run's "
+                f"checkpoint): load its base model and the prompt with --load {base['load']} "
+                f"--finetune --prompt-tune --prompt-load {values['load']}"]
     if not values["prompt_tune"]:
         given = [f for f, default in (("prompt_length", 100), ("prompt_positions", "1"),
                                       ("prompt_init_token", None), ("prompt_load", None),

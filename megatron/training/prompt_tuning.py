@@ -49,9 +49,12 @@ def init_token_id(settings: PromptSettings, tokenizer) -> Optional[int]:
 
 
 def start_prompt(engine, settings: PromptSettings, token_id: Optional[int],
-                 load: Optional[str], iteration: Optional[int]) -> Dict:
+                 load: Optional[str], iteration: Optional[int],
+                 loaded_prompt: bool = False) -> Dict:
     """After the base model is loaded: the prompt from `prompt_load` (a prompt-tuning run's
-    --save) or from the token's embedding; returns the base's identity (for meta.json).
+    --save), kept as loaded (`loaded_prompt`: --load held the model and a prompt, a second
+    stage's checkpoint) or from the token's embedding; returns the base's identity (for
+    meta.json).
 
     Raises:
         CheckpointError: `prompt_load` holds no prompt, or one trained on another base."""
@@ -66,7 +69,7 @@ def start_prompt(engine, settings: PromptSettings, token_id: Optional[int],
             raise CheckpointError(problem[0])
         with torch.no_grad():
             module.prompt.weight.copy_(weight.to(module.prompt.weight))
-    elif token_id is not None:
+    elif token_id is not None and not loaded_prompt:
         module.prompt.init_from_token(token_id, module.shared)
     deepspeed_internals.refresh_masters(engine.optimizer)
     return identity

@@ -1,7 +1,8 @@
 """Prompt tuning in real runs (megatron/training/prompt_tuning.py): a base model trained and
 saved, then a prompt trained on it with every model parameter frozen: the model stays bit for
-bit, the prompt moves, the loss falls (seq2seq pairs), the saved checkpoint holds the prompt alone with its
-base's identity, a prompt is refused on another base, and TP 2 gives TP 1's losses."""
+bit, the prompt moves, the loss falls (seq2seq pairs), the saved checkpoint holds the prompt
+alone with its base's identity, a prompt is refused on another base, and TP 2 gives TP 1's
+losses; --dry-run's memory against fine-tuning."""
 
 import json
 
@@ -87,6 +88,10 @@ def test_prompt_tuning_freezes_the_model_and_saves_the_prompt(train_data, tmp_pa
                     if f.suffix == ".pt")
     assert size < base_size / 10, (size, base_size)
     # the prompt goes back onto its base, and is refused on another one, naming both
+    # a prompt alone cannot be --load-ed as a model: the refusal says what to give instead
+    with pytest.raises(ArgumentsError, match=f"--load {base} --finetune --prompt-tune "
+                                             f"--prompt-load {prompt}"):
+        parse_args(run("--load", prompt, *PROMPT), env={})
     # ... as the start of CPM-2-Finetune's second stage: the model trains too (lr 0 here, so
     # the prompt and the model are still the saved ones after the steps)
     (second,) = run_workers(1, run_keeping_model, [
