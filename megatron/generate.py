@@ -3,6 +3,7 @@
     python -m megatron.generate --load ckpt/ --tokenizer-model spm/t5.model \
         --input prompts.jsonl --input-key text --output out.jsonl [--num-beams 4 ...]
     torchrun --nproc-per-node 2 -m megatron.generate ... --tensor-model-parallel-size 2
+    torchrun --nproc-per-node 2 -m megatron.generate ... --expert-model-parallel-size 2
 
 Each input line is a JSON object; its `--input-key` string is tokenized as the `--to hf`
 export's tokenizer does (our SentencePiece tokenizer, EOS appended) and batched with padding
@@ -12,6 +13,10 @@ with beams, `score`. Decoding: greedy, beam search, or
 sampling (megatron/generation/search.py), up to `--max-new-tokens`. The checkpoint is read as
 full tensors and split for this run's tensor-parallel size, whatever its own; pipeline
 checkpoints and runs are refused (merge the stages with data_tools/convert_checkpoint.py).
+The processes are TP x DP: the data-parallel ranks decode their own micro-batches (round robin);
+with `--expert-model-parallel-size` EP (dividing DP) a rank holds E / EP experts of each
+Mixture-of-Experts layer and its expert-parallel group decodes in lockstep
+(megatron/generation/lockstep.py); rank 0 writes every input's output, in input order.
 The output is written to a temporary name and renamed; any problem is one message naming the
 file, line or flag, and a non-zero exit.
 """
@@ -64,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=1234, help="of the sampling")
     r = p.add_argument_group("runtime")
     r.add_argument("--tensor-model-parallel-size", type=int, default=None,
-                   help="default: the number of processes")
+                   help="default: the number of processes / the expert-parallel size")
+    r.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="Mixture-of-Experts: each rank holds E / EP experts; EP divides the "
+                        "data-parallel size (processes / TP), whose ranks decode their own "
+                        "micro-batches")
     r.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="only 1: generation runs without a pipeline")
     r.add_argument("--attention-backend", default="auto", choices=("auto", "sdpa", "eager"))
@@ -95,10 +104,17 @@ def flag_problems(args, world_size: int) -> List[str]:
     if args.pipeline_model_parallel_size != 1:
         out.append(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
                    "generation runs without a pipeline (use tensor parallelism)")
-    tp = args.tensor_model_parallel_size or world_size
-    if tp != world_size:
-        out.append(f"--tensor-model-parallel-size {tp}: generation runs with one tensor-"
-                   f"parallel group, so it must equal the number of processes ({world_size})")
+    ep = args.expert_model_parallel_size
+    if ep < 1:
+        out.append(f"--expert-model-parallel-size must be at least 1, not {ep}")
+        ep = 1
+    tp = args.tensor_model_parallel_size or max(1, world_size // ep)
+    if tp < 1 or world_size % tp:
+        out.append(f"--tensor-model-parallel-size {tp} does not divide the number of "
+                   f"processes ({world_size})")
+    elif (world_size // tp) % ep:
+        out.append(f"--expert-model-parallel-size {ep} does not divide the data-parallel size "
+                   f"{world_size // tp} (processes {world_size} / tensor-parallel size {tp})")
     if not Path(args.input).is_file():
         out.append(f"--input {args.input}: no such file")
     out_dir = Path(args.output).resolve().parent
@@ -147,7 +163,7 @@ def merge_command(load: str) -> str:
             f"--target-pipeline-parallel-size 1 --weights-only")
 
 
-def read_checkpoint(load: str, iteration: Optional[int]):
+def read_checkpoint(load: str, iteration: Optional[int], expert_parallel: int = 1):
     """(iteration folder, meta.json, model config) of the checkpoint to decode with.
 
     Raises:
@@ -172,6 +188,12 @@ def read_checkpoint(load: str, iteration: Optional[int]):
         raise GenerateError(f"--load {load}: a Mixture-of-Experts model with the cpm2 router "
                             "(CPM-2-MoE's BASE layers need a fixed token multiple per batch), "
                             "which generation does not run")
+    if expert_parallel > 1 and not config.is_moe:
+        raise GenerateError(f"--expert-model-parallel-size {expert_parallel}: --load {load} "
+                            "is a dense model (no experts)")
+    if expert_parallel > 1 and config.num_experts % expert_parallel:
+        raise GenerateError(f"--expert-model-parallel-size {expert_parallel} does not divide "
+                            f"the {config.num_experts} experts of --load {load}")
     return folder, meta, config
 
 
@@ -191,9 +213,10 @@ def load_tokenizer(args, meta):
         raise GenerateError(str(e)) from None
 
 
-def build_model(folder, meta, config, tp, device, dtype, backend):
+def build_model(folder, meta, config, tp, device, dtype, backend, ep=None):
     """The model of `config`, this rank's tensor-parallel shard of the checkpoint's weights
-    (read as full tensors: any saved tensor-parallel size), in evaluation mode."""
+    and its expert-parallel share of the experts (`ep`; default all) (read as full tensors:
+    any saved tensor- or expert-parallel size), in evaluation mode."""
     from megatron.checkpoint.formats.deepspeed import CheckpointReadError, iter_full_tensors
     from megatron.model.state_dict import StateDictError, load_full_state_dict
     from megatron.model.t5 import T5Model
@@ -205,7 +228,7 @@ def build_model(folder, meta, config, tp, device, dtype, backend):
     # tensor-parallel attributes, which say how the full tensors are split)
     model = T5Model(config, make_vocab_size_divisible_by=divisible, attention_backend=backend,
                     device=device, dtype=dtype, tensor_parallel=tp,
-                    expert_parallel=ExpertParallel())
+                    expert_parallel=ep or ExpertParallel())
     kind = "master"
     if (meta.get("layout") or {}).get("zero_stage") == 0 and \
             model_meta.get("precision") == "fp16":
@@ -224,17 +247,29 @@ def batches(texts: List[str], size: int):
         yield start, texts[start:start + size]
 
 
-def generate_all(args, model, tokenizer, texts, device) -> List[dict]:
-    """One record per input: text, ids (and score with beams)."""
+def generate_all(args, model, tokenizer, texts, device, data=(0, 1),
+                 group=None) -> List[dict]:
+    """One record per input: text, ids (and score with beams); with `data` = (data-parallel
+    rank, size) this rank's micro-batches only (round robin), each record with its input's
+    `index`. `group`: the expert-parallel group this rank decodes in lockstep with (None: no
+    other rank; every rank of it runs the same number of micro-batches and steps)."""
     import torch
 
     from megatron.generation import Decoder, beam_search, greedy
+    from megatron.generation.lockstep import Lockstep, dummy_decoder
 
     pad = getattr(tokenizer, "pad_id", tokenizer.decoder_start_token_id)
     start, eos = tokenizer.decoder_start_token_id, tokenizer.eos_id
     early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
     records = []
-    for first, chunk in batches(texts, args.micro_batch_size):
+    chunks = list(batches(texts, args.micro_batch_size))
+    rank, size = data
+    for round_ in range(-(-len(chunks) // size)):
+        if round_ * size + rank >= len(chunks):  # none left: a dummy one, for the all-to-alls
+            if group is not None:
+                Lockstep(dummy_decoder(model, eos, device), group, pad).drain()
+            continue
+        first, chunk = chunks[round_ * size + rank]
         encoded = [tokenizer.encode(t, add_eos=True) for t in chunk]
         length = max(len(e) for e in encoded)
         ids = torch.full((len(encoded), length), pad, dtype=torch.long)
@@ -244,21 +279,23 @@ def generate_all(args, model, tokenizer, texts, device) -> List[dict]:
             mask[row, :len(e)] = 1
         ids, mask = ids.to(device), mask.to(device)
         if args.num_beams > 1:
-            decoder = Decoder(model, ids, mask, expand=args.num_beams)
+            decoder = Lockstep(Decoder(model, ids, mask, expand=args.num_beams), group, pad)
             found = beam_search(decoder, len(chunk), args.num_beams, start, eos, pad,
                                 args.max_new_tokens, args.length_penalty, early,
                                 args.no_repeat_ngram_size, device=device)
         else:
-            found = greedy(Decoder(model, ids, mask), len(chunk), start, eos, pad,
+            decoder = Lockstep(Decoder(model, ids, mask), group, pad)
+            found = greedy(decoder, len(chunk), start, eos, pad,
                            args.max_new_tokens, args.no_repeat_ngram_size,
                            sample=args.do_sample, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed + first,
                            device=device)
-        for hypothesis in found:
+        decoder.drain()
+        for index, hypothesis in enumerate(found, start=first):
             # EOS and padding left out of the text; sentinels (<extra_id_N>) kept, as a span
             # corruption target reads
             shown = [i for i in hypothesis.ids if i not in (eos, pad)]
-            record = {"text": tokenizer.decode(shown), "ids": hypothesis.ids}
+            record = {"index": index, "text": tokenizer.decode(shown), "ids": hypothesis.ids}
             if hypothesis.score is not None:
                 record["score"] = hypothesis.score
             records.append(record)
@@ -287,7 +324,7 @@ def run(args) -> int:
 
     from megatron import parallel_state
     from megatron.initialize import choose_device, distributed_env
-    from megatron.tensor_parallel.group import TensorParallel
+    from megatron.tensor_parallel.group import ExpertParallel, TensorParallel
 
     world_size = int(distributed_env(os.environ)["WORLD_SIZE"])  # torchrun's, or Slurm's
     problems = flag_problems(args, world_size)
@@ -295,7 +332,9 @@ def run(args) -> int:
         raise GenerateError("the command line cannot run:\n" +
                             "\n".join(f"  - {p}" for p in problems))
     texts = read_inputs(args.input, args.input_key)
-    folder, meta, config = read_checkpoint(args.load, args.iteration)
+    ep_size = args.expert_model_parallel_size
+    tp_size = args.tensor_model_parallel_size or world_size // ep_size
+    folder, meta, config = read_checkpoint(args.load, args.iteration, ep_size)
     tokenizer = load_tokenizer(args, meta)
     if tokenizer.vocab_size > config.vocab_size:
         raise GenerateError(f"--tokenizer-model: {tokenizer.vocab_size} tokens, more than the "
@@ -310,15 +349,25 @@ def run(args) -> int:
         created = True
     try:
         if world_size > 1:
-            parallel_state.initialize_model_parallel(world_size, 1, 1)
-        tp = TensorParallel.of_this_process()
+            parallel_state.initialize_model_parallel(tp_size, 1, ep_size)
+        tp, ep = TensorParallel.of_this_process(), ExpertParallel.of_this_process()
+        data = ((parallel_state.get_data_parallel_rank(),
+                 parallel_state.get_data_parallel_world_size()) if world_size > 1 else (0, 1))
         device = torch.device(device_type, torch.cuda.current_device()) \
             if device_type == "cuda" else torch.device("cpu")
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
                  "fp16": torch.float16}[args.dtype]
-        model = build_model(folder, meta, config, tp, device, dtype, args.attention_backend)
-        records = generate_all(args, model, tokenizer, texts, device)
-        if tp.rank == 0:
+        model = build_model(folder, meta, config, tp, device, dtype, args.attention_backend, ep)
+        records = generate_all(args, model, tokenizer, texts, device, data,
+                               ep.group if ep.size > 1 else None)
+        if data[1] > 1:  # every data-parallel rank's outputs, in input order
+            everyone = [None] * world_size
+            dist.all_gather_object(everyone, records)
+            records = sorted({r["index"]: r for rank in everyone for r in rank}.values(),
+                             key=lambda r: r["index"])
+        for record in records:
+            del record["index"]
+        if (dist.get_rank() if world_size > 1 else 0) == 0:
             write_jsonl(args.output, records)
             print(f"wrote {args.output}: {len(records)} outputs", file=sys.stderr)
     finally:

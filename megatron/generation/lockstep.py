@@ -1,0 +1,58 @@
+"""Decoding in lockstep over an expert-parallel group.
+
+Each Mixture-of-Experts layer runs an all-to-all over the expert-parallel group
+(megatron/model/moe.py, SparseMLP._exchange), so every rank of the group must run the model
+the same number of times, although each decodes its own inputs: one ends its search earlier,
+or has one micro-batch fewer. `Lockstep` wraps a `Decoder`: before each real step the ranks
+all-reduce how many of them still decode; a rank whose search has returned (`drain`) keeps
+feeding dummy steps (its rows, the pad id; the logits discarded) until none does. A rank with
+no micro-batch left decodes a dummy one (`dummy_decoder`) and drains at once. Each round is one
+all-reduce and then, unless every rank is done, one model step on every rank: the rounds match.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.generation.cache import Decoder
+
+
+class Lockstep:
+    """`step` and `reorder` of `decoder`, in lockstep over `group` (None: no other rank)."""
+
+    def __init__(self, decoder: Decoder, group, pad_id: int) -> None:
+        self.decoder, self.group, self.pad_id = decoder, group, pad_id
+        self.vocab_size = decoder.vocab_size
+
+    def _others_decode(self, mine: bool) -> bool:
+        """All-reduce this rank's flag; True while any rank of the group still decodes."""
+        device = self.decoder.encoder_mask.device
+        flag = torch.tensor([int(mine)], dtype=torch.long, device=device)
+        dist.all_reduce(flag, group=self.group)
+        return bool(flag.item())
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group is not None:
+            self._others_decode(True)
+        return self.decoder.step(ids)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        self.decoder.reorder(rows)
+
+    def drain(self) -> None:
+        """After this rank's search: dummy steps while any rank of the group decodes."""
+        if self.group is None:
+            return
+        rows = self.decoder.encoder_mask.shape[0]
+        ids = torch.full((rows,), self.pad_id, dtype=torch.long,
+                         device=self.decoder.encoder_mask.device)
+        while self._others_decode(False):
+            self.decoder.step(ids)
+
+
+def dummy_decoder(model, token_id: int, device) -> Decoder:
+    """A one-row, one-token input's decoder (its encoder run: the encoder's all-to-alls), for a
+    rank with no micro-batch left in a round."""
+    ids = torch.full((1, 1), token_id, dtype=torch.long, device=device)
+    return Decoder(model, ids, torch.ones_like(ids))
