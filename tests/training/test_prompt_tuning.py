@@ -182,3 +182,21 @@ def test_prompt_tuning_on_seq2seq_pairs(train_data, tmp_path):
     assert len(valid) == 4 and valid == sorted(valid, reverse=True), valid
     assert valid[-1] < valid[0] - 0.05, valid
     assert tuned["trainable"] == ["prompt.weight"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["0", "2"])
+def test_other_zero_stages_save_the_prompt_alone(train_data, tmp_path, stage):
+    """ZeRO 0 (torch's AdamW) and 2 (gradients partitioned), 2 data-parallel ranks: the model
+    from scratch stays as built, the prompt moves, the checkpoint holds the prompt alone."""
+    save = tmp_path / "prompt"
+    run = lambda *extra: base_argv(train_data, "--zero-stage", stage, *PROMPT,  # noqa: E731
+                                   "--prompt-init-token", "random", *extra)
+    ranks = run_workers(2, run_keeping_model, [run("--lr", "0"), run("--save", str(save))],
+                        timeout=600)
+    still, tuned = ranks[0]
+    for name, tensor in still["state"].items():
+        assert torch.equal(tuned["state"][name], tensor) != (name == "prompt.weight"), name
+    assert torch.equal(ranks[1][1]["state"]["prompt.weight"], tuned["state"]["prompt.weight"])
+    _, saved = _module_file(save)
+    assert list(saved) == ["prompt.weight"]
