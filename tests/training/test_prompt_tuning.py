@@ -153,10 +153,12 @@ def test_dry_run_counts_the_prompt_states_only(train_data, capsys):
     (PROMPT[:1] + ["--prompt-positions", "0.5,0.2"], "add up to 1"),
     (PROMPT[:1] + ["--prompt-positions", "front"], "comma-separated numbers"),
     (PROMPT + ["--zero-stage", "3"], "ZeRO stage 3"),
+    (PROMPT + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "2"],
+     "--prompt-tune needs --pipeline-model-parallel-size 1"),
 ])
 def test_prompt_flags_are_checked(train_data, extra, message):
     with pytest.raises(ArgumentsError, match=message):
-        parse_args(base_argv(train_data, *extra), env={})
+        parse_args(base_argv(train_data, *extra), env={"WORLD_SIZE": "2"})
 
 
 @pytest.mark.slow
