@@ -84,17 +84,17 @@ def switch(train_data, tmp_path_factory):
     return root / "ckpt", root / "export", tokenizer
 
 
-def _generate(ckpt, spm, tmp_path, ep, beams):
+def _generate(ckpt, spm, tmp_path, ep, beams, tp=1):
     from generation_workers import run_generate
 
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in TEXTS),
                    encoding="utf-8")
     argv = ["--load", str(ckpt), "--tokenizer-model", spm, "--input", str(inp),
-            "--output", str(tmp_path / f"out_ep{ep}_{beams}.jsonl"), "--max-new-tokens", "8",
+            "--output", str(tmp_path / f"out_tp{tp}_ep{ep}_{beams}.jsonl"), "--max-new-tokens", "8",
             "--micro-batch-size", str(MICRO_BATCH), "--num-beams", str(beams),
-            "--expert-model-parallel-size", str(ep)]
-    results = run_workers(ep, run_generate, argv, timeout=300)
+            "--expert-model-parallel-size", str(ep), "--tensor-model-parallel-size", str(tp)]
+    results = run_workers(tp * ep, run_generate, argv, timeout=300)
     assert all(r["code"] == 0 for r in results)
     return [json.loads(line) for line in results[0]["text"].splitlines()]
 
@@ -130,3 +130,66 @@ def test_expert_parallel_2_generates_what_transformers_and_ep_1_do(switch, train
     if beams == 1:  # the lockstep was exercised: outputs of a micro-batch end at other steps
         lengths = [len(r["ids"]) for r in two]
         assert min(lengths) < 8 == max(lengths), lengths
+
+
+def test_tensor_parallel_2_by_expert_parallel_2_on_4_processes(switch, train_data, tmp_path):
+    """TP 2 x EP 2: each rank holds half of 2 experts' columns; the same ids as transformers."""
+    ckpt, export, tokenizer = switch
+    four = _generate(ckpt, train_data.spm, tmp_path, 2, 1, tp=2)
+    assert [r["ids"] for r in four] == _transformers(export, tokenizer, 1)
+
+
+def test_flag_refusals():
+    from megatron.generate import build_parser, flag_problems
+
+    def problems(world, *flags):
+        args = build_parser().parse_args(["--load", "x", "--input", __file__, "--output",
+                                          __file__, *flags])
+        return flag_problems(args, world)
+
+    assert problems(2, "--expert-model-parallel-size", "2") == []
+    assert problems(4, "--expert-model-parallel-size", "2") == []  # TP 2 by default
+    assert problems(4, "--expert-model-parallel-size", "2",
+                    "--tensor-model-parallel-size", "1") == []  # DP 4: two groups
+    assert problems(1, "--expert-model-parallel-size", "2") == [
+        "--expert-model-parallel-size 2 does not divide the data-parallel size 1 "
+        "(processes 1 / tensor-parallel size 1)"]
+    assert problems(4, "--expert-model-parallel-size", "2", "--tensor-model-parallel-size",
+                    "4") == ["--expert-model-parallel-size 2 does not divide the data-parallel "
+                             "size 1 (processes 4 / tensor-parallel size 4)"]
+    assert problems(2, "--tensor-model-parallel-size", "3") == [
+        "--tensor-model-parallel-size 3 does not divide the number of processes (2)"]
+
+
+def test_torchrun_at_expert_parallel_2(switch, train_data, tmp_path):
+    """`torchrun --nproc-per-node 2 -m megatron.generate ... --expert-model-parallel-size 2`."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from harness import free_port
+
+    ckpt, export, tokenizer = switch
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in TEXTS),
+                   encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), "-m", "megatron.generate", "--load", str(ckpt),
+         "--tokenizer-model", train_data.spm, "--input", str(inp), "--output", str(out),
+         "--max-new-tokens", "8", "--micro-batch-size", str(MICRO_BATCH),
+         "--expert-model-parallel-size", "2"],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    got = [json.loads(line)["ids"] for line in out.read_text(encoding="utf-8").splitlines()]
+    assert got == _transformers(export, tokenizer, 1)
+
+
+def test_checkpoint_refusals(switch):
+    from megatron.generate import GenerateError, read_checkpoint
+
+    ckpt = switch[0]
+    with pytest.raises(GenerateError, match="does not divide the 4 experts"):
+        read_checkpoint(str(ckpt), None, 8)
+    assert read_checkpoint(str(ckpt), None, 4)[2].num_experts == 4
