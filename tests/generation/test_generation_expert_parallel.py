@@ -193,3 +193,63 @@ def test_checkpoint_refusals(switch):
     with pytest.raises(GenerateError, match="does not divide the 4 experts"):
         read_checkpoint(str(ckpt), None, 8)
     assert read_checkpoint(str(ckpt), None, 4)[2].num_experts == 4
+
+
+def decode_at_ep_2(rank, world_size, router, full, ids, mask):
+    """Rank 0 decodes rows 0 and 1, rank 1 row 2 then a dummy input (EP 2, lockstep)."""
+    import torch.distributed as dist
+    from generation_models import CONFIGS, EOS, PAD
+
+    from megatron.generation import Decoder, beam_search, greedy
+    from megatron.generation.lockstep import Lockstep, dummy_decoder
+    from megatron.model import T5Config, T5Model
+    from megatron.model.state_dict import load_full_state_dict
+    from megatron.tensor_parallel.group import ExpertParallel
+
+    config = T5Config(**CONFIGS["v1_1"], num_experts=4, encoder_sparse_step=2,
+                      decoder_sparse_step=2, router_type=router)
+    model = T5Model(config, expert_parallel=ExpertParallel(2, rank, dist.group.WORLD))
+    load_full_state_dict(model, full)
+    model.eval()
+    assert model.state_dict()["decoder.block.1.layer.2.mlp.experts.wi_0"].shape[0] == 2
+    rows = [0, 1] if rank == 0 else [2]
+    group = dist.group.WORLD
+    decoder = Lockstep(Decoder(model, ids[rows], mask[rows]), group, PAD)
+    out = {"greedy": [h.ids for h in greedy(decoder, len(rows), PAD, EOS, PAD, 12)]}
+    decoder.drain()
+    decoder = Lockstep(Decoder(model, ids[rows], mask[rows], expand=3), group, PAD)
+    out["beam"] = [h.ids for h in beam_search(decoder, len(rows), 3, PAD, EOS, PAD, 10)]
+    decoder.drain()
+    if rank == 1:  # rank 0's second micro-batch against rank 1's dummy
+        Lockstep(dummy_decoder(model, EOS, ids.device), group, PAD).drain()
+    else:
+        decoder = Lockstep(Decoder(model, ids[:1], mask[:1]), group, PAD)
+        out["again"] = [h.ids for h in greedy(decoder, 1, PAD, EOS, PAD, 12)]
+        decoder.drain()
+    return out
+
+
+@pytest.mark.parametrize("router", ["switch", "topk", "base"])
+def test_every_router_at_expert_parallel_2_decodes_what_one_process_does(router):
+    from generation_models import CONFIGS, EOS, PAD, padded_batch, sharpen
+
+    from megatron.generation import Decoder, beam_search, greedy
+    from megatron.model import T5Config, T5Model
+    from megatron.model.state_dict import gather_full_state_dict
+
+    torch.manual_seed(4)
+    config = T5Config(**CONFIGS["v1_1"], num_experts=4, encoder_sparse_step=2,
+                      decoder_sparse_step=2, router_type=router)
+    model = T5Model(config)
+    sharpen(model)
+    model.eval()
+    ids, mask = padded_batch(seed=5)
+    expected = {"greedy": [h.ids for h in greedy(Decoder(model, ids, mask), 3, PAD, EOS, PAD,
+                                                 12)],
+                "beam": [h.ids for h in beam_search(Decoder(model, ids, mask, expand=3), 3, 3,
+                                                    PAD, EOS, PAD, 10)]}
+    got = run_workers(2, decode_at_ep_2, router, gather_full_state_dict(model), ids, mask,
+                      timeout=300)
+    assert got[0]["greedy"] + got[1]["greedy"] == expected["greedy"]
+    assert got[0]["beam"] + got[1]["beam"] == expected["beam"]
+    assert got[0]["again"] == expected["greedy"][:1]
