@@ -11,8 +11,8 @@ export's tokenizer does (our SentencePiece tokenizer, EOS appended) and batched 
 ids, up to and including EOS; the text leaves EOS and padding out and keeps sentinels) and,
 with beams, `score`. Decoding: greedy, beam search, or
 sampling (megatron/generation/search.py), up to `--max-new-tokens`. The checkpoint is read as
-full tensors and split for this run's tensor-parallel size, whatever its own; pipeline
-checkpoints and runs are refused (merge the stages with data_tools/convert_checkpoint.py).
+full tensors and split for this run's tensor-parallel size, whatever its own (a pipeline
+checkpoint's stages joined); a pipeline run (--pipeline-model-parallel-size > 1) is refused.
 The processes are TP x DP: the data-parallel ranks decode their own micro-batches (round robin);
 with `--expert-model-parallel-size` EP (dividing DP) a rank holds E / EP experts of each
 Mixture-of-Experts layer and its expert-parallel group decodes in lockstep
@@ -158,16 +158,11 @@ def read_inputs(path: str, key: str) -> List[str]:
     return texts
 
 
-def merge_command(load: str) -> str:
-    return (f"python data_tools/convert_checkpoint.py --load {load} --to megatron MERGED "
-            f"--target-pipeline-parallel-size 1 --weights-only")
-
-
 def read_checkpoint(load: str, iteration: Optional[int], expert_parallel: int = 1):
     """(iteration folder, meta.json, model config) of the checkpoint to decode with.
 
     Raises:
-        GenerateError: unreadable, a pipeline checkpoint, or a model this command cannot run.
+        GenerateError: unreadable, or a model this command cannot run.
     """
     from megatron.checkpoint.formats.deepspeed import CheckpointReadError, find_iteration, \
         model_config, read_meta
@@ -178,12 +173,6 @@ def read_checkpoint(load: str, iteration: Optional[int], expert_parallel: int = 
         config = model_config(meta, folder / "meta.json")
     except CheckpointReadError as e:
         raise GenerateError(f"--load: {e}") from None
-    layout = meta.get("layout") or {}
-    stages = layout.get("pipeline_model_parallel_size", 1)
-    if stages != 1:
-        raise GenerateError(f"--load {load}: saved with pipeline-model-parallel size {stages}; "
-                            f"generation runs without a pipeline. Merge the stages first: "
-                            f"{merge_command(load)}, then --load MERGED")
     if config.is_moe and config.router_type == "cpm2":
         raise GenerateError(f"--load {load}: a Mixture-of-Experts model with the cpm2 router "
                             "(CPM-2-MoE's BASE layers need a fixed token multiple per batch), "

@@ -128,23 +128,6 @@ def test_bad_inputs_are_refused_by_name(tiny, spm_model, tmp_path):
                   "no_ckpt")
 
 
-def test_a_pipeline_checkpoint_is_refused_with_the_merge_command(tiny, spm_model, tmp_path):
-    ckpt, _ = tiny
-    pp = tmp_path / "pp"
-    folder = pp / "iter_0000002"
-    folder.mkdir(parents=True)
-    (pp / "latest_checkpointed_iteration.txt").write_text("2")
-    meta = json.loads((ckpt / "iter_0000000" / "meta.json").read_text())
-    meta.pop("format")
-    meta["layout"] = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 2,
-                      "data_parallel_size": 1, "zero_stage": 0}
-    (folder / "meta.json").write_text(json.dumps(meta))
-    out = tmp_path / "out.jsonl"
-    ok = inputs(tmp_path / "ok.jsonl", [json.dumps({"text": "a"})])
-    check_refused(run_cli(argv(pp, spm_model, ok, out)), out, "pipeline-model-parallel size 2",
-                  "convert_checkpoint.py", "--target-pipeline-parallel-size 1")
-
-
 def test_the_cpm2_router_is_refused(tiny, spm_model, tmp_path, capsys):
     ckpt, _ = tiny
     moe = tmp_path / "moe"

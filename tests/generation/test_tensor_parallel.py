@@ -134,3 +134,29 @@ def test_a_checkpoint_saved_at_tp_2_decodes_at_tp_1(train_data, tmp_path):
         texts.append(result["text"])
     same_outputs(*texts)
     assert len(texts[0].splitlines()) == 2
+
+
+def test_a_pipeline_checkpoint_decodes_as_its_merged_copy(train_data, tmp_path):
+    """Saved by a 2-stage pipeline run, read as full tensors (the stages' layer files joined):
+    the ids and text of the copy that convert_checkpoint.py merges to one stage."""
+    from generation_workers import run_generate
+
+    from data_tools import convert_checkpoint
+
+    ckpt, merged = tmp_path / "ckpt_pp2", tmp_path / "merged"
+    run_workers(2, run_pretrain, [base_argv(train_data, "--save", str(ckpt),
+                                            "--pipeline-model-parallel-size", "2", iters=2)],
+                timeout=600)
+    assert convert_checkpoint.main(["--load", str(ckpt), "--to", "megatron", str(merged),
+                                    "--target-pipeline-parallel-size", "1", "--weights-only",
+                                    "--no-progress"]) == 0
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["The king", "Good morrow"]))
+    texts = []
+    for name, load in (("pp2", ckpt), ("merged", merged)):
+        argv = ["--load", str(load), "--tokenizer-model", train_data.spm, "--input", str(inp),
+                "--output", str(tmp_path / f"{name}.jsonl"), "--max-new-tokens", "6"]
+        result = run_workers(1, run_generate, argv, timeout=300)[0]
+        assert result["code"] == 0
+        texts.append(result["text"])
+    assert texts[0] == texts[1] and len(texts[0].splitlines()) == 2
