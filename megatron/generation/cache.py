@@ -19,28 +19,55 @@ from megatron.tensor_parallel.mappings import gather_from_tensor_model_parallel_
 
 class LayerCache:
     """One decoder block's keys and values: self-attention [rows, heads per rank, positions,
-    d_kv] (grown one position a step), cross-attention of the encoder output (fixed)."""
+    d_kv] (grown one position a step), cross-attention of the encoder output (fixed).
+
+    The self-attention keys and values live in buffers with room for more positions (doubled
+    when full), so a step writes its position in place instead of copying all earlier ones
+    (`torch.cat`); `key` and `value` are views of the filled positions."""
 
     def __init__(self, cross: Tuple[torch.Tensor, torch.Tensor]) -> None:
-        self.cross = cross
-        self.key: Optional[torch.Tensor] = None
-        self.value: Optional[torch.Tensor] = None
+        # contiguous once: the projections come as transposed views, which the attention
+        # kernel would otherwise copy at every step (CPU: [rows x heads, enc_len, d_kv] each)
+        self.cross = tuple(t.contiguous() for t in cross)
+        self._key: Optional[torch.Tensor] = None
+        self._value: Optional[torch.Tensor] = None
+        self.length = 0
+
+    @property
+    def key(self) -> Optional[torch.Tensor]:
+        return None if self._key is None else self._key[:, :, :self.length]
+
+    @property
+    def value(self) -> Optional[torch.Tensor]:
+        return None if self._value is None else self._value[:, :, :self.length]
+
+    @staticmethod
+    def _grown(buffer: Optional[torch.Tensor], new: torch.Tensor, filled: int,
+               capacity: int) -> torch.Tensor:
+        rows, heads, _, d_kv = new.shape
+        out = new.new_empty((rows, heads, capacity, d_kv))
+        if buffer is not None:
+            out[:, :, :filled] = buffer[:, :, :filled]
+        return out
 
     def append(self, key: torch.Tensor, value: torch.Tensor):
         """Add the newest position's keys and values; returns all positions'."""
-        if self.key is None:
-            self.key, self.value = key, value
-        else:
-            self.key = torch.cat([self.key, key], dim=2)
-            self.value = torch.cat([self.value, value], dim=2)
+        start, end = self.length, self.length + key.shape[2]
+        if self._key is None or end > self._key.shape[2]:
+            capacity = max(2 * end, 32)
+            self._key = self._grown(self._key, key, start, capacity)
+            self._value = self._grown(self._value, value, start, capacity)
+        self._key[:, :, start:end] = key
+        self._value[:, :, start:end] = value
+        self.length = end
         return self.key, self.value
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Keep rows `rows` (beam search's surviving hypotheses) of the self-attention cache.
         The cross-attention rows of one input are equal, and rows move only within an input."""
-        if self.key is not None:
-            self.key = self.key.index_select(0, rows)
-            self.value = self.value.index_select(0, rows)
+        if self._key is not None:
+            self._key = self._key.index_select(0, rows)
+            self._value = self._value.index_select(0, rows)
 
 
 class Decoder:
