@@ -96,10 +96,10 @@ def test_plot_a_straight_and_a_resumed_run(train_data, tmp_path):
     # validation points: b's at 2 (first start) and at 4 (third; not the second's), as the
     # states say
     assert [e[:2] for e in second["evals"]] == [(4, "valid")]
-    evals_b = [(it, v) for it, split, v in first["evals"] + third["evals"] if split == "valid"]
+    evals_b = [(it, v) for it, split, v, _ in first["evals"] + third["evals"] if split == "valid"]
     assert [it for it, _ in evals_b] == [2, 4]
     np.testing.assert_allclose(loss["b|valid"], [(8 * it, v) for it, v in evals_b], rtol=6e-5)
-    (test_b,) = [(it, v) for it, split, v in third["evals"] if split == "test"]
+    (test_b,) = [(it, v) for it, split, v, _ in third["evals"] if split == "test"]
     np.testing.assert_allclose(loss["b|test"], [(8 * test_b[0], test_b[1])], rtol=6e-5)
 
     # run a's heat map: [layer group, step] of the per-layer lines its log holds
