@@ -5,14 +5,13 @@ onto the base it was trained on and no other."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint.io.checkpointing import CheckpointError, read_tracker, tag_for
+from megatron.checkpoint.io.checkpointing import CheckpointError
 from megatron.config.prompt_args import DEFAULT_TOKENS, RANDOM, PromptSettings
 from megatron.model.prompt import (PROMPT_PARAMETER, attach_prompt, base_identity,
                                    base_mismatch, freeze_all_but_prompt)
@@ -76,19 +75,23 @@ def start_prompt(engine, settings: PromptSettings, token_id: Optional[int],
 
 
 def read_prompt(root: Path):
-    """(the prompt [length, d_model], the identity of its base) of a prompt-tuning checkpoint.
+    """(the prompt [length, d_model], the identity of its base) of a prompt-tuning checkpoint,
+    read as every checkpoint of ours is (megatron/checkpoint/formats: the tracker's iteration,
+    meta.json, the model file with its allowed globals only).
 
     Raises:
         CheckpointError: no checkpoint, or one without a prompt."""
-    iteration = read_tracker(root) if root.is_dir() else None
-    if iteration is None:
-        raise CheckpointError(f"--prompt-load {root}: no checkpoint there")
-    folder = root / tag_for(iteration)
-    meta = json.loads((folder / "meta.json").read_text())
-    states = folder / "mp_rank_00_model_states.pt"
-    saved = meta.get("model", {}).get(META_KEY)
-    if saved is None or not states.is_file():
-        raise CheckpointError(f"--prompt-load {folder}: not a prompt-tuning checkpoint (no "
-                              f"model.{META_KEY} in meta.json)")
-    module = torch.load(states, map_location="cpu", weights_only=False)["module"]
+    from megatron.checkpoint.formats.deepspeed import (CheckpointReadError, find_iteration,
+                                                       read_meta)
+    from megatron.checkpoint.formats.deepspeed_files import load_file
+
+    try:
+        folder = find_iteration(root)
+        saved = read_meta(folder).get("model", {}).get(META_KEY)
+        if saved is None:
+            raise CheckpointError(f"--prompt-load {folder}: not a prompt-tuning checkpoint (no "
+                                  f"model.{META_KEY} in meta.json)")
+        module = load_file(folder / "mp_rank_00_model_states.pt")["module"]
+    except CheckpointReadError as e:
+        raise CheckpointError(f"--prompt-load {root}: {e}") from None
     return module[PROMPT_PARAMETER], saved

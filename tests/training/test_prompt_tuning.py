@@ -13,6 +13,7 @@ from harness import run_workers
 from train_workers import base_argv, losses, run_pretrain, run_pretrain_until_error
 
 from megatron.arguments import ArgumentsError, parse_args
+from megatron.checkpoint.formats.deepspeed_files import load_file
 from megatron.cost.memory import estimate_run
 from megatron.model import T5Model
 from megatron.pretrain_t5 import main
@@ -49,8 +50,7 @@ def run_keeping_model(rank, world_size, argvs):
 
 def _module_file(folder):
     (tag,) = [p for p in folder.iterdir() if p.name.startswith("iter_")]
-    return tag, torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu",
-                           weights_only=False)["module"]
+    return tag, load_file(tag / "mp_rank_00_model_states.pt")["module"]
 
 
 @pytest.mark.slow
