@@ -361,8 +361,6 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     problems += profile_problems(values, parallel.world_size)
     if values["dry_run_device"] != "auto" and not values["dry_run"]:
         problems.append("--dry-run-device has effect only with --dry-run")
-    if values["eval_log_samples"] < 0:
-        problems.append("--eval-log-samples must be 0 or more")
     if values["peak_tflops"] is not None and values["peak_tflops"] <= 0:
         problems.append("--peak-tflops must be positive")
     if values["save"] is not None and not values["dry_run"]:
@@ -529,8 +527,10 @@ def resolve_parallel(values: Dict[str, object], env: Mapping[str, str],
 
 
 def loop_problems(values: Mapping[str, object]) -> List[str]:
-    """The loop's intervals, exit conditions, deadlines and log folder."""
+    """The loop's intervals, evaluation samples, exit conditions, deadlines and log folder."""
     problems = []
+    if values["eval_log_samples"] < 0:
+        problems.append("--eval-log-samples must be 0 or more")
     for flag in ("log_interval", "save_interval", "exit_interval"):
         if values[flag] is not None and values[flag] < 1:
             problems.append(f"--{flag.replace('_', '-')} must be positive")
