@@ -86,9 +86,11 @@ def cpm2_assignment(scores: torch.Tensor) -> torch.Tensor:
     if scores.dim() != 3:
         raise ValueError(f"cpm2_assignment: scores must be [groups, tokens, experts], got shape "
                          f"{tuple(scores.shape)}")
-    array = scores.detach().to(device="cpu", dtype=torch.float32).clone()
+    array = scores.detach().to(device="cpu", dtype=torch.float32)
     finite = array.isfinite()
     if not finite.all():
+        array = array.clone()  # (not the caller's scores)
+        finite = array.isfinite()
         for group, ok in zip(array, finite):
             if not ok.any():
                 raise ValueError("cpm2_assignment: a group holds no finite score")
