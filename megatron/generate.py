@@ -129,30 +129,12 @@ def read_inputs(path: str, key: str) -> List[str]:
     Raises:
         GenerateError: a line that is not a JSON object, or lacks a string under `key`.
     """
-    texts = []
+    from megatron.data.preprocess.jsonl import BadLine, read_fields
+
     try:
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise GenerateError(f"{path} line {number}: not JSON ({e.msg}, column "
-                                        f"{e.colno})") from None
-                if not isinstance(record, dict):
-                    raise GenerateError(f"{path} line {number}: a JSON object is expected, "
-                                        f"not {type(record).__name__}")
-                if key not in record:
-                    keys = ", ".join(sorted(record)) or "none"
-                    raise GenerateError(f"{path} line {number}: no key {key!r} (--input-key); "
-                                        f"its keys: {keys}")
-                if not isinstance(record[key], str):
-                    raise GenerateError(f"{path} line {number}: {key!r} (--input-key) is a "
-                                        f"{type(record[key]).__name__}, not a string")
-                texts.append(record[key])
-    except UnicodeDecodeError as e:
-        raise GenerateError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        texts = [text for (text,) in read_fields(path, (key,), ("--input-key",))]
+    except BadLine as e:
+        raise GenerateError(str(e)) from None
     except OSError as e:
         raise GenerateError(f"--input {path}: unreadable ({e.strerror})") from None
     return texts

@@ -14,9 +14,10 @@ prediction file written by `python -m megatron.generate`.
 from __future__ import annotations
 
 import functools
-import json
 from contextlib import nullcontext
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron.data.preprocess.jsonl import BadLine, read_fields
 
 
 def _checked(predictions: Sequence[str], targets: Sequence[str]) -> None:
@@ -68,21 +69,15 @@ def read_predictions(path: str, prediction_key: str = "prediction",
     """(predictions, targets) of a JSONL file, one object per line.
 
     Raises:
-        ValueError: naming the file and line: not JSON, a key missing or not a string.
+        ValueError: naming the file and line: not JSON, a key missing or not a string
+            (megatron/data/preprocess/jsonl.py's `parse_line`).
     """
-    predictions, targets = [], []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path} line {number}: not JSON ({e})") from None
-            for key, into in ((prediction_key, predictions), (target_key, targets)):
-                if not isinstance(record, dict) or not isinstance(record.get(key), str):
-                    raise ValueError(f"{path} line {number}: no string {key!r}")
-                into.append(record[key])
+    try:
+        rows = read_fields(path, (prediction_key, target_key), key_flags=("", ""))
+    except BadLine as e:
+        raise ValueError(str(e)) from None
+    predictions = [prediction for prediction, _ in rows]
+    targets = [target for _, target in rows]
     return predictions, targets
 
 

@@ -117,7 +117,7 @@ def test_bad_inputs_are_refused_by_name(tiny, spm_model, tmp_path):
     missing = tmp_path / "nope.jsonl"
     check_refused(run_cli(argv(ckpt, spm_model, missing, out)), out, str(missing), "--input")
     bad = inputs(tmp_path / "bad.jsonl", [json.dumps({"text": "a"}), "{not json"])
-    check_refused(run_cli(argv(ckpt, spm_model, bad, out)), out, bad, "line 2", "not JSON")
+    check_refused(run_cli(argv(ckpt, spm_model, bad, out)), out, bad, "line 2", "invalid JSON")
     key = inputs(tmp_path / "key.jsonl", [json.dumps({"text": "a"}), json.dumps({"q": "b"})])
     check_refused(run_cli(argv(ckpt, spm_model, key, out)), out, key, "line 2", "'text'",
                   "--input-key")

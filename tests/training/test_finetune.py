@@ -81,7 +81,7 @@ def test_bad_flags_are_refused_one_message_each(train_data, tmp_path):
                                  "--finetune-valid-data", str(bad)), env={})
     assert e.value.problems == [
         "--finetune-data reads its pairs instead of --data-path: give one of them",
-        f"--finetune-valid-data {bad} line 2: no key 'target' (--target-key)"]
+        f"--finetune-valid-data {bad} line 2: missing key 'target' (--target-key)"]
     argv = [a for a in finetune_argv(train_data) if a not in ("--decoder-seq-length", "8")]
     with pytest.raises(ArgumentsError) as e:
         parse_args(argv, env={})

@@ -51,7 +51,7 @@ def test_bad_inputs_are_named(tmp_path):
         label_accuracy(["a"], ["a"], [])
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"target": "a", "prediction": "a"}\n{"target": "a"}\n')
-    with pytest.raises(ValueError, match=r"p.jsonl line 2: no string 'prediction'"):
+    with pytest.raises(ValueError, match=r"p.jsonl line 2: missing key 'prediction'$"):
         read_predictions(str(bad))
 
 

@@ -122,13 +122,12 @@ def test_bad_files_are_named_with_their_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input": "a", "target": "b"}\n{"input": "a" "target"}\n')
     assert source_problems("--finetune-data", str(bad), "input", "target") == [
-        f"--finetune-data {bad} line 2: not JSON (Expecting ',' delimiter: line 1 column 15 "
-        "(char 14))"]
+        f"--finetune-data {bad} line 2: invalid JSON: Expecting ',' delimiter at column 15"]
     bad.write_text('{"input": "a", "target": "b"}\n\n{"input": "a"}\n')
     assert source_problems("--finetune-valid-data", str(bad), "input", "target") == [
-        f"--finetune-valid-data {bad} line 3: no key 'target' (--target-key)"]
+        f"--finetune-valid-data {bad} line 3: missing key 'target' (--target-key)"]
     bad.write_text('{"input": 3, "target": "b"}\n')
-    assert "line 1: 'input' (--input-key) is not a string" in \
+    assert "line 1: value of 'input' (--input-key) is int, not a string" in \
         source_problems("--finetune-data", str(bad), "input", "target")[0]
     missing = str(tmp_path / "nope.jsonl")
     assert source_problems("--finetune-data", missing, "input", "target") == [

@@ -18,7 +18,6 @@ every evaluation sees the same examples.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -26,6 +25,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron.data.datasets.t5_dataset import T5SpecialTokens, make_sample
+from megatron.data.preprocess.jsonl import BadLine, read_fields
 from megatron.data.storage.indexed_dataset import IndexedDataset, dataset_exists
 
 
@@ -61,36 +61,21 @@ def pair_prefixes(prefix: str, input_key: str, target_key: str) -> Tuple[str, st
 
 
 def read_jsonl_pairs(path: str, input_key: str, target_key: str) -> List[Tuple[str, str]]:
-    """The (input, target) strings of each line of `path` (blank lines skipped).
+    """The (input, target) strings of each line of `path` (blank lines skipped; each line
+    checked by megatron/data/preprocess/jsonl.py's `parse_line`).
 
     Raises:
-        ValueError: naming the file and line: not JSON, not an object, a key missing or not a
-            string; or a file without examples.
+        ValueError: naming the file and line (not UTF-8, not JSON, not an object, a key missing
+            or not a string), or a file without examples.
         OSError: the file cannot be read.
     """
-    pairs = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {number}"
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{where}: not JSON ({e})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: not a JSON object")
-            texts = []
-            for flag, key in (("--input-key", input_key), ("--target-key", target_key)):
-                if key not in record:
-                    raise ValueError(f"{where}: no key {key!r} ({flag})")
-                if not isinstance(record[key], str):
-                    raise ValueError(f"{where}: {key!r} ({flag}) is not a string")
-                texts.append(record[key])
-            pairs.append((texts[0], texts[1]))
-    if not pairs:
+    try:
+        rows = read_fields(path, (input_key, target_key), ("--input-key", "--target-key"))
+    except BadLine as e:
+        raise ValueError(str(e)) from None
+    if not rows:
         raise ValueError(f"{path}: no examples")
-    return pairs
+    return [(source, target) for source, target in rows]
 
 
 def source_problems(flag: str, path: str, input_key: str, target_key: str) -> List[str]:

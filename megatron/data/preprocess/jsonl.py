@@ -16,7 +16,7 @@ import gzip
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterator, List, Sequence, Tuple, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -90,7 +90,8 @@ class BadLine(Exception):
     """A line that cannot be used; str() is the reason."""
 
 
-def parse_line(line: bytes, keys: Sequence[str], allow_empty: bool = False) -> List[str]:
+def parse_line(line: bytes, keys: Sequence[str], allow_empty: bool = False,
+               key_flags: Optional[Sequence[str]] = None) -> List[str]:
     """The text under each of `keys` in one JSONL line.
 
     With `allow_empty`, a blank line gives [] and whitespace-only documents are returned as they
@@ -101,7 +102,9 @@ def parse_line(line: bytes, keys: Sequence[str], allow_empty: bool = False) -> L
             not an object, a missing key, a non-string value, a string with a lone surrogate
             escape (`"\\ud800"`: JSON allows it, but no UTF-8 consumer such as SentencePiece
             can take it), a leading BOM (read_chunks removes a file's first) or (unless
-            `allow_empty`) a blank line or an empty (whitespace-only) document.
+            `allow_empty`) a blank line or an empty (whitespace-only) document. A key is named
+            with its flag (`key_flags`, one per key, '' for none; default: --json-keys for a
+            missing key).
     """
     try:
         text = line.decode("utf-8")
@@ -129,12 +132,14 @@ def parse_line(line: bytes, keys: Sequence[str], allow_empty: bool = False) -> L
     if not isinstance(obj, dict):
         raise BadLine(f"not a JSON object but {type(obj).__name__}")
     out = []
-    for key in keys:
+    for i, key in enumerate(keys):
+        flag = "see --json-keys" if key_flags is None else key_flags[i]
         if key not in obj:
-            raise BadLine(f"missing key {key!r} (see --json-keys)")
+            raise BadLine(f"missing key {key!r}" + (f" ({flag})" if flag else ""))
         value = obj[key]
         if not isinstance(value, str):
-            raise BadLine(f"value of {key!r} is {type(value).__name__}, not a string")
+            named = repr(key) if key_flags is None or not flag else f"{key!r} ({flag})"
+            raise BadLine(f"value of {named} is {type(value).__name__}, not a string")
         if "\\u" in text:  # a lone surrogate can only come from an escape: UTF-8 cannot carry one
             _check_encodable(key, value)
         if not value.strip() and not allow_empty:
@@ -149,6 +154,29 @@ def _check_encodable(key: str, value: str) -> None:
     except UnicodeEncodeError as e:  # strict UTF-8 refuses only surrogates
         raise BadLine(f"value of {key!r} has a lone surrogate \\u{ord(value[e.start]):04x} at "
                       f"character {e.start} (not encodable as UTF-8)") from None
+
+
+def read_fields(path: str, keys: Sequence[str],
+                key_flags: Optional[Sequence[str]] = None) -> List[List[str]]:
+    """The strings under `keys` of each line of the small JSONL file `path` (read whole; blank
+    lines skipped, empty strings kept), each line checked by `parse_line`.
+
+    Raises:
+        BadLine: "PATH line N: reason" for the first bad line.
+        OSError: the file cannot be read.
+    """
+    out = []
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            if number == 1 and line.startswith(UTF8_BOM):
+                line = line[len(UTF8_BOM):]
+            if not line.strip():
+                continue
+            try:
+                out.append(parse_line(line, keys, allow_empty=True, key_flags=key_flags))
+            except BadLine as e:
+                raise BadLine(f"{path} line {number}: {e}") from None
+    return out
 
 
 def iter_texts(
