@@ -13,6 +13,11 @@ data-parallel ranks with one expert each, every feed-forward sublayer replaced:
    (where tied scores make the auction list a token twice, `repair_assignment` differs from
    CPM-2, which would return uninitialised rows);
 5. all of it in evaluation too (their `is_training` is always true).
+Decoding (megatron/generation) routes greedily instead (`greedy_routing`): each token to the
+expert of its best score, no shuffle and no balancing, as the BASE layers paper does at test time
+and as fairseq's BaseLayer (`greedy_assignment` when not training, the code CPM-2 started from,
+kept but unused in CPM-2's branch) computes it: a decoding step has batch x 1 tokens, no multiple
+of E x E / EP, and an input's output must not depend on the other inputs of its batch.
 The expert's layer norm is one per block here: CPM-2 keeps a copy in every expert, but trains it
 as a shared weight (its optimizer marks `expert_network` parameters other than the layer norm as
 experts; the rest have their gradients averaged over the data-parallel ranks), so the copies stay
@@ -33,13 +38,14 @@ E x E / EP: each virtual rank's tokens split into E shuffle chunks.
 
 from __future__ import annotations
 
-from typing import List
+from contextlib import contextmanager
+from typing import Iterator, List
 
 import torch
 from torch import nn
 
 from megatron.model.balanced_assignment import cpm2_assignment
-from megatron.model.moe import SparseMLP, _AllToAll
+from megatron.model.moe import Routing, SparseMLP, _AllToAll
 from megatron.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
@@ -100,6 +106,10 @@ class CPM2SparseMLP(SparseMLP):
     """The Mixture-of-Experts feed-forward of router type 'cpm2' (module docstring); the experts,
     statistics and named ranges are SparseMLP's. forward(normalised hidden) -> (FFN output, None)."""
 
+    greedy = False
+    """Test-time routing (module docstring; `greedy_routing` sets it): each token to its
+    best-scoring expert, in evaluation mode only."""
+
     def make_router(self, config, init, device, dtype) -> nn.Module:
         return CentroidRouter(config, device, dtype)
 
@@ -112,6 +122,8 @@ class CPM2SparseMLP(SparseMLP):
         return tokens * (2 * experts.d_model * self.num_experts + per_token)
 
     def forward(self, hidden: torch.Tensor):
+        if self.greedy and not self.training:
+            return self._greedy(hidden), None
         batch, length, width = hidden.shape
         tokens = copy_to_tensor_model_parallel_region(hidden.reshape(-1, width), self.tp)
         count = tokens.shape[0]
@@ -160,9 +172,38 @@ class CPM2SparseMLP(SparseMLP):
             self.stats.add(0.0, 0.0, torch.zeros((), dtype=torch.float64), float(count), load)
         return result.reshape(batch, length, width), None
 
+    def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each token through the expert of its best score (ties: the lower index), its output
+        not scaled; any number of tokens, any expert-parallel size (SparseMLP's exchange)."""
+        batch, length, width = hidden.shape
+        tokens = hidden.reshape(-1, width)
+        scores = self.router(tokens).float()
+        chosen = scores.argmax(dim=-1, keepdim=True)
+        routing = Routing(chosen, torch.ones_like(chosen, dtype=torch.float32),
+                          torch.ones_like(chosen, dtype=torch.bool), None, scores)
+        return self._experts(tokens, routing).reshape(batch, length, width)
+
     def _all_to_all(self, rows: torch.Tensor) -> torch.Tensor:
         """Equal parts to every expert-parallel rank (nothing to send with one)."""
         if self.ep.size == 1:
             return rows
         parts: List[int] = [rows.shape[0] // self.ep.size] * self.ep.size
         return _AllToAll.apply(rows, parts, parts, self.ep.group, self.ranges)
+
+
+def cpm2_layers(model: nn.Module) -> List[CPM2SparseMLP]:
+    return [m for m in model.modules() if isinstance(m, CPM2SparseMLP)]
+
+
+@contextmanager
+def greedy_routing(layers: List["CPM2SparseMLP"]) -> Iterator[None]:
+    """Within it, `layers` (`cpm2_layers` of a model) route greedily (module docstring) when in
+    evaluation mode; other routers are unchanged (BASE already routes greedily in evaluation)."""
+    before = [layer.greedy for layer in layers]
+    for layer in layers:
+        layer.greedy = True
+    try:
+        yield
+    finally:
+        for layer, was in zip(layers, before):
+            layer.greedy = was

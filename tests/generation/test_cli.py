@@ -128,17 +128,22 @@ def test_bad_inputs_are_refused_by_name(tiny, spm_model, tmp_path):
                   "no_ckpt")
 
 
-def test_the_cpm2_router_is_refused(tiny, spm_model, tmp_path, capsys):
-    ckpt, _ = tiny
-    moe = tmp_path / "moe"
-    folder = moe / "iter_0000000"
-    folder.mkdir(parents=True)
-    (moe / "latest_checkpointed_iteration.txt").write_text("0")
-    meta = json.loads((ckpt / "iter_0000000" / "meta.json").read_text())
-    meta["model"]["config"].update(num_experts=2, router_type="cpm2")
-    (folder / "meta.json").write_text(json.dumps(meta))
+def test_a_cpm2_moe_checkpoint_decodes_with_test_time_routing(spm_model, tmp_path):
+    """CPM-2-MoE (router cpm2): the command decodes what the in-process decoder does, whose
+    greedy test-time routing tests/generation/test_search.py checks by hand; the experts and
+    the centroids (a buffer) come from the checkpoint."""
+    torch.manual_seed(3)
+    config = T5Config(**TINY, num_experts=2, router_type="cpm2", router_centroid_gain=1.0)
+    model = T5Model(config, make_vocab_size_divisible_by=1).eval()
+    with torch.no_grad():
+        model.shared.weight.mul_(3.0)
+        model.lm_head.weight.mul_(3.0)
+    ckpt = tmp_path / "moe"
+    write_weights_checkpoint(ckpt, gather_full_state_dict(model).items(),
+                             {"config": config.to_dict(), "make_vocab_size_divisible_by": 128})
     out = tmp_path / "out.jsonl"
-    ok = inputs(tmp_path / "ok.jsonl", [json.dumps({"text": "a"})])
-    assert generate.main(argv(moe, spm_model, ok, out)) == 2
-    assert "cpm2 router" in capsys.readouterr().err
-    assert not out.exists()
+    ok = inputs(tmp_path / "in.jsonl", [json.dumps({"text": t}) for t in TEXTS])
+    assert generate.main(argv(ckpt, spm_model, ok, out)) == 0
+    got = [json.loads(line)["ids"] for line in out.read_text(encoding="utf-8").splitlines()]
+    want, _ = reference(model, spm_model, TEXTS)
+    assert got == [h.ids for h in want]

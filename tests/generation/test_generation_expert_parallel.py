@@ -229,7 +229,7 @@ def decode_at_ep_2(rank, world_size, router, full, ids, mask):
     return out
 
 
-@pytest.mark.parametrize("router", ["switch", "topk", "base"])
+@pytest.mark.parametrize("router", ["switch", "topk", "base", "cpm2"])
 def test_every_router_at_expert_parallel_2_decodes_what_one_process_does(router):
     from generation_models import CONFIGS, EOS, PAD, padded_batch, sharpen
 
