@@ -90,31 +90,37 @@ def decoded_targets(batch, tokenizer) -> List[str]:
     return out
 
 
-def greedy_predictions(model, batch, tokenizer, max_new_tokens: int) -> List[str]:
+def greedy_predictions(model, batch, tokenizer, max_new_tokens: int,
+                       group=None) -> List[str]:
     """Each row's greedy decoding (megatron/generation) of the batch's encoder input, as text
     (EOS and padding left out, as `python -m megatron.generate` writes it). `model`: a whole
-    T5Model in evaluation mode (any tensor-parallel size; no pipeline, parameters not ZeRO-3
-    partitioned)."""
+    T5Model in evaluation mode (any tensor-parallel size: training/whole_model.py makes one
+    of a pipeline stage or ZeRO-3 partitions). `group`: the expert-parallel group the ranks
+    decode in lockstep with (their Mixture-of-Experts all-to-alls; None: no other rank)."""
     from megatron.generation import Decoder, greedy
+    from megatron.generation.lockstep import Lockstep
 
     ids, mask = batch["encoder_input_ids"], batch["encoder_attention_mask"]
     eos = tokenizer.eos_id
     pad = getattr(tokenizer, "pad_id", tokenizer.decoder_start_token_id)
-    found = greedy(Decoder(model, ids, mask), ids.shape[0], tokenizer.decoder_start_token_id,
+    decoder = Lockstep(Decoder(model, ids, mask), group, pad)
+    found = greedy(decoder, ids.shape[0], tokenizer.decoder_start_token_id,
                    eos, pad, max_new_tokens, device=ids.device)
+    decoder.drain()
     return [tokenizer.decode([i for i in h.ids if i not in (eos, pad)]) for h in found]
 
 
 def generation_counts(model, batches, tokenizer, max_new_tokens: int,
-                      label_words: Sequence[str] = ()) -> Dict[str, int]:
+                      label_words: Sequence[str] = (), group=None) -> Dict[str, int]:
     """{"examples", "exact", and with label words "label_right"} over `batches` (greedy
     decoding of each, the targets from its labels): sums, to be added over data-parallel
-    ranks before `rates` divides them."""
+    ranks before `rates` divides them. `group`: as `greedy_predictions`' (every rank of it
+    decodes the same number of batches)."""
     counts = {"examples": 0, "exact": 0}
     if label_words:
         counts["label_right"] = 0
     for batch in batches:
-        predictions = greedy_predictions(model, batch, tokenizer, max_new_tokens)
+        predictions = greedy_predictions(model, batch, tokenizer, max_new_tokens, group)
         targets = decoded_targets(batch, tokenizer)
         n = len(targets)
         counts["examples"] += n
@@ -148,18 +154,20 @@ def validation_generation(step, config, loader, watchdog=None,
     """Exact match (and label accuracy with --label-words) of the greedy decoding of the
     validation batches `run_evaluation` scores (the first eval_iters global batches), summed
     over data-parallel ranks; at most --decoder-seq-length new tokens. None where there is
-    nothing to score: no seq2seq validation data, or a layout whose model is not whole on a
-    rank (pipeline parallelism, ZeRO-3), which is not supported yet."""
+    nothing to score: no seq2seq validation data. Under ZeRO-3 and in a pipeline the decoding
+    runs on a whole copy of the model (training/whole_model.py), in a pipeline on the first
+    stage's ranks; the other stages count nothing."""
     import torch
     import torch.distributed as dist
 
     from megatron import parallel_state
+    from megatron.training.whole_model import whole_model
 
     seq2seq = getattr(config.data.dataset, "seq2seq", None)
-    if loader is None or seq2seq is None or seq2seq.valid is None \
-            or config.batch.eval_iters == 0:
+    if seq2seq is None or seq2seq.valid is None or config.batch.eval_iters == 0:
         return None
-    if config.parallel.pipeline_model_parallel_size > 1 or config.zero.stage == 3:
+    pipeline = config.parallel.pipeline_model_parallel_size > 1
+    if loader is None and not pipeline:  # (a pipeline's middle stages have no loader)
         return None
     if tokenizer is None:
         tokenizer = _tokenizer(seq2seq.tokenizer, seq2seq.extra_ids)
@@ -173,11 +181,19 @@ def validation_generation(step, config, loader, watchdog=None,
                 return
             yield {k: v.to(device) for k, v in batch.items()}
 
+    ep = config.parallel.expert_model_parallel_size
+    group = parallel_state.get_expert_model_parallel_group() if ep > 1 else None
+    names = ["examples", "exact"] + (["label_right"] if seq2seq.label_words else [])
+    counts = dict.fromkeys(names, 0)
     step.train(False)
     try:
-        with torch.no_grad():
-            counts = generation_counts(step.reporting_module(), batches(), tokenizer,
-                                       config.data.decoder_seq_length, seq2seq.label_words)
+        with torch.no_grad(), whole_model(step.reporting_module(),
+                                          config.model.make_vocab_size_divisible_by,
+                                          config.model.attention_backend) as model:
+            if model is not None and loader is not None:
+                counts = generation_counts(model, batches(), tokenizer,
+                                           config.data.decoder_seq_length,
+                                           seq2seq.label_words, group)
     finally:
         step.train(True)
     names = sorted(counts)

@@ -7,9 +7,11 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from harness import run_workers
-from train_workers import assert_same_run, base_argv, losses, run_pretrain
+from train_workers import (assert_same_run, base_argv, losses, run_pretrain,
+                           whole_model_state)
 
 FINETUNE = Path(__file__).resolve().parents[1] / "data" / "finetune"
 TRAIN, VALID = str(FINETUNE / "cloze_train.jsonl"), str(FINETUNE / "cloze_valid.jsonl")
@@ -89,17 +91,52 @@ def test_bad_flags_are_refused_one_message_each(train_data, tmp_path):
         ["--finetune-data needs --decoder-seq-length"]
 
 
+def generation_lines(log: str):
+    return re.findall(r"validation generation at iteration \d+ \| .*", log)
+
+
 @pytest.mark.slow
-def test_tensor_pipeline_and_zero_data_parallel_match_one_process(train_data, single):
-    runs = [["--zero-stage", str(s)] for s in (0, 1, 2, 3)]
+def test_tensor_pipeline_and_zero_data_parallel_match_one_process(train_data, single_log,
+                                                                   tmp_path):
+    """Losses, and the validation's generation metrics (exact match, label accuracy), which
+    ZeRO-3 and the pipeline compute on a gathered copy of the model (training/whole_model.py)."""
+    single, log = single_log
+    words = ["--label-words", "proceed", "resolved"]
+    logged = {3: tmp_path / "zero3.log"}
+    runs = [["--zero-stage", str(s), *words,
+             *(["--log-file", str(logged[s])] if s in logged else [])] for s in (0, 1, 2, 3)]
     got = run_workers(2, run_pretrain, [finetune_argv(train_data, *r) for r in runs],
                       timeout=900)
     assert got[0] == got[1]
     for flags, result in zip(runs, got[0]):
         assert_same_run(result, single, rtol=2e-5, label=flags)
-    layouts = [["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]]
+    pp_log = tmp_path / "pp2.log"
+    layouts = [["--tensor-model-parallel-size", "2"],
+               ["--pipeline-model-parallel-size", "2", *words, "--log-file", str(pp_log)]]
     got = run_workers(2, run_pretrain, [finetune_argv(train_data, *r) for r in layouts],
                       timeout=900)
     assert got[0] == got[1]
     for flags, result in zip(layouts, got[0]):
         assert_same_run(result, single, rtol=2e-5, label=flags)
+    expected = generation_lines(log)
+    assert len(expected) == 2
+    for path in (logged[3], pp_log):
+        assert generation_lines(path.read_text()) == expected, path.name
+
+
+@pytest.mark.slow
+def test_the_whole_copy_of_a_zero3_or_pipeline_model_is_the_one_process_model(train_data):
+    """Validation's decoding under ZeRO-3 and in a pipeline runs on training/whole_model.py's
+    copy: each tensor equals the one-process model's of the same seed (ZeRO-3: on both ranks;
+    PP 2: on the first stage, the second stage's blocks and head sent to it)."""
+    argv = finetune_argv(train_data)
+    (want, itself), = run_workers(1, whole_model_state, argv, timeout=300)
+    assert itself  # one process: the trained module, no copy
+    zero3 = run_workers(2, whole_model_state, argv + ["--zero-stage", "3"], timeout=300)
+    pipeline = run_workers(2, whole_model_state,
+                           argv + ["--pipeline-model-parallel-size", "2"], timeout=300)
+    assert pipeline[1] == (None, False)
+    for got, _ in (*zero3, pipeline[0]):
+        assert sorted(got) == sorted(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)

@@ -99,3 +99,30 @@ def assert_same_run(got, want, rtol, label=""):
     assert [e[:2] for e in got["evals"]] == [e[:2] for e in want["evals"]], \
         f"{label}: evaluations {got['evals']} != {want['evals']}"
     same("evaluation losses", [e[2] for e in got["evals"]], [e[2] for e in want["evals"]], rtol)
+
+
+def whole_model_state(rank, world_size, argv):
+    """The entry point's step for `argv`, then training/whole_model.py's whole copy of its
+    module: the copy's state dict (None on a rank that gets no copy) and whether it is the
+    trained module itself."""
+    from megatron.arguments import parse_args
+    from megatron.initialize import initialize_distributed, set_seeds
+    from megatron.pretrain_t5 import build_step
+    from megatron.training.metrics import MetricsWriter
+    from megatron.training.watchdog import NoWatchdog
+    from megatron.training.whole_model import whole_model
+
+    config = parse_args(argv, env=os.environ)
+    initialize_distributed(config.runtime, config.parallel)
+    try:
+        set_seeds(config.runtime.seed, config.runtime.device_type)
+        step = build_step(config, NoWatchdog(), MetricsWriter(None, None, enabled=False))
+        module = step.reporting_module()
+        with whole_model(module, config.model.make_vocab_size_divisible_by,
+                         config.model.attention_backend) as copy:
+            if copy is None:
+                return None, False
+            return ({k: v.detach().clone().float() for k, v in copy.state_dict().items()},
+                    copy is module)
+    finally:
+        parallel_state.destroy_model_parallel()
