@@ -7,7 +7,7 @@ demo:
 	bash launch/quickstart.sh
 
 test:
-	$(PYTHON) -m pytest tests -q
+	$(PYTHON) -m pytest tests -q --durations=30
 
 test-fast:
 	$(PYTHON) -m pytest tests -q -m "not slow"
