@@ -1,6 +1,7 @@
 """Run a function on N real processes joined by a gloo process group, and collect results.
 
-Workers are started with the 'forkserver' method, the heavy imports preloaded (`_context`);
+Workers are started with the 'forkserver' method, the heavy imports preloaded (`_context`;
+'spawn' where CUDA is);
 each initializes torch.distributed over a rendezvous file, runs `target(rank, world_size,
 *args)`, and sends back what it returns (or its traceback). The parent raises if any rank
 failed, died or timed out, so assertions can live in the test and compare against a
@@ -37,11 +38,16 @@ _CONTEXT = None
 
 def _context():
     """The 'forkserver' start method with PRELOAD loaded: a fresh interpreter's state (no
-    inherited threads, locks or test-process globals), without the imports a 'spawn' repeats."""
+    inherited threads, locks or test-process globals), without the imports a 'spawn' repeats.
+    With CUDA, 'spawn' as before: DeepSpeed's import probes the accelerator, and a process
+    forked from one that touched the CUDA driver cannot use it."""
     global _CONTEXT
     if _CONTEXT is None:
-        _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(list(PRELOAD))
+        if torch.cuda.is_available():
+            _CONTEXT = mp.get_context("spawn")
+        else:
+            _CONTEXT = mp.get_context("forkserver")
+            _CONTEXT.set_forkserver_preload(list(PRELOAD))
     return _CONTEXT
 
 
