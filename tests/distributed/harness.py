@@ -1,9 +1,8 @@
 """Run a function on N real processes joined by a gloo process group, and collect results.
 
-Workers are started with the 'forkserver' method, the heavy imports preloaded (`_context`;
-'spawn' where CUDA is);
-each initializes torch.distributed over a rendezvous file, runs `target(rank, world_size,
-*args)`, and sends back what it returns (or its traceback). The parent raises if any rank
+Workers are started with the 'forkserver' method, the heavy imports preloaded ('spawn' where
+CUDA is: `_context`); each initializes torch.distributed over a rendezvous file, runs
+`target(rank, world_size, *args)`, and sends back what it returns (or its traceback). The parent raises if any rank
 failed, died or timed out, so assertions can live in the test and compare against a
 single-process reference computed there.
 """
