@@ -14,6 +14,7 @@ first lines, the step (`build_step`), the checkpoint (`_resume`), the data, the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -33,7 +34,7 @@ from megatron.checkpoint.io.checkpointing import CheckpointError, layout, load_c
 from megatron.checkpoint.io.ownership import SaveLock, SaveLockError, describe, watch_launcher
 from megatron.checkpoint.io.saver import Saver
 from megatron.config import RunConfig
-from megatron.config.prompt_args import prompt_settings
+from megatron.config.prompt_args import prompt_settings, resumes_prompt_run
 from megatron.config.lr_schedule import resolve_with_checkpoint
 from megatron.cost.report import print_dry_run
 from megatron.failures import DataError, RunFailure, report_failure
@@ -151,7 +152,10 @@ def _pretrain(config: RunConfig, signals, watchdog, lock):
         step = build_step(config, watchdog, writer)
         _instrument(step, config, profiler)
         state, schedule = _resume(step, config, writer, watchdog)
-        prompt_base = _start_prompt(step, config, writer)
+        prompt_resume = resumes_prompt_run(config.flags)  # a requeued prompt-tuning job
+        prompt_base = _start_prompt(step, config, writer, prompt_resume)
+        if prompt_resume is not None:
+            state, schedule = _resume(step, config, writer, watchdog, _prompt_resume(config))
         with watchdog.watch("data: building the datasets (index caches; another rank may be "
                             "building them)", runtime.data_cache_timeout_s + 60):
             loaders = build_data(config.data, config.batch, runtime.device_type,
@@ -232,13 +236,16 @@ def _instrument(step, config: RunConfig, profiler: StepProfiler) -> None:
         step.watch_nonfinite(config.checkpoint.detect_nan_layers)
 
 
-def _resume(step, config: RunConfig, writer: MetricsWriter, watchdog):
+def _resume(step, config: RunConfig, writer: MetricsWriter, watchdog, ckpt=None):
     """(the state to start from, the LR schedule) after --load, if any: from scratch, weights
     only (--finetune, or a checkpoint of weights alone), or a resume.
 
+    ckpt: the checkpoint settings to load with (default: the flags'; `_prompt_resume`'s for a
+        prompt-tuning run resuming from its --save).
     Raises:
         CheckpointError: the checkpoint cannot be read, or its schedule contradicts the flags."""
-    ckpt, state, schedule = config.checkpoint, TrainState(), config.optimizer.schedule
+    ckpt = ckpt or config.checkpoint
+    state, schedule = TrainState(), config.optimizer.schedule
     if ckpt.load is None:
         return state, schedule
     with watchdog.watch(f"checkpoint I/O: loading {ckpt.load}", 60 * ckpt.timeout_minutes):
@@ -263,9 +270,19 @@ def _resume(step, config: RunConfig, writer: MetricsWriter, watchdog):
     return state, schedule
 
 
-def _start_prompt(step, config: RunConfig, writer: MetricsWriter):
-    """Prompt tuning: the prompt started once the base model is loaded; the base's identity
-    (None without --prompt-tune)."""
+def _prompt_resume(config: RunConfig):
+    """A prompt-tuning run requeued with its command line (--load BASE --finetune ... --save
+    P, P holding its checkpoints): the settings that load P's latest checkpoint as a resume
+    (the prompt, or the model and the prompt, their optimizer states, iteration, samples, LR
+    schedule and random states), over the base loaded from --load."""
+    return dataclasses.replace(config.checkpoint, load=config.checkpoint.save, finetune=False,
+                               no_load_optim=False, no_load_rng=False)
+
+
+def _start_prompt(step, config: RunConfig, writer: MetricsWriter, resumed=None):
+    """Prompt tuning: the prompt started once the base model is loaded, or left to the resume
+    from --save that follows (`resumed`: the meta.json of --save's checkpoint,
+    `_prompt_resume`); the base's identity (None without --prompt-tune)."""
     settings = prompt_settings(config.flags)
     if settings is None:
         return None
@@ -277,9 +294,12 @@ def _start_prompt(step, config: RunConfig, writer: MetricsWriter):
     iteration = read_tracker(load) if load is not None and load.is_dir() else None
     meta = read_meta(load, iteration) if iteration is not None else {}
     loaded = "prompt_base" in meta.get("model", {})
+    resume = None if resumed is None else (config.checkpoint.save,
+                                           resumed["model"]["prompt_base"])
     identity = start_prompt(step.engine, settings, token, config.checkpoint.load,
-                            meta.get("iteration"), loaded)
-    source = f"--prompt-load {settings.load}" if settings.load else "--load" if loaded else \
+                            meta.get("iteration"), loaded, resume)
+    source = f"--save {config.checkpoint.save} (resumed below)" if resume else \
+        f"--prompt-load {settings.load}" if settings.load else "--load" if loaded else \
         ("random" if token is None else f"token id {token}")
     writer.write_text(f"prompt tuning: {settings.layout.length} vectors "
                       f"({'/'.join(map(str, settings.layout.counts()))} front to back) from "
@@ -295,8 +315,11 @@ def _saver(step, config: RunConfig, writer: MetricsWriter, watchdog,
     model_meta = {"config": config.model.t5.to_dict(),
                   "make_vocab_size_divisible_by": config.model.make_vocab_size_divisible_by,
                   "precision": config.precision.precision}
-    if prompt_base is not None:
+    if prompt_base is not None:  # and the prompt's layout, for generation (megatron/generate.py)
+        prompt_layout = prompt_settings(config.flags).layout
         model_meta["prompt_base"] = prompt_base
+        model_meta["prompt_layout"] = {"length": prompt_layout.length,
+                                       "ratios": list(prompt_layout.ratios)}
     if config.parallel.pipeline_model_parallel_size > 1:
         model_meta["pipeline_blocks"] = list(config.pipeline_cut().blocks)
     saver = Saver(step, ckpt.save, layout(config.parallel, config.zero.stage),

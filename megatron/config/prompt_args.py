@@ -66,36 +66,96 @@ def _shares(text: str) -> Tuple[Tuple[float, ...], List[str]]:
                     f"0.33,0.34,0.33"]
 
 
-def prompt_only_checkpoint(load: Optional[str]) -> Optional[dict]:
-    """The base identity (meta.json's model.prompt_base) when --load's latest checkpoint holds
-    a prompt alone (a run with --prompt-tune and a frozen model), else None."""
+def prompt_checkpoint(folder: Optional[str]) -> Optional[dict]:
+    """meta.json of `folder`'s latest checkpoint when it is a prompt-tuning run's (its
+    model.prompt_base set), else None (no folder, no checkpoint, another kind)."""
     from pathlib import Path
 
     from megatron.checkpoint.io.checkpointing import read_meta, read_tracker
 
-    root = Path(load) if load else None
-    iteration = read_tracker(root) if root is not None and root.is_dir() else None
-    if iteration is None:
-        return None
+    root = Path(folder) if folder else None
     try:
+        iteration = read_tracker(root) if root is not None and root.is_dir() else None
+        if iteration is None:
+            return None
         meta = read_meta(root, iteration)
     except Exception:  # noqa: BLE001 - a damaged checkpoint is reported by the load's checks
         return None
+    return meta if meta.get("model", {}).get("prompt_base") is not None else None
+
+
+def prompt_alone(meta: Mapping) -> bool:
+    """Whether the checkpoint of this meta.json holds a prompt alone (a --prompt-tune run's,
+    the model frozen), not the model (with or without a prompt)."""
     flags = meta.get("flags", {})
-    base = meta.get("model", {}).get("prompt_base")
-    if base is None or not flags.get("prompt_tune") or flags.get("prompt_train_model"):
+    return meta.get("model", {}).get("prompt_base") is not None \
+        and bool(flags.get("prompt_tune")) and not flags.get("prompt_train_model")
+
+
+def saved_prompt_layout(meta: Mapping) -> Optional[PromptLayout]:
+    """The layout of the prompt a prompt-tuning checkpoint was trained with (meta.json's
+    model.prompt_layout, or, saved before that was recorded, its flags); None for a checkpoint
+    of no prompt-tuning run."""
+    model = meta.get("model", {})
+    if model.get("prompt_base") is None:
         return None
-    return base
+    saved = model.get("prompt_layout")
+    if saved is not None:
+        return PromptLayout(int(saved["length"]), tuple(float(r) for r in saved["ratios"]))
+    flags = meta.get("flags", {})
+    shares, _ = _shares(str(flags.get("prompt_positions", "1")))
+    return PromptLayout(int(flags.get("prompt_length", 100)), shares)
+
+
+def holds_prompt_alone(folder) -> bool:
+    """prompt_alone for an iteration folder (False where its meta.json cannot be read)."""
+    import json
+    from pathlib import Path
+
+    try:
+        return prompt_alone(json.loads((Path(folder) / "meta.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return False
+
+
+def prompt_only_checkpoint(load: Optional[str]) -> Optional[dict]:
+    """The base identity (meta.json's model.prompt_base) when --load's latest checkpoint holds
+    a prompt alone (a run with --prompt-tune and a frozen model), else None."""
+    meta = prompt_checkpoint(load)
+    return meta["model"]["prompt_base"] if meta is not None and prompt_alone(meta) else None
+
+
+def resumes_prompt_run(values: Mapping[str, object]) -> Optional[dict]:
+    """meta.json of --save's latest checkpoint when this --prompt-tune run resumes from it (a
+    requeued job: --save holds a prompt-tuning checkpoint and is not --load, which a normal
+    resume reads), else None."""
+    from pathlib import Path
+
+    save, load = values.get("save"), values.get("load")
+    if not values.get("prompt_tune") or save is None:
+        return None
+    if load is not None and Path(load).resolve() == Path(save).resolve():
+        return None
+    return prompt_checkpoint(save)
 
 
 def prompt_problems(values: Mapping[str, object]) -> List[str]:
     """The prompt flags (`vars(namespace)`): ranges and combinations; a --load that holds a
-    prompt alone."""
+    prompt alone; a --save to resume from that holds the other stage's checkpoint."""
     base = prompt_only_checkpoint(values.get("load"))
     if base is not None:
         return [f"--load {values['load']} holds a prompt alone (a --prompt-tune run's "
                 f"checkpoint): load its base model and the prompt with --load {base['load']} "
                 f"--finetune --prompt-tune --prompt-load {values['load']}"]
+    resumed = resumes_prompt_run(values)
+    if resumed is not None and bool(resumed.get("flags", {}).get("prompt_train_model")) != \
+            bool(values["prompt_train_model"]):
+        kind = {True: "the model and a prompt (--prompt-train-model)",
+                False: "a prompt alone"}
+        return [f"--save {values['save']} holds a checkpoint of "
+                f"{kind[not values['prompt_train_model']]}; this run trains "
+                f"{kind[bool(values['prompt_train_model'])]} and would resume from it: give "
+                f"another --save"]
     if not values["prompt_tune"]:
         given = [f for f, default in (("prompt_length", 100), ("prompt_positions", "1"),
                                       ("prompt_init_token", None), ("prompt_load", None),

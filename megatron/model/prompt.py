@@ -159,7 +159,9 @@ def freeze_all_but_prompt(model: nn.Module) -> List[str]:
 
 def base_identity(model: nn.Module, load: Optional[str], iteration: Optional[int]) -> Dict:
     """What identifies the frozen model a prompt is trained on: where it was loaded from, its
-    iteration, and a digest of its tensors' names, shapes and values (this rank's shards)."""
+    iteration, and a digest of its tensors' names, shapes and values (this rank's shards: for a
+    model not loaded from a checkpoint; a loaded one is identified by its checkpoint's full
+    tensors, megatron/training/prompt_tuning.py's `loaded_base_identity`)."""
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         if name == PROMPT_PARAMETER:
@@ -173,9 +175,12 @@ def base_identity(model: nn.Module, load: Optional[str], iteration: Optional[int
 def base_mismatch(saved: Dict, now: Dict, prompt_path: str) -> Optional[str]:
     """The refusal, naming both bases, when a prompt saved on base `saved` is loaded onto
     `now` (None: the same base)."""
-    if saved.get("digest") == now.get("digest"):
+    if saved.get("digest") == now.get("digest") and saved.get("of") == now.get("of"):
         return None
+    older = "" if saved.get("of") == now.get("of") else \
+        " (its digest is of another kind, saved before digests covered the whole checkpoint: " \
+        "train it again to use it)"
     return (f"{prompt_path}: this prompt was trained on the model of {saved.get('load')} "
             f"iteration {saved.get('iteration')} (digest {str(saved.get('digest'))[:12]}), "
             f"not on {now.get('load')} iteration {now.get('iteration')} (digest "
-            f"{str(now.get('digest'))[:12]}): load the prompt onto its own base model")
+            f"{str(now.get('digest'))[:12]}){older}: load the prompt onto its own base model")

@@ -1,10 +1,12 @@
 """Prompt tuning in a training run: the prompt attached and the model frozen before the engine
 sees them (so the optimizer, its states and ZeRO's partitions hold the prompt alone), the
 prompt started from a token's embedding once the base model is loaded, a saved prompt read back
-onto the base it was trained on and no other."""
+onto the base it was trained on and no other (the base known by the digest of its checkpoint's
+full tensors, whatever the layout), a requeued run's prompt left to the resume from --save."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -20,6 +22,9 @@ from megatron.training import deepspeed_internals
 
 META_KEY = "prompt_base"
 """meta.json's record of the base model a saved prompt was trained on."""
+DIGEST_OF = "checkpoint full tensors"
+"""The `of` of a base identity whose digest is `checkpoint_digest`'s (without it: the digest of
+rank 0's shard in memory, as saved before; such a prompt is refused on its base)."""
 
 
 def prepare_model(model: torch.nn.Module, settings: PromptSettings) -> None:
@@ -49,29 +54,93 @@ def init_token_id(settings: PromptSettings, tokenizer) -> Optional[int]:
 
 def start_prompt(engine, settings: PromptSettings, token_id: Optional[int],
                  load: Optional[str], iteration: Optional[int],
-                 loaded_prompt: bool = False) -> Dict:
+                 loaded_prompt: bool = False, resume: Optional[tuple] = None) -> Dict:
     """After the base model is loaded: the prompt from `prompt_load` (a prompt-tuning run's
     --save), kept as loaded (`loaded_prompt`: --load held the model and a prompt, a second
     stage's checkpoint) or from the token's embedding; returns the base's identity (for
     meta.json).
 
+    resume: (--save, the base identity its checkpoint records) when the run resumes from
+        --save's checkpoint next: the prompt is left to that load, the bases must agree.
     Raises:
-        CheckpointError: `prompt_load` holds no prompt, or one trained on another base."""
+        CheckpointError: `prompt_load` holds no prompt, or one trained on another base; the
+            checkpoint to resume from was trained on another base."""
     module = engine.module
-    identity = base_identity(module, load, iteration)
+    identity = loaded_base_identity(module, load, iteration)
+    if resume is not None:
+        save, saved = resume
+        _refuse_unless_same_base(saved, identity, f"--save {save}")
+        return identity
     prompt_load = settings.load
     if prompt_load is not None:
         weight, saved = read_prompt(Path(prompt_load))
-        problem = [base_mismatch(saved, identity, prompt_load) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(problem, src=0)
-        if problem[0] is not None:
-            raise CheckpointError(problem[0])
+        _refuse_unless_same_base(saved, identity, prompt_load)
         with torch.no_grad():
             module.prompt.weight.copy_(weight.to(module.prompt.weight))
     elif token_id is not None and not loaded_prompt:
         module.prompt.init_from_token(token_id, module.shared)
     deepspeed_internals.refresh_masters(engine.optimizer)
     return identity
+
+
+def _refuse_unless_same_base(saved: Dict, identity: Dict, prompt_path: str) -> None:
+    """Rank 0's verdict, on every rank (a model from scratch is digested shard by shard)."""
+    problem = [base_mismatch(saved, identity, prompt_path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(problem[0])
+
+
+def checkpoint_digest(folder: Path) -> str:
+    """SHA-256 of the model in a checkpoint's iteration folder, as full tensors (names, shapes,
+    dtypes, values; a prompt saved with the model left out) read from its files, one at a time
+    (megatron/checkpoint/formats): the same at whatever tensor-parallel size or ZeRO stage the
+    checkpoint was saved, or the model is loaded. The fp32 masters where the checkpoint has
+    named ones, as generation loads them.
+
+    Raises:
+        CheckpointReadError: the files cannot be read."""
+    from megatron.checkpoint.formats.deepspeed import iter_full_tensors, read_meta
+
+    meta = read_meta(folder)
+    source = "weights" if (meta.get("layout") or {}).get("zero_stage") == 0 and \
+        (meta.get("model") or {}).get("precision") == "fp16" else "master"  # (generate's rule)
+    each = {}
+    for name, tensor in iter_full_tensors(folder, source):
+        if name == PROMPT_PARAMETER:
+            continue
+        one = hashlib.sha256(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        one.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        each[name] = one.hexdigest()
+    whole = hashlib.sha256()
+    for name in sorted(each):
+        whole.update(f"{name}={each[name]};".encode())
+    return whole.hexdigest()
+
+
+def loaded_base_identity(module: torch.nn.Module, load: Optional[str],
+                         iteration: Optional[int]) -> Dict:
+    """The identity of the base model just loaded from --load (base_identity's keys): the digest
+    of its checkpoint's full tensors (`checkpoint_digest`, on rank 0, sent to every rank); of the
+    model in memory (this rank's shards: a model from scratch) where --load holds none.
+
+    Raises:
+        CheckpointError: --load's files cannot be read."""
+    from megatron.checkpoint.formats.deepspeed import CheckpointReadError, find_iteration
+
+    if load is None or iteration is None:
+        return base_identity(module, load, iteration)
+    found = [None]  # (digest, None) or (None, the problem)
+    if dist.get_rank() == 0:
+        try:
+            found[0] = (checkpoint_digest(find_iteration(Path(load), iteration)), None)
+        except CheckpointReadError as e:
+            found[0] = (None, f"--load {load}: {e}")
+    dist.broadcast_object_list(found, src=0)
+    digest, problem = found[0]
+    if problem is not None:
+        raise CheckpointError(problem)
+    return {"load": load, "iteration": iteration, "digest": digest, "of": DIGEST_OF}
 
 
 def read_prompt(root: Path):

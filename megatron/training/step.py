@@ -28,6 +28,7 @@ from megatron.checkpoint.formats.weights import WeightsError, WeightsReader, loa
 from megatron.checkpoint.io.async_save import Capture
 from megatron.checkpoint.io.checkpointing import rng_state, set_rng_state
 from megatron.checkpoint.io.optimizer_state import load_optimizer_state
+from megatron.config.prompt_args import holds_prompt_alone
 from megatron.model.moe import expert_bias_layers, update_expert_bias
 from megatron.model.state_dict import persistent_buffers
 from megatron.tensor_parallel.group import TensorParallel
@@ -291,11 +292,9 @@ class EngineStep(TrainStep):
         order = self._optimizer_parameters()
         if order is not None:
             client_state[OPTIMIZER_PARAMETERS] = order
-        # prompt tuning: the frozen model stays in its base checkpoint
-        frozen = getattr(self.engine.module, "prompt", None) is not None \
-            and any(not p.requires_grad for p in self.engine.module.parameters())
         self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state,
-                                    save_latest=False, exclude_frozen_parameters=frozen)
+                                    save_latest=False,
+                                    exclude_frozen_parameters=self._prompt_alone())
         for path, state in experts.expert_files(self.engine.module, root / tag).items():
             self.engine.checkpoint_engine.save(state, str(path))
 
@@ -323,8 +322,18 @@ class EngineStep(TrainStep):
         groups = [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
         return None if any(n is None for g in groups for n in g) else groups
 
+    def _prompt_alone(self) -> bool:
+        """Prompt tuning with the model frozen: the checkpoints hold the prompt alone (the frozen
+        model stays in its base checkpoint, loaded from there first)."""
+        module = self.engine.module
+        return getattr(module, "prompt", None) is not None \
+            and any(not p.requires_grad for p in module.parameters())
+
     def load(self, root: Path, tag: str, weights_only: bool) -> bool:
-        path, _ = self.engine.load_checkpoint(str(root), tag=tag,
+        # a prompt-tuning checkpoint of the prompt alone: the model stays the base's, loaded
+        # before it (every other checkpoint, a base's included, loads strictly)
+        strict = not (self._prompt_alone() and holds_prompt_alone(root / tag))
+        path, _ = self.engine.load_checkpoint(str(root), tag=tag, load_module_strict=strict,
                                               load_optimizer_states=not weights_only,
                                               load_lr_scheduler_states=False,
                                               load_module_only=weights_only)

@@ -30,7 +30,9 @@ from megatron.checkpoint.formats.deepspeed_folder import (
 from megatron.checkpoint.formats.deepspeed_optimizer import optimizer_shards, optimizer_step
 from megatron.checkpoint.formats.deepspeed_pipeline import owned, pipeline_weights
 from megatron.checkpoint.formats.weights import WeightsError, WeightsReader, full_tensors
+from megatron.config.prompt_args import prompt_alone, saved_prompt_layout
 from megatron.model.config import T5Config
+from megatron.model.prompt import PROMPT_PARAMETER
 from megatron.model.meta import buffer_shapes, expert_parameters, parameter_splits
 from megatron.model.state_dict import VOCAB_PARAMETERS
 from megatron.tensor_parallel.layers import unshard
@@ -44,7 +46,9 @@ def iter_full_tensors(iter_dir: PathLike, source: str = "master"
     """(name, full tensor) for every parameter, one at a time, in the model's order: Hugging Face
     T5 names, tensor-parallel shards joined, vocabulary rows unpadded, each a new tensor; every
     expert weight whole ([experts, ...], the expert-parallel ranks' parts joined). Then the
-    persistent buffers (the expert biases of `moe_expert_bias`), except for the moments.
+    persistent buffers (the expert biases of `moe_expert_bias`), except for the moments; and a
+    second prompt-tuning stage's prompt (`prompt.weight`, --prompt-train-model), saved with the
+    model.
 
     source: 'master' reads the fp32 master copy where the checkpoint has one (ZeRO 1-3, the
         optimizer files), else the weights (fp32 ZeRO-0, where they are the masters);
@@ -71,6 +75,9 @@ def iter_full_tensors(iter_dir: PathLike, source: str = "master"
     divisible = int(meta["model"].get("make_vocab_size_divisible_by", 128))
     tensor_size = meta["layout"]["tensor_model_parallel_size"]
     params = parameter_splits(config)
+    prompt = saved_prompt_layout(meta)
+    if prompt is not None and not prompt_alone(meta):  # a prompt trained with the model
+        params[PROMPT_PARAMETER] = ((prompt.length, config.d_model), None)  # replicated
     if source not in MOMENTS:  # persistent buffers (expert biases) have no optimizer state
         params.update((n, (shape, None)) for n, shape in buffer_shapes(config).items())
     files = Files(folder)

@@ -1,0 +1,125 @@
+"""A prompt-tuning job requeued with its command line resumes exactly: --load BASE --finetune
+loads the base's weights, then --save's checkpoint resumes the prompt (or, in the second stage,
+the model and the prompt), their Adam states, the iteration, the samples, the LR schedule and
+the random states. 2N steps straight give the losses and the prompt of N steps + a restart of
+the same command line for N more; a --save trained on another base is refused, naming both."""
+
+import pytest
+import torch
+
+from harness import run_workers
+from train_workers import base_argv, losses, run_pretrain, run_pretrain_until_error
+
+from megatron.arguments import ArgumentsError, parse_args
+
+pytestmark = pytest.mark.slow
+
+PROMPT = ["--prompt-tune", "--prompt-length", "4", "--prompt-positions", "0.5,0.5",
+          "--prompt-init-token", "<extra_id_0>"]
+
+
+def run_keeping_prompt(rank, world_size, argvs):
+    """As run_pretrain_until_error; each result also holds the prompt after the run and the
+    log's lines."""
+    import megatron.pretrain_t5 as entry
+
+    built = []
+    build_step = entry.build_step
+
+    def keeping(*args, **kwargs):
+        built.append(build_step(*args, **kwargs))
+        return built[-1]
+
+    entry.build_step = keeping
+    try:
+        out = []
+        for argv in argvs:
+            result = run_pretrain_until_error(rank, world_size, [argv])[0]
+            prompt = built[-1].engine.module.prompt if "error" not in result else None
+            if prompt is not None:
+                result["prompt"] = prompt.weight.detach().clone()
+            out.append(result)
+        return out
+    finally:
+        entry.build_step = build_step
+
+
+def _log(tmp_path, name):
+    return (tmp_path / f"{name}.log").read_text()
+
+
+def test_requeued_prompt_tuning_resumes_exactly(train_data, tmp_path):
+    base, other = str(tmp_path / "base"), str(tmp_path / "other")
+    straight, requeued, second = (str(tmp_path / n) for n in ("straight", "requeued", "second"))
+    run = lambda *extra, iters=4: base_argv(train_data, "--zero-stage", "1", *extra,  # noqa
+                                            model=train_data.tiny_dropout, iters=iters)
+    # the same command line twice: the first stops at 2 (and saves), the second resumes
+    tune = lambda save, *extra: run("--load", base, "--finetune", "--save", save, *PROMPT,  # noqa
+                                    "--lr", "0.05", "--exit-interval", "2", *extra)
+    stage2 = lambda save: tune(save, "--prompt-load", straight,  # noqa: E731
+                               "--prompt-train-model", "--lr", "1e-3")
+    results = run_workers(1, run_keeping_prompt, [
+        run("--save", base, iters=2),
+        run("--load", base, "--finetune", "--save", straight, *PROMPT, "--lr", "0.05",
+            "--log-file", str(tmp_path / "straight.log")),
+        tune(requeued), tune(requeued, "--log-file", str(tmp_path / "requeued.log")),
+        run("--seed", "8", "--save", other, iters=2),
+        run("--load", other, "--finetune", "--save", requeued, *PROMPT, "--lr", "0.05",
+            "--exit-interval", "2"),
+        # the second stage (model and prompt), straight and requeued
+        run("--load", base, "--finetune", *PROMPT, "--prompt-load", straight,
+            "--prompt-train-model", "--lr", "1e-3"),
+        stage2(second), stage2(second),
+    ], timeout=600)[0]
+    _, whole, first, resumed, _, refused, whole2, first2, resumed2 = results
+    assert sorted(first["losses"]) == [1, 2] and sorted(resumed["losses"]) == [3, 4]
+    assert losses(first) + losses(resumed) == pytest.approx(losses(whole), rel=1e-6)
+    evals = lambda r: [e[2] for e in r["evals"]]  # noqa: E731
+    assert evals(first) + evals(resumed) == pytest.approx(evals(whole), rel=1e-6)
+    torch.testing.assert_close(resumed["prompt"], whole["prompt"], rtol=1e-6, atol=0)
+    assert f"resumed from {requeued} at iteration 2" in _log(tmp_path, "requeued")
+    assert "resumed from" not in _log(tmp_path, "straight")
+    # a --save whose prompt was trained on another base: refused, naming both
+    assert "error" in refused and f"{base} iteration 2" in refused["error"] \
+        and f"{other} iteration 2" in refused["error"], refused
+    assert f"--save {requeued}" in refused["error"]
+    # the second stage resumes the model and the prompt the same way
+    assert sorted(first2["losses"]) == [1, 2] and sorted(resumed2["losses"]) == [3, 4]
+    assert losses(first2) + losses(resumed2) == pytest.approx(losses(whole2), rel=1e-6)
+    torch.testing.assert_close(resumed2["prompt"], whole2["prompt"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("stage", ["0", "2"])
+def test_requeued_prompt_tuning_resumes_exactly_on_two_ranks(train_data, tmp_path, stage):
+    """ZeRO 0 (torch's AdamW states in the model file) and 2 (the prompt's states partitioned
+    over 2 data-parallel ranks). The base is saved at ZeRO 1: a ZeRO-2 base does not load into
+    a frozen model (DeepSpeed looks the frozen parameters up in the base's empty
+    frozen_param_fragments: KeyError), a limit of --finetune itself, not of the resume."""
+    base, straight, requeued = (str(tmp_path / n) for n in ("base", "straight", "requeued"))
+    run = lambda *extra, iters=4: base_argv(train_data, "--zero-stage", stage, *extra,  # noqa
+                                            model=train_data.tiny_dropout, iters=iters)
+    tune = lambda save, *extra: run("--load", base, "--finetune", "--save", save, *PROMPT,  # noqa
+                                    "--lr", "0.05", *extra)
+    ranks = run_workers(2, run_keeping_prompt, [
+        run("--save", base, "--zero-stage", "1", iters=1), tune(straight),
+        tune(requeued, "--exit-interval", "2"), tune(requeued, "--exit-interval", "2"),
+    ], timeout=600)
+    _, whole, first, resumed = ranks[0]
+    assert sorted(first["losses"]) == [1, 2] and sorted(resumed["losses"]) == [3, 4]
+    assert losses(first) + losses(resumed) == pytest.approx(losses(whole), rel=1e-6)
+    for rank in ranks:
+        torch.testing.assert_close(rank[3]["prompt"], whole["prompt"], rtol=1e-6, atol=0)
+
+
+def test_a_save_of_the_other_stage_is_refused(train_data, tmp_path):
+    """A second stage's --save that holds the first stage's checkpoint (a prompt alone) would
+    resume into the wrong optimizer: refused before anything starts."""
+    base, prompt = str(tmp_path / "base"), str(tmp_path / "prompt")
+    run = lambda *extra: base_argv(train_data, "--zero-stage", "1", *extra, iters=1)  # noqa
+    run_workers(1, run_pretrain, [
+        run("--save", base), run("--load", base, "--finetune", "--save", prompt, *PROMPT),
+    ], timeout=600)
+    with pytest.raises(ArgumentsError, match=f"--save {prompt} holds a checkpoint of a "
+                                             f"prompt alone"):
+        parse_args(run("--load", base, "--finetune", *PROMPT, "--prompt-load", prompt,
+                       "--prompt-train-model", "--save", prompt), env={})
