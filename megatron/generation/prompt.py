@@ -1,0 +1,81 @@
+"""Decoding with a tuned prompt (megatron/generate.py): the prompt of a prompt-tuning run's
+--save on its base model (`--load BASE --prompt-load P`, refused on another base), or the
+prompt a second stage (--prompt-train-model) saved with its model (`--load M`). Its layout
+(length, slots) comes from the checkpoint that holds it (megatron/config/prompt_args.py's
+`saved_prompt_layout`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+from megatron.config.prompt_args import prompt_alone, saved_prompt_layout
+from megatron.model.prompt import PROMPT_PARAMETER, PromptLayout, attach_prompt, base_mismatch
+
+
+class PromptLoadError(ValueError):
+    """A prompt that cannot decode with this --load; the message names the flags."""
+
+
+@dataclass(frozen=True)
+class GenerationPrompt:
+    """layout: where the vectors go. weight: [length, d_model] from --prompt-load; None where
+    the checkpoint of --load holds the prompt with the model."""
+
+    layout: PromptLayout
+    weight: Optional[torch.Tensor] = None
+
+
+def generation_prompt(load: str, folder: Path, meta: Dict,
+                      prompt_load: Optional[str]) -> Optional[GenerationPrompt]:
+    """The prompt to decode with (None: none).
+
+    load, folder, meta: --load as given, its iteration folder and meta.json.
+    prompt_load: --prompt-load, a prompt-tuning run's --save (its latest checkpoint).
+    Raises:
+        PromptLoadError: --load holds a prompt alone, or a prompt of its own and --prompt-load
+            gives another; --prompt-load holds no prompt, or one trained on another base (the
+            message names both)."""
+    from megatron.checkpoint.formats.deepspeed import CheckpointReadError, find_iteration, \
+        read_meta
+    from megatron.checkpoint.io.checkpointing import CheckpointError
+    from megatron.training.prompt_tuning import (DIGEST_OF, META_KEY, checkpoint_digest,
+                                                 read_prompt)
+
+    if prompt_alone(meta):
+        base = meta["model"][META_KEY]
+        raise PromptLoadError(f"--load {load} holds a prompt alone (a --prompt-tune run's "
+                              f"checkpoint): decode with its base model and the prompt: "
+                              f"--load {base.get('load')} --prompt-load {load}")
+    own = saved_prompt_layout(meta)
+    if prompt_load is None:
+        return None if own is None else GenerationPrompt(own)
+    if own is not None:
+        raise PromptLoadError(f"--prompt-load {prompt_load}: --load {load} holds a prompt of "
+                              f"its own (a --prompt-train-model checkpoint): decode with it "
+                              f"alone (no --prompt-load)")
+    try:
+        weight, saved = read_prompt(Path(prompt_load))
+        layout = saved_prompt_layout(read_meta(find_iteration(Path(prompt_load))))
+        now = {"load": load, "iteration": meta.get("iteration"),
+               "digest": checkpoint_digest(folder), "of": DIGEST_OF}
+    except (CheckpointError, CheckpointReadError) as e:
+        raise PromptLoadError(str(e)) from None
+    problem = base_mismatch(saved, now, f"--prompt-load {prompt_load}")
+    if problem is not None:
+        raise PromptLoadError(problem)
+    return GenerationPrompt(layout, weight)
+
+
+def with_prompt(model: torch.nn.Module, prompt: Optional[GenerationPrompt],
+                full: Dict[str, torch.Tensor]) -> None:
+    """Before `full` (the checkpoint's full tensors) is loaded into `model`: the prompt
+    attached, and --prompt-load's vectors among the tensors to load."""
+    if prompt is None:
+        return
+    attach_prompt(model, prompt.layout)
+    if prompt.weight is not None:
+        full[PROMPT_PARAMETER] = prompt.weight

@@ -1,0 +1,148 @@
+"""`python -m megatron.generate` with a tuned prompt (megatron/generation/prompt.py): a prompt
+on its base (--prompt-load) and a second stage's checkpoint (model and prompt) decode the greedy
+ids of the model's own forward with the prompt attached; a prompt on another base, or a prompt
+alone as --load, is refused naming both; a prompt trained at TP 2 decodes on its base at TP 1
+(the base's identity is its checkpoint's full tensors, whatever the layout)."""
+
+import json
+
+import pytest
+import torch
+from harness import run_workers
+from train_workers import base_argv, run_pretrain
+
+from megatron import generate
+from megatron.checkpoint.formats.deepspeed import (find_iteration, iter_full_tensors,
+                                                   model_config, read_meta)
+from megatron.data.tokenizers.tokenizer import build_tokenizer, resolve_tokenizer
+from megatron.model import T5Model
+from megatron.model.prompt import PROMPT_PARAMETER, PromptLayout, attach_prompt
+from megatron.model.state_dict import load_full_state_dict
+
+pytestmark = pytest.mark.slow
+
+PROMPT = ["--prompt-tune", "--prompt-length", "4", "--prompt-positions", "0.5,0.5",
+          "--prompt-init-token", "random"]
+TEXTS = ["To be, or not to be", "Good morrow, kind sir, and well met.", "The king"]
+
+
+@pytest.fixture(scope="module")
+def tuned(train_data, tmp_path_factory):
+    """Folders: base, other (another base), prompt (tuned on base), stage2 (model and prompt,
+    from base and prompt); base_tp2 and prompt_tp2 (the same at TP 2)."""
+    root = tmp_path_factory.mktemp("prompted")
+    f = {n: str(root / n) for n in ("base", "other", "prompt", "stage2", "base_tp2",
+                                    "prompt_tp2")}
+    run = lambda *extra, iters=2: base_argv(train_data, "--zero-stage", "1", *extra,  # noqa
+                                            iters=iters)
+    run_workers(1, run_pretrain, [
+        run("--save", f["base"]), run("--seed", "8", "--save", f["other"]),
+        run("--load", f["base"], "--finetune", "--save", f["prompt"], *PROMPT, "--lr", "0.05"),
+        run("--load", f["base"], "--finetune", "--save", f["stage2"], *PROMPT, "--prompt-load",
+            f["prompt"], "--prompt-train-model", "--lr", "3e-3", iters=1),
+    ], timeout=600)
+    tp2 = ("--tensor-model-parallel-size", "2")
+    run_workers(2, run_pretrain, [
+        run("--save", f["base_tp2"], *tp2),
+        run("--load", f["base_tp2"], "--finetune", "--save", f["prompt_tp2"], *tp2, *PROMPT,
+            "--lr", "0.05", iters=1),
+    ], timeout=600)
+    return f
+
+
+def _generate(train_data, tmp_path, capsys, *extra):
+    """(exit code, each output's ids, stderr) of megatron.generate's greedy search here."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS), encoding="utf-8")
+    out = tmp_path / "out.jsonl"
+    out.unlink(missing_ok=True)
+    capsys.readouterr()
+    code = generate.main(["--tokenizer-model", train_data.spm, "--input", str(inp),
+                          "--output", str(out), "--max-new-tokens", "6",
+                          "--micro-batch-size", "2", *extra])
+    ids = [json.loads(line)["ids"] for line in out.read_text().splitlines()] if code == 0 \
+        else None
+    return code, ids, capsys.readouterr().err
+
+
+def _reference(train_data, folder, prompt_folder=None, steps=6):
+    """Greedy ids of the model's own forward (no cache, one input at a time, no padding), the
+    prompt of `prompt_folder` attached (default: the one saved with the model, if any)."""
+    folder = find_iteration(folder)
+    meta = read_meta(folder)
+    config = model_config(meta, folder / "meta.json")
+    model = T5Model(config, make_vocab_size_divisible_by=meta["model"][
+        "make_vocab_size_divisible_by"])
+    full = dict(iter_full_tensors(folder))
+    prompt = full.pop(PROMPT_PARAMETER, None)
+    load_full_state_dict(model, full)
+    source = meta if prompt_folder is None else read_meta(find_iteration(prompt_folder))
+    if prompt_folder is not None:
+        from megatron.checkpoint.formats.deepspeed_files import load_file
+
+        prompt = load_file(find_iteration(prompt_folder) / "mp_rank_00_model_states.pt")[
+            "module"][PROMPT_PARAMETER]
+    saved = source["model"]["prompt_layout"]
+    assert saved == {"length": 4, "ratios": [0.5, 0.5]}  # recorded at save
+    attach_prompt(model, PromptLayout(saved["length"], tuple(saved["ratios"])))
+    with torch.no_grad():
+        model.prompt.weight.copy_(prompt)
+    model.eval()
+    tok = build_tokenizer(resolve_tokenizer(train_data.spm))
+    out = []
+    for text in TEXTS:
+        ids = torch.tensor([tok.encode(text, add_eos=True)])
+        decoded = [tok.decoder_start_token_id]
+        with torch.no_grad():
+            for _ in range(steps):
+                logits = model(ids, torch.tensor([decoded]), torch.ones_like(ids)).logits
+                decoded.append(int(logits[0, -1, :config.vocab_size].argmax()))
+                if decoded[-1] == tok.eos_id:
+                    break
+        out.append(decoded[1:])
+    return out, model
+
+
+def test_generate_with_a_prompt(train_data, tuned, tmp_path, capsys):
+    code, got, err = _generate(train_data, tmp_path, capsys, "--load", tuned["base"],
+                               "--prompt-load", tuned["prompt"])
+    assert code == 0, err
+    want, _ = _reference(train_data, tuned["base"], tuned["prompt"])
+    assert got == want
+    code, plain, err = _generate(train_data, tmp_path, capsys, "--load", tuned["base"])
+    assert code == 0 and plain != got, err  # the prompt changes what is decoded
+
+
+def test_a_second_stage_checkpoint_decodes_with_its_prompt(train_data, tuned, tmp_path,
+                                                           capsys):
+    code, got, err = _generate(train_data, tmp_path, capsys, "--load", tuned["stage2"])
+    assert code == 0, err
+    want, model = _reference(train_data, tuned["stage2"])
+    assert got == want
+    # the prompt in the checkpoint is stage 2's (it was trained too), not the first stage's
+    first = read_meta(find_iteration(tuned["prompt"]))
+    assert first["model"]["prompt_base"]["digest"] == \
+        read_meta(find_iteration(tuned["stage2"]))["model"]["prompt_base"]["digest"]
+    code, _, err = _generate(train_data, tmp_path, capsys, "--load", tuned["stage2"],
+                             "--prompt-load", tuned["prompt"])
+    assert code == 2 and "holds a prompt of its own" in err
+
+
+def test_a_prompt_on_another_base_is_refused(train_data, tuned, tmp_path, capsys):
+    code, _, err = _generate(train_data, tmp_path, capsys, "--load", tuned["other"],
+                             "--prompt-load", tuned["prompt"])
+    assert code == 2
+    assert f"--prompt-load {tuned['prompt']}" in err
+    assert f"{tuned['base']} iteration 2" in err and f"{tuned['other']} iteration 2" in err
+    code, _, err = _generate(train_data, tmp_path, capsys, "--load", tuned["prompt"])
+    assert code == 2
+    assert f"--load {tuned['base']} --prompt-load {tuned['prompt']}" in err
+
+
+def test_a_prompt_trained_at_tp2_decodes_on_its_base_at_tp1(train_data, tuned, tmp_path,
+                                                            capsys):
+    code, got, err = _generate(train_data, tmp_path, capsys, "--load", tuned["base_tp2"],
+                               "--prompt-load", tuned["prompt_tp2"])
+    assert code == 0, err
+    want, _ = _reference(train_data, tuned["base_tp2"], tuned["prompt_tp2"])
+    assert got == want
