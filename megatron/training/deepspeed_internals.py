@@ -176,6 +176,36 @@ def refresh_masters(optimizer) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def frozen_weights_from_module(engine):
+    """Within: the engine's checkpoint loads read a model with frozen parameters (prompt tuning)
+    from a checkpoint saved when nothing was frozen. A ZeRO-2 save writes an empty
+    `frozen_param_fragments`, and `load_module_state_dict` (runtime/engine.py) looks every frozen
+    parameter up in it once it is not None (KeyError), although their weights came with
+    'module'; the empty table is dropped as the files are read (the engine's
+    `checkpoint_engine.load`, which runtime/state_dict_factory.py calls)."""
+    from deepspeed.checkpoint.constants import FROZEN_PARAM_FRAGMENTS
+
+    real = engine.checkpoint_engine
+
+    class Reading:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def load(self, path, map_location=None):
+            state = real.load(path, map_location=map_location)
+            if isinstance(state, dict) and FROZEN_PARAM_FRAGMENTS in state \
+                    and not state[FROZEN_PARAM_FRAGMENTS]:
+                del state[FROZEN_PARAM_FRAGMENTS]
+            return state
+
+    engine.checkpoint_engine = Reading()
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine = real
+
+
 def linked_partitions(optimizer
                       ) -> Optional[Tuple[List[List[nn.Parameter]], List[torch.Tensor]]]:
     """(the model's parameters by group, this rank's flat fp32 partition of each group) of an

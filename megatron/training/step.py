@@ -15,6 +15,7 @@ per global batch, is a second implementation beside `DataParallelStep`.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 from pathlib import Path
 from typing import Dict, Iterator, List, NamedTuple, Optional
@@ -332,11 +333,14 @@ class EngineStep(TrainStep):
     def load(self, root: Path, tag: str, weights_only: bool) -> bool:
         # a prompt-tuning checkpoint of the prompt alone: the model stays the base's, loaded
         # before it (every other checkpoint, a base's included, loads strictly)
-        strict = not (self._prompt_alone() and holds_prompt_alone(root / tag))
-        path, _ = self.engine.load_checkpoint(str(root), tag=tag, load_module_strict=strict,
-                                              load_optimizer_states=not weights_only,
-                                              load_lr_scheduler_states=False,
-                                              load_module_only=weights_only)
+        frozen = self._prompt_alone()
+        strict = not (frozen and holds_prompt_alone(root / tag))
+        with deepspeed_internals.frozen_weights_from_module(self.engine) if frozen \
+                else contextlib.nullcontext():
+            path, _ = self.engine.load_checkpoint(str(root), tag=tag, load_module_strict=strict,
+                                                  load_optimizer_states=not weights_only,
+                                                  load_lr_scheduler_states=False,
+                                                  load_module_only=weights_only)
         if path is not None:
             experts.load_expert_files(self.engine.module, root / tag)
         return path is not None

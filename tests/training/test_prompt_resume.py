@@ -92,16 +92,15 @@ def test_requeued_prompt_tuning_resumes_exactly(train_data, tmp_path):
 @pytest.mark.parametrize("stage", ["0", "2"])
 def test_requeued_prompt_tuning_resumes_exactly_on_two_ranks(train_data, tmp_path, stage):
     """ZeRO 0 (torch's AdamW states in the model file) and 2 (the prompt's states partitioned
-    over 2 data-parallel ranks). The base is saved at ZeRO 1: a ZeRO-2 base does not load into
-    a frozen model (DeepSpeed looks the frozen parameters up in the base's empty
-    frozen_param_fragments: KeyError), a limit of --finetune itself, not of the resume."""
+    over 2 data-parallel ranks); the base saved at the same stage (a ZeRO-2 base's empty
+    frozen_param_fragments: deepspeed_internals.frozen_weights_from_module)."""
     base, straight, requeued = (str(tmp_path / n) for n in ("base", "straight", "requeued"))
     run = lambda *extra, iters=4: base_argv(train_data, "--zero-stage", stage, *extra,  # noqa
                                             model=train_data.tiny_dropout, iters=iters)
     tune = lambda save, *extra: run("--load", base, "--finetune", "--save", save, *PROMPT,  # noqa
                                     "--lr", "0.05", *extra)
     ranks = run_workers(2, run_keeping_prompt, [
-        run("--save", base, "--zero-stage", "1", iters=1), tune(straight),
+        run("--save", base, iters=1), tune(straight),
         tune(requeued, "--exit-interval", "2"), tune(requeued, "--exit-interval", "2"),
     ], timeout=600)
     _, whole, first, resumed = ranks[0]

@@ -424,3 +424,36 @@ def test_pipeline_engine_reads_its_instruction_table_and_allreduce_flag_on_the_i
     assert engine.pipeline_enable_backward_allreduce is False
     assert "self.pipeline_enable_backward_allreduce" in \
         inspect.getsource(PipelineEngine._exec_reduce_grads)
+
+
+def test_frozen_weights_come_from_module_when_the_saved_fragments_are_empty():
+    """A ZeRO-2 save writes `frozen_param_fragments` even when nothing was frozen, and the load
+    looks the frozen parameters up in it whenever it is not None; the adapter drops an empty
+    one as the files are read, and leaves a real one alone."""
+    from deepspeed.checkpoint.constants import FROZEN_PARAM_FRAGMENTS
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.state_dict_factory import SDLoaderBase
+
+    load = inspect.getsource(DeepSpeedEngine.load_module_state_dict)
+    assert "checkpoint.get(FROZEN_PARAM_FRAGMENTS, None) is not None" in load
+    assert "saved_frozen_params[name]" in load
+    assert "self.checkpoint_engine.load(" in inspect.getsource(SDLoaderBase)
+    assert "checkpoint_engine=self.checkpoint_engine" in \
+        inspect.getsource(DeepSpeedEngine._load_checkpoint)
+
+    class Files:
+        saved = {"module": {}, FROZEN_PARAM_FRAGMENTS: {}}
+        kept = {"module": {}, FROZEN_PARAM_FRAGMENTS: {"w": torch.zeros(1)}}
+
+        def load(self, path, map_location=None):
+            return dict(getattr(self, path))
+
+    class Engine:
+        checkpoint_engine = Files()
+
+    engine = Engine()
+    real = engine.checkpoint_engine
+    with ds.frozen_weights_from_module(engine):
+        assert engine.checkpoint_engine.load("saved") == {"module": {}}
+        assert FROZEN_PARAM_FRAGMENTS in engine.checkpoint_engine.load("kept")
+    assert engine.checkpoint_engine is real
