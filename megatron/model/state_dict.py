@@ -237,18 +237,28 @@ def persistent_buffers(module: torch.nn.Module) -> Tuple[str, ...]:
     return tuple(name for name in module.state_dict(keep_vars=True) if name not in params)
 
 
-def load_full_state_dict(model: torch.nn.Module, full: StateDict) -> None:
+def load_full_state_dict(model: torch.nn.Module, full: StateDict,
+                         held_only: bool = False) -> None:
     """Pad the vocabulary rows, keep the model's tensor-parallel shard (`model.tensor_parallel`),
     load (strict for parameters; the persistent buffers `full` holds are loaded too).
+
+    held_only: the parameters and buffers on the meta device are not this process's (a
+        pipeline stage's model holds only its parts, megatron/generation/stage.py): they are
+        neither loaded nor missing, and their names in `full` are not unexpected.
 
     Raises:
         StateDictError: missing or unexpected names, or shapes that differ, all listed.
     """
     params = dict(model.named_parameters())
     buffers = {name: model.get_buffer(name) for name in persistent_buffers(model)}
+    elsewhere = set()
+    if held_only:
+        elsewhere = {n for n, t in (*params.items(), *buffers.items()) if t.is_meta}
+        params = {n: p for n, p in params.items() if n not in elsewhere}
+        buffers = {n: b for n, b in buffers.items() if n not in elsewhere}
     tp = model.tensor_parallel
     missing = sorted(set(params) - set(full))
-    unexpected = sorted(set(full) - set(params) - set(buffers))
+    unexpected = sorted(set(full) - set(params) - set(buffers) - elsewhere)
     problems = []
     if missing:
         problems.append(f"missing: {', '.join(missing)}")

@@ -249,10 +249,12 @@ class T5Model(nn.Module):
         carry = self.run_layers(carry, self.layers()[:len(self.encoder.block) + 2])
         return carry.encoder_output, carry.encoder_mask
 
-    def cross_key_values(self, encoder_output: torch.Tensor):
-        """Each decoder block's cross-attention (key, value) of the encoder output."""
-        return [block.layer[1].EncDecAttention.key_value(encoder_output)
-                for block in self.decoder.block]
+    def cross_key_values(self, encoder_output: torch.Tensor, blocks: Optional[range] = None):
+        """Each decoder block's cross-attention (key, value) of the encoder output (`blocks`:
+        those decoder blocks only, a pipeline stage's; default all)."""
+        blocks = range(len(self.decoder.block)) if blocks is None else blocks
+        return [self.decoder.block[i].layer[1].EncDecAttention.key_value(encoder_output)
+                for i in blocks]
 
     def decode_step(self, decoder_input_ids: torch.Tensor, position: int, encoder_mask,
                     layer_caches) -> torch.Tensor:
@@ -260,14 +262,32 @@ class T5Model(nn.Module):
         [batch, 1], the token at decoder position `position`; `layer_caches` (one per decoder
         block, megatron/generation/cache.py) hold the earlier positions' keys and values and
         take this one's. The relative position bias is computed for this position only."""
-        hidden = self.dropout(self.shared(decoder_input_ids))
+        hidden = self.embed_step(decoder_input_ids)
+        hidden = self.decode_blocks(hidden, position, encoder_mask, layer_caches)
+        return self.step_logits(hidden, encoder_mask)
+
+    # decode_step's three parts, which pipeline stages run apart (megatron/generation/pipeline.py)
+    def embed_step(self, decoder_input_ids: torch.Tensor) -> torch.Tensor:
+        """[batch, 1, d_model]: the decoder's input embedding of one position's ids."""
+        return self.dropout(self.shared(decoder_input_ids))
+
+    def decode_blocks(self, hidden: torch.Tensor, position: int, encoder_mask, layer_caches,
+                      blocks: Optional[range] = None) -> torch.Tensor:
+        """Decoder blocks `blocks` (default all; one cache each) on one position's hidden
+        [batch, 1, d_model]; the bias comes from block 0's table (a pipeline stage holding
+        later blocks holds that table too)."""
+        blocks = range(len(self.decoder.block)) if blocks is None else blocks
         table = self.decoder.block[0].layer[0].SelfAttention.relative_attention_bias
         bias = relative_bias_at(table, self.config, True, position, position + 1)
         dtype = attention_dtype(hidden)
         if dtype in (torch.float16, torch.bfloat16):
             bias = bias.to(dtype)
-        for block, cache in zip(self.decoder.block, layer_caches):
-            hidden = block.decode_step(hidden, bias, encoder_mask, cache)
+        for index, cache in zip(blocks, layer_caches):
+            hidden = self.decoder.block[index].decode_step(hidden, bias, encoder_mask, cache)
+        return hidden
+
+    def step_logits(self, hidden: torch.Tensor, encoder_mask=None) -> torch.Tensor:
+        """[batch, 1, padded vocab / TP]: the decoder's final norm and the head."""
         carry = Carry(hidden=hidden, encoder_output=None, encoder_mask=encoder_mask,
                       decoder_mask=None, position_bias=None, decoder_input_ids=None)
         return self.lm_logits(self.finish_decoder(carry).hidden)
