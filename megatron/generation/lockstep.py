@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.generation.cache import Decoder
+from megatron.generation.pipeline import decoder_for
 
 
 class Lockstep:
@@ -53,6 +54,7 @@ class Lockstep:
 
 def dummy_decoder(model, token_id: int, device) -> Decoder:
     """A one-row, one-token input's decoder (its encoder run: the encoder's all-to-alls), for a
-    rank with no micro-batch left in a round."""
+    rank with no micro-batch left in a round (a `PipelineDecoder` over a pipeline stage: every
+    stage of the pipeline group has none left in the same round)."""
     ids = torch.full((1, 1), token_id, dtype=torch.long, device=device)
-    return Decoder(model, ids, torch.ones_like(ids))
+    return decoder_for(model, ids, torch.ones_like(ids))
