@@ -5,7 +5,23 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "distributed"))
 sys.path.insert(0, str(HERE.parent / "training"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def pipeline_trained(train_data, tmp_path_factory):
+    """The checkpoint of a 2-step pretraining run on a 2-stage pipeline (the training tests'
+    tiny model and data), shared by the tests that decode it."""
+    from harness import run_workers
+    from train_workers import base_argv, run_pretrain
+
+    ckpt = tmp_path_factory.mktemp("pipeline_trained") / "ckpt_pp2"
+    run_workers(2, run_pretrain, [base_argv(train_data, "--save", str(ckpt),
+                                            "--pipeline-model-parallel-size", "2", iters=2)],
+                timeout=600)
+    return ckpt

@@ -136,17 +136,15 @@ def test_a_checkpoint_saved_at_tp_2_decodes_at_tp_1(train_data, tmp_path):
     assert len(texts[0].splitlines()) == 2
 
 
-def test_a_pipeline_checkpoint_decodes_as_its_merged_copy(train_data, tmp_path):
+def test_a_pipeline_checkpoint_decodes_as_its_merged_copy(train_data, pipeline_trained,
+                                                          tmp_path):
     """Saved by a 2-stage pipeline run, read as full tensors (the stages' layer files joined):
     the ids and text of the copy that convert_checkpoint.py merges to one stage."""
     from generation_workers import run_generate
 
     from data_tools import convert_checkpoint
 
-    ckpt, merged = tmp_path / "ckpt_pp2", tmp_path / "merged"
-    run_workers(2, run_pretrain, [base_argv(train_data, "--save", str(ckpt),
-                                            "--pipeline-model-parallel-size", "2", iters=2)],
-                timeout=600)
+    ckpt, merged = pipeline_trained, tmp_path / "merged"
     assert convert_checkpoint.main(["--load", str(ckpt), "--to", "megatron", str(merged),
                                     "--target-pipeline-parallel-size", "1", "--weights-only",
                                     "--no-progress"]) == 0

@@ -1,0 +1,61 @@
+"""Worker functions for the pipeline generation tests (run by tests/distributed/harness.py on
+gloo)."""
+
+import torch
+
+
+def decode_pipeline(rank, world_size, cases, ids, mask, beam_flags):
+    """For each case (config name, full state dict, stage boundaries or None, split rank):
+    greedy, sampled and beam-search ids of a pipeline of world_size stages."""
+    from generation_models import CONFIGS, EOS, PAD
+
+    from megatron import parallel_state
+    from megatron.generation import beam_search, greedy
+    from megatron.generation.pipeline import PipelineDecoder
+    from megatron.generation.stage import build_stage, pipeline_of_this_process
+    from megatron.model import T5Config
+    from megatron.pipeline.partition import Cut, cut_model
+    from megatron.tensor_parallel.group import ExpertParallel, TensorParallel
+
+    parallel_state.initialize_model_parallel(1, world_size)
+    stage, ranks, group = pipeline_of_this_process()
+    out = []
+    for name, full, blocks, split in cases:
+        config = T5Config(**CONFIGS[name])
+        cut = cut_model(config, world_size, split) if blocks is None else \
+            Cut(config.num_layers, config.num_decoder_layers, tuple(blocks), None,
+                (0.0,) * world_size)
+        held = build_stage(config, cut, stage, full.items(), make_vocab_size_divisible_by=128,
+                           backend="auto", tp=TensorParallel.of_this_process(),
+                           ep=ExpertParallel.of_this_process(), device="cpu",
+                           dtype=torch.float32, ranks=ranks, group=group)
+        meta = sum(p.is_meta for p in held.model.parameters())
+        found = {"blocks": cut.blocks, "meta": meta}
+        found["greedy"] = [h.ids for h in greedy(PipelineDecoder(held, ids, mask), ids.shape[0],
+                                                 PAD, EOS, PAD, 12)]
+        found["sample"] = [h.ids for h in greedy(PipelineDecoder(held, ids, mask), ids.shape[0],
+                                                 PAD, EOS, PAD, 8, sample=True, top_k=20,
+                                                 seed=5)]
+        beams = beam_search(PipelineDecoder(held, ids, mask, expand=beam_flags["num_beams"]),
+                            ids.shape[0], eos_id=EOS, pad_id=PAD, start_id=PAD,
+                            max_new_tokens=10, **beam_flags)
+        found["beam"] = [h.ids for h in beams]
+        found["scores"] = torch.tensor([h.score for h in beams])
+        out.append(found)
+    return out
+
+
+def run_generate_each(rank, world_size, argvs):
+    """megatron.generate's main on every rank, once per argv (one process start for all);
+    rank 0 returns each output file's text."""
+    from pathlib import Path
+
+    from megatron import generate
+
+    out = []
+    for argv in argvs:
+        code = generate.main(argv)
+        path = Path(argv[argv.index("--output") + 1])
+        out.append({"code": code,
+                    "text": path.read_text(encoding="utf-8") if rank == 0 else None})
+    return out
