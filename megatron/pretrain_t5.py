@@ -294,6 +294,12 @@ def _start_prompt(step, config: RunConfig, writer: MetricsWriter, resumed=None):
     iteration = read_tracker(load) if load is not None and load.is_dir() else None
     meta = read_meta(load, iteration) if iteration is not None else {}
     loaded = "prompt_base" in meta.get("model", {})
+    if loaded and not config.checkpoint.finetune:  # --load resumed a second stage's own run:
+        identity = meta["model"]["prompt_base"]  # its base stays the one it records
+        writer.write_text(f"prompt tuning: {settings.layout.length} vectors as --load "
+                          f"{config.checkpoint.load} holds them (resumed); base "
+                          f"{identity['load']} digest {identity['digest'][:12]}")
+        return identity
     resume = None if resumed is None else (config.checkpoint.save,
                                            resumed["model"]["prompt_base"])
     identity = start_prompt(step.engine, settings, token, config.checkpoint.load,

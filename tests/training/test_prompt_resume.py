@@ -11,6 +11,7 @@ from harness import run_workers
 from train_workers import base_argv, losses, run_pretrain, run_pretrain_until_error
 
 from megatron.arguments import ArgumentsError, parse_args
+from megatron.checkpoint.formats.deepspeed import find_iteration, read_meta
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +51,8 @@ def _log(tmp_path, name):
 
 def test_requeued_prompt_tuning_resumes_exactly(train_data, tmp_path):
     base, other = str(tmp_path / "base"), str(tmp_path / "other")
-    straight, requeued, second = (str(tmp_path / n) for n in ("straight", "requeued", "second"))
+    straight, requeued, second, again = (str(tmp_path / n) for n in ("straight", "requeued",
+                                                                      "second", "again"))
     run = lambda *extra, iters=4: base_argv(train_data, "--zero-stage", "1", *extra,  # noqa
                                             model=train_data.tiny_dropout, iters=iters)
     # the same command line twice: the first stops at 2 (and saves), the second resumes
@@ -70,8 +72,11 @@ def test_requeued_prompt_tuning_resumes_exactly(train_data, tmp_path):
         run("--load", base, "--finetune", *PROMPT, "--prompt-load", straight,
             "--prompt-train-model", "--lr", "1e-3"),
         stage2(second), stage2(second),
+        # ... and as a normal resume: --load of its own --save, without --finetune
+        stage2(again), run("--load", again, "--save", again, *PROMPT, "--prompt-train-model",
+                           "--lr", "1e-3"),
     ], timeout=600)[0]
-    _, whole, first, resumed, _, refused, whole2, first2, resumed2 = results
+    _, whole, first, resumed, _, refused, whole2, first2, resumed2, _, loaded2 = results
     assert sorted(first["losses"]) == [1, 2] and sorted(resumed["losses"]) == [3, 4]
     assert losses(first) + losses(resumed) == pytest.approx(losses(whole), rel=1e-6)
     evals = lambda r: [e[2] for e in r["evals"]]  # noqa: E731
@@ -87,6 +92,12 @@ def test_requeued_prompt_tuning_resumes_exactly(train_data, tmp_path):
     assert sorted(first2["losses"]) == [1, 2] and sorted(resumed2["losses"]) == [3, 4]
     assert losses(first2) + losses(resumed2) == pytest.approx(losses(whole2), rel=1e-6)
     torch.testing.assert_close(resumed2["prompt"], whole2["prompt"], rtol=1e-6, atol=0)
+    assert losses(loaded2) == pytest.approx(losses(resumed2), rel=1e-6)
+    torch.testing.assert_close(loaded2["prompt"], whole2["prompt"], rtol=1e-6, atol=0)
+    # its checkpoints still name the base it was trained on, not themselves
+    metas = [read_meta(find_iteration(folder)) for folder in (second, again)]
+    assert metas[0]["model"]["prompt_base"] == metas[1]["model"]["prompt_base"]
+    assert metas[1]["model"]["prompt_base"]["load"] == base
 
 
 @pytest.mark.parametrize("stage", ["0", "2"])
