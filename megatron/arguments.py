@@ -43,7 +43,7 @@ from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
 from megatron.config.divergence_args import (add_divergence_args, divergence_config,
                                              divergence_problems)
-from megatron.config.prompt_args import add_prompt_args, prompt_problems
+from megatron.config.prompt_args import add_prompt_args, prompt_problems, resumes_prompt_run
 from megatron.training.ds_config import OPTIMIZER_DEFAULTS
 from megatron.training.profiling import add_profile_args, profile_config, profile_problems
 
@@ -369,6 +369,11 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
         problems += checkpoint_problems(values["load"], layout(parallel, resolved.zero.stage),
                                         values["finetune"] or values["no_load_optim"],
                                         lr_schedule, values["lr_policy"], values["finetune"])
+    if not problems and resumes_prompt_run(values) is not None:  # a requeued prompt-tuning job
+        save = values["save"]
+        problems += [p.replace(f"--load {save}", f"--save {save} (resumed)", 1)
+                     for p in checkpoint_problems(save, layout(parallel, resolved.zero.stage),
+                                                  False, lr_schedule, values["lr_policy"])]
     if problems:
         return None, problems
     batch = BatchConfig(resolved.batch.micro_batch_size, global_batch,

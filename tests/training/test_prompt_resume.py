@@ -121,9 +121,10 @@ def test_requeued_prompt_tuning_resumes_exactly_on_two_ranks(train_data, tmp_pat
         torch.testing.assert_close(rank[3]["prompt"], whole["prompt"], rtol=1e-6, atol=0)
 
 
-def test_a_save_of_the_other_stage_is_refused(train_data, tmp_path):
-    """A second stage's --save that holds the first stage's checkpoint (a prompt alone) would
-    resume into the wrong optimizer: refused before anything starts."""
+def test_a_save_that_cannot_resume_is_refused(train_data, tmp_path):
+    """Before anything starts: a second stage's --save that holds the first stage's checkpoint
+    (a prompt alone) would resume into the wrong optimizer; a --save saved at another layout or
+    with another LR schedule is named as --save."""
     base, prompt = str(tmp_path / "base"), str(tmp_path / "prompt")
     run = lambda *extra: base_argv(train_data, "--zero-stage", "1", *extra, iters=1)  # noqa
     run_workers(1, run_pretrain, [
@@ -133,3 +134,10 @@ def test_a_save_of_the_other_stage_is_refused(train_data, tmp_path):
                                              f"prompt alone"):
         parse_args(run("--load", base, "--finetune", *PROMPT, "--prompt-load", prompt,
                        "--prompt-train-model", "--save", prompt), env={})
+    tune = ["--load", base, "--finetune", "--save", prompt, *PROMPT]
+    with pytest.raises(ArgumentsError, match=f"--save {prompt} \\(resumed\\): the checkpoint "
+                                             f"was saved with another layout"):
+        parse_args(run(*tune, "--zero-stage", "2"), env={"WORLD_SIZE": "1"})
+    with pytest.raises(ArgumentsError, match=f"--save {prompt} \\(resumed\\)"):
+        parse_args(run(*tune, "--lr", "0.5"), env={})
+    parse_args(run(*tune), env={})  # the same command line resumes
