@@ -2,7 +2,7 @@
 on its base (--prompt-load) and a second stage's checkpoint (model and prompt) decode the greedy
 ids of the model's own forward with the prompt attached; a prompt on another base, or a prompt
 alone as --load, is refused naming both; a prompt trained at TP 2 decodes on its base at TP 1
-(the base's identity is its checkpoint's full tensors, whatever the layout)."""
+and TP 2 (the base's identity is its checkpoint's full tensors, whatever the layout)."""
 
 import json
 
@@ -139,10 +139,20 @@ def test_a_prompt_on_another_base_is_refused(train_data, tuned, tmp_path, capsys
     assert f"--load {tuned['base']} --prompt-load {tuned['prompt']}" in err
 
 
-def test_a_prompt_trained_at_tp2_decodes_on_its_base_at_tp1(train_data, tuned, tmp_path,
-                                                            capsys):
+def test_a_prompt_trained_at_tp2_decodes_on_its_base_at_tp1_and_2(train_data, tuned,
+                                                                  tmp_path, capsys):
     code, got, err = _generate(train_data, tmp_path, capsys, "--load", tuned["base_tp2"],
                                "--prompt-load", tuned["prompt_tp2"])
     assert code == 0, err
     want, _ = _reference(train_data, tuned["base_tp2"], tuned["prompt_tp2"])
     assert got == want
+    # and decoded at TP 2 (the prompt copied on both tensor ranks): the same ids
+    from generation_workers import run_generate
+
+    out = tmp_path / "out_tp2.jsonl"
+    argv = ["--load", tuned["base_tp2"], "--prompt-load", tuned["prompt_tp2"],
+            "--tokenizer-model", train_data.spm, "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(out), "--max-new-tokens", "6", "--micro-batch-size", "2"]
+    result = run_workers(2, run_generate, argv, timeout=300)[0]
+    assert result["code"] == 0
+    assert [json.loads(line)["ids"] for line in result["text"].splitlines()] == want
