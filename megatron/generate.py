@@ -4,6 +4,8 @@
         --input prompts.jsonl --input-key text --output out.jsonl [--num-beams 4 ...]
     torchrun --nproc-per-node 2 -m megatron.generate ... --tensor-model-parallel-size 2
     torchrun --nproc-per-node 2 -m megatron.generate ... --expert-model-parallel-size 2
+    torchrun --nproc-per-node 4 -m megatron.generate ... --pipeline-model-parallel-size 2 \
+        --tensor-model-parallel-size 2
 
 Each input line is a JSON object; its `--input-key` string is tokenized as the `--to hf`
 export's tokenizer does (our SentencePiece tokenizer, EOS appended) and batched with padding
@@ -12,11 +14,17 @@ ids, up to and including EOS; the text leaves EOS and padding out and keeps sent
 with beams, `score`. Decoding: greedy, beam search, or
 sampling (megatron/generation/search.py), up to `--max-new-tokens`. The checkpoint is read as
 full tensors and split for this run's tensor-parallel size, whatever its own (a pipeline
-checkpoint's stages joined); a pipeline run (--pipeline-model-parallel-size > 1) is refused.
-The processes are TP x DP: the data-parallel ranks decode their own micro-batches (round robin);
-with `--expert-model-parallel-size` EP (dividing DP) a rank holds E / EP experts of each
-Mixture-of-Experts layer and its expert-parallel group decodes in lockstep
+checkpoint's stages joined). With `--pipeline-model-parallel-size` PP, each stage holds only
+its part of the model, cut as training cuts it (`--pipeline-model-parallel-split-rank` as in
+training), and reads only its tensors; the stages decode together
+(megatron/generation/pipeline.py), every rank of a pipeline running the same search.
+The processes are TP x PP x DP: the data-parallel ranks decode their own micro-batches
+(round robin); with `--expert-model-parallel-size` EP (dividing DP) a rank holds E / EP
+experts of each Mixture-of-Experts layer and its expert-parallel group decodes in lockstep
 (megatron/generation/lockstep.py); rank 0 writes every input's output, in input order.
+With a tuned prompt (megatron/generation/prompt.py): `--prompt-load P` puts the prompt of a
+prompt-tuning run's --save on --load, its base (refused, naming both, on another); a
+--prompt-train-model checkpoint decodes with the prompt it holds.
 The output is written to a temporary name and renamed; any problem is one message naming the
 file, line or flag, and a non-zero exit.
 """
@@ -53,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--input-key", default="text", help="the field holding the input text")
     io.add_argument("--output", required=True, metavar="OUT.jsonl")
     io.add_argument("--micro-batch-size", type=int, default=8, help="inputs decoded together")
+    io.add_argument("--prompt-load", default=None, metavar="DIR",
+                    help="decode with the prompt of a prompt-tuning run's --save (its latest "
+                         "checkpoint) on --load, its base model (refused on another base); a "
+                         "--prompt-train-model checkpoint decodes with its own prompt without "
+                         "this flag")
     d = p.add_argument_group("decoding (as transformers' generate defines them)")
     d.add_argument("--max-new-tokens", type=int, default=64)
     d.add_argument("--num-beams", type=int, default=1)
@@ -69,13 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=1234, help="of the sampling")
     r = p.add_argument_group("runtime")
     r.add_argument("--tensor-model-parallel-size", type=int, default=None,
-                   help="default: the number of processes / the expert-parallel size")
+                   help="default: the number of processes / the expert-parallel size / the "
+                        "pipeline-parallel size")
     r.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="Mixture-of-Experts: each rank holds E / EP experts; EP divides the "
-                        "data-parallel size (processes / TP), whose ranks decode their own "
-                        "micro-batches")
+                        "data-parallel size (processes / (TP x PP)), whose ranks decode their "
+                        "own micro-batches")
     r.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="only 1: generation runs without a pipeline")
+                   help="cut the model into this many stages, each holding its part only "
+                        "(a model too large for one device); processes = TP x PP x DP")
+    r.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None,
+                   help="the encoder on stages below this rank, the decoder on the others "
+                        "(default: stages cut by each layer's cost, as in training)")
     r.add_argument("--attention-backend", default="auto", choices=("auto", "sdpa", "eager"))
     r.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="the weights' dtype while decoding")
@@ -101,20 +119,26 @@ def flag_problems(args, world_size: int) -> List[str]:
         out.append(f"--top-k must be 0 (off) or more, not {args.top_k}")
     if not 0 < args.top_p <= 1:
         out.append(f"--top-p must be in (0, 1], not {args.top_p}")
-    if args.pipeline_model_parallel_size != 1:
-        out.append(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
-                   "generation runs without a pipeline (use tensor parallelism)")
-    ep = args.expert_model_parallel_size
+    pp, ep = args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    if pp < 1:
+        out.append(f"--pipeline-model-parallel-size must be at least 1, not {pp}")
+        pp = 1
+    split = args.pipeline_model_parallel_split_rank
+    if split is not None and pp == 1:
+        out.append(f"--pipeline-model-parallel-split-rank {split} needs "
+                   "--pipeline-model-parallel-size > 1")
     if ep < 1:
         out.append(f"--expert-model-parallel-size must be at least 1, not {ep}")
         ep = 1
-    tp = args.tensor_model_parallel_size or max(1, world_size // ep)
-    if tp < 1 or world_size % tp:
-        out.append(f"--tensor-model-parallel-size {tp} does not divide the number of "
-                   f"processes ({world_size})")
-    elif (world_size // tp) % ep:
+    tp = args.tensor_model_parallel_size or max(1, world_size // (ep * pp))
+    model_size = f"--tensor-model-parallel-size {tp}" + \
+        (f" x --pipeline-model-parallel-size {pp}" if pp > 1 else "")
+    if tp < 1 or world_size % (tp * pp):
+        out.append(f"{model_size} does not divide the number of processes ({world_size})")
+    elif (world_size // (tp * pp)) % ep:
         out.append(f"--expert-model-parallel-size {ep} does not divide the data-parallel size "
-                   f"{world_size // tp} (processes {world_size} / tensor-parallel size {tp})")
+                   f"{world_size // (tp * pp)} (processes {world_size} / tensor-parallel size "
+                   f"{tp}" + (f" / pipeline-parallel size {pp})" if pp > 1 else ")"))
     if not Path(args.input).is_file():
         out.append(f"--input {args.input}: no such file")
     out_dir = Path(args.output).resolve().parent
@@ -155,10 +179,6 @@ def read_checkpoint(load: str, iteration: Optional[int], expert_parallel: int = 
         config = model_config(meta, folder / "meta.json")
     except CheckpointReadError as e:
         raise GenerateError(f"--load: {e}") from None
-    if config.is_moe and config.router_type == "cpm2":
-        raise GenerateError(f"--load {load}: a Mixture-of-Experts model with the cpm2 router "
-                            "(CPM-2-MoE's BASE layers need a fixed token multiple per batch), "
-                            "which generation does not run")
     if expert_parallel > 1 and not config.is_moe:
         raise GenerateError(f"--expert-model-parallel-size {expert_parallel}: --load {load} "
                             "is a dense model (no experts)")
@@ -184,11 +204,14 @@ def load_tokenizer(args, meta):
         raise GenerateError(str(e)) from None
 
 
-def build_model(folder, meta, config, tp, device, dtype, backend, ep=None):
+def build_model(folder, meta, config, tp, device, dtype, backend, ep=None, prompt=None):
     """The model of `config`, this rank's tensor-parallel shard of the checkpoint's weights
     and its expert-parallel share of the experts (`ep`; default all) (read as full tensors:
-    any saved tensor- or expert-parallel size), in evaluation mode."""
-    from megatron.checkpoint.formats.deepspeed import CheckpointReadError, iter_full_tensors
+    any saved tensor- or expert-parallel size), in evaluation mode; with `prompt`
+    (megatron/generation/prompt.py) the prompt attached."""
+    from megatron.generation.prompt import with_prompt
+    from megatron.checkpoint.formats.deepspeed import (CheckpointReadError, iter_full_tensors,
+                                                       model_source)
     from megatron.model.state_dict import StateDictError, load_full_state_dict
     from megatron.model.t5 import T5Model
     from megatron.tensor_parallel.group import ExpertParallel
@@ -200,17 +223,67 @@ def build_model(folder, meta, config, tp, device, dtype, backend, ep=None):
     model = T5Model(config, make_vocab_size_divisible_by=divisible, attention_backend=backend,
                     device=device, dtype=dtype, tensor_parallel=tp,
                     expert_parallel=ep or ExpertParallel())
-    kind = "master"
-    if (meta.get("layout") or {}).get("zero_stage") == 0 and \
-            model_meta.get("precision") == "fp16":
-        kind = "weights"  # DeepSpeed's fp16 optimizer keeps unnamed masters
     try:
-        full = dict(iter_full_tensors(folder, kind))
+        full = dict(iter_full_tensors(folder, model_source(meta)))
+        with_prompt(model, prompt, full)
         load_full_state_dict(model, full)
     except (CheckpointReadError, StateDictError) as e:
         raise GenerateError(f"--load {folder}: {e}") from None
     del full
     return model.eval()
+
+
+def decoding_prompt(args, folder, meta, cut):
+    """The tuned prompt to decode with (megatron/generation/prompt.py), or None.
+
+    Raises:
+        GenerateError: a prompt on another base, a prompt alone as --load, or with a pipeline.
+    """
+    from megatron.generation.prompt import PromptLoadError, generation_prompt
+
+    try:
+        prompt = generation_prompt(args.load, folder, meta, args.prompt_load)
+    except PromptLoadError as e:
+        raise GenerateError(str(e)) from None
+    if prompt is not None and cut is not None:
+        raise GenerateError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}"
+                            f": a tuned prompt decodes without a pipeline (use tensor "
+                            f"parallelism)")
+    return prompt
+
+
+def pipeline_cut(config, args):
+    """The stages of `config` as training cuts them (None without a pipeline).
+
+    Raises:
+        GenerateError: the model cannot be cut so (the flags named).
+    """
+    from megatron.pipeline.partition import cut_model, cut_problems
+
+    pp, split = args.pipeline_model_parallel_size, args.pipeline_model_parallel_split_rank
+    problems = cut_problems(config, pp, split)
+    if problems:
+        raise GenerateError(f"--load {args.load}: the model cannot be cut so: " +
+                            "; ".join(problems))
+    return cut_model(config, pp, split) if pp > 1 else None
+
+
+def build_stage_model(folder, meta, config, cut, tp, ep, device, dtype, backend):
+    """This rank's pipeline stage (megatron/generation/stage.py): its part of the model, its
+    tensor-parallel shard of the checkpoint's tensors for that part only, in evaluation mode."""
+    from megatron.checkpoint.formats.deepspeed import (CheckpointReadError, iter_full_tensors,
+                                                       model_source)
+    from megatron.generation.stage import build_stage, pipeline_of_this_process
+    from megatron.model.state_dict import StateDictError
+
+    stage, ranks, group = pipeline_of_this_process()
+    divisible = int((meta.get("model") or {}).get("make_vocab_size_divisible_by", 128))
+    try:
+        return build_stage(config, cut, stage, iter_full_tensors(folder, model_source(meta)),
+                           make_vocab_size_divisible_by=divisible, backend=backend, tp=tp,
+                           ep=ep, device=device, dtype=dtype, ranks=ranks, group=group)
+    except (CheckpointReadError, StateDictError) as e:
+        raise GenerateError(f"--load {folder}: {e}") from None
 
 
 def batches(texts: List[str], size: int):
@@ -223,10 +296,12 @@ def generate_all(args, model, tokenizer, texts, device, data=(0, 1),
     """One record per input: text, ids (and score with beams); with `data` = (data-parallel
     rank, size) this rank's micro-batches only (round robin), each record with its input's
     `index`. `group`: the expert-parallel group this rank decodes in lockstep with (None: no
-    other rank; every rank of it runs the same number of micro-batches and steps)."""
+    other rank; every rank of it runs the same number of micro-batches and steps). `model`: a
+    T5Model, or this rank's PipelineStage (every rank of its pipeline decodes the same inputs)."""
     import torch
 
-    from megatron.generation import Decoder, beam_search, greedy
+    from megatron.generation import beam_search, greedy
+    from megatron.generation.pipeline import decoder_for
     from megatron.generation.lockstep import Lockstep, dummy_decoder
 
     pad = getattr(tokenizer, "pad_id", tokenizer.decoder_start_token_id)
@@ -250,12 +325,12 @@ def generate_all(args, model, tokenizer, texts, device, data=(0, 1),
             mask[row, :len(e)] = 1
         ids, mask = ids.to(device), mask.to(device)
         if args.num_beams > 1:
-            decoder = Lockstep(Decoder(model, ids, mask, expand=args.num_beams), group, pad)
+            decoder = Lockstep(decoder_for(model, ids, mask, expand=args.num_beams), group, pad)
             found = beam_search(decoder, len(chunk), args.num_beams, start, eos, pad,
                                 args.max_new_tokens, args.length_penalty, early,
                                 args.no_repeat_ngram_size, device=device)
         else:
-            decoder = Lockstep(Decoder(model, ids, mask), group, pad)
+            decoder = Lockstep(decoder_for(model, ids, mask), group, pad)
             found = greedy(decoder, len(chunk), start, eos, pad,
                            args.max_new_tokens, args.no_repeat_ngram_size,
                            sample=args.do_sample, temperature=args.temperature,
@@ -303,9 +378,11 @@ def run(args) -> int:
         raise GenerateError("the command line cannot run:\n" +
                             "\n".join(f"  - {p}" for p in problems))
     texts = read_inputs(args.input, args.input_key)
-    ep_size = args.expert_model_parallel_size
-    tp_size = args.tensor_model_parallel_size or world_size // ep_size
+    ep_size, pp_size = args.expert_model_parallel_size, args.pipeline_model_parallel_size
+    tp_size = args.tensor_model_parallel_size or world_size // (ep_size * pp_size)
     folder, meta, config = read_checkpoint(args.load, args.iteration, ep_size)
+    cut = pipeline_cut(config, args)
+    prompt = decoding_prompt(args, folder, meta, cut)
     tokenizer = load_tokenizer(args, meta)
     if tokenizer.vocab_size > config.vocab_size:
         raise GenerateError(f"--tokenizer-model: {tokenizer.vocab_size} tokens, more than the "
@@ -320,7 +397,7 @@ def run(args) -> int:
         created = True
     try:
         if world_size > 1:
-            parallel_state.initialize_model_parallel(tp_size, 1, ep_size)
+            parallel_state.initialize_model_parallel(tp_size, pp_size, ep_size)
         tp, ep = TensorParallel.of_this_process(), ExpertParallel.of_this_process()
         data = ((parallel_state.get_data_parallel_rank(),
                  parallel_state.get_data_parallel_world_size()) if world_size > 1 else (0, 1))
@@ -328,7 +405,12 @@ def run(args) -> int:
             if device_type == "cuda" else torch.device("cpu")
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
                  "fp16": torch.float16}[args.dtype]
-        model = build_model(folder, meta, config, tp, device, dtype, args.attention_backend, ep)
+        if cut is None:
+            model = build_model(folder, meta, config, tp, device, dtype, args.attention_backend,
+                                ep, prompt)
+        else:
+            model = build_stage_model(folder, meta, config, cut, tp, ep, device, dtype,
+                                      args.attention_backend)
         records = generate_all(args, model, tokenizer, texts, device, data,
                                ep.group if ep.size > 1 else None)
         if data[1] > 1:  # every data-parallel rank's outputs, in input order

@@ -100,13 +100,10 @@ def checkpoint_digest(folder: Path) -> str:
 
     Raises:
         CheckpointReadError: the files cannot be read."""
-    from megatron.checkpoint.formats.deepspeed import iter_full_tensors, read_meta
+    from megatron.checkpoint.formats.deepspeed import iter_full_tensors, model_source, read_meta
 
-    meta = read_meta(folder)
-    source = "weights" if (meta.get("layout") or {}).get("zero_stage") == 0 and \
-        (meta.get("model") or {}).get("precision") == "fp16" else "master"  # (generate's rule)
     each = {}
-    for name, tensor in iter_full_tensors(folder, source):
+    for name, tensor in iter_full_tensors(folder, model_source(read_meta(folder))):
         if name == PROMPT_PARAMETER:
             continue
         one = hashlib.sha256(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())

@@ -62,9 +62,10 @@ from megatron.checkpoint.formats.deepspeed_tensors import (
     SOURCES,
     check_optimizer_states,
     iter_full_tensors,
+    model_source,
 )
 from megatron.checkpoint.layout import TRACKER  # re-exported: the folder's names are layout.py's
 
 __all__ = ["ALLOWED_GLOBALS", "CheckpointReadError", "LAYERS_FILE", "META", "MOMENTS", "SOURCES",
            "TRACKER", "check_optimizer_states", "describe", "find_iteration", "iter_full_tensors",
-           "load_file", "model_config", "optimizer_step", "read_meta"]
+           "load_file", "model_config", "model_source", "optimizer_step", "read_meta"]

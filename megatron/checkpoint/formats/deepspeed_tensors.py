@@ -41,6 +41,16 @@ SOURCES = ("master", "weights", "exp_avg", "exp_avg_sq")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+def model_source(meta: Dict[str, Any]) -> str:
+    """The `source` of `iter_full_tensors` that holds a checkpoint's model (meta.json's
+    contents): the fp32 masters, except where DeepSpeed's fp16 optimizer without ZeRO keeps
+    them unnamed ("weights")."""
+    if (meta.get("layout") or {}).get("zero_stage") == 0 and \
+            (meta.get("model") or {}).get("precision") == "fp16":
+        return "weights"
+    return "master"
+
+
 def iter_full_tensors(iter_dir: PathLike, source: str = "master"
                       ) -> Iterator[Tuple[str, torch.Tensor]]:
     """(name, full tensor) for every parameter, one at a time, in the model's order: Hugging Face
