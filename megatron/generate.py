@@ -233,11 +233,11 @@ def build_model(folder, meta, config, tp, device, dtype, backend, ep=None, promp
     return model.eval()
 
 
-def decoding_prompt(args, folder, meta, cut):
+def decoding_prompt(args, folder, meta):
     """The tuned prompt to decode with (megatron/generation/prompt.py), or None.
 
     Raises:
-        GenerateError: a prompt on another base, a prompt alone as --load, or with a pipeline.
+        GenerateError: a prompt on another base, or a prompt alone as --load.
     """
     from megatron.generation.prompt import PromptLoadError, generation_prompt
 
@@ -245,10 +245,6 @@ def decoding_prompt(args, folder, meta, cut):
         prompt = generation_prompt(args.load, folder, meta, args.prompt_load)
     except PromptLoadError as e:
         raise GenerateError(str(e)) from None
-    if prompt is not None and cut is not None:
-        raise GenerateError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}"
-                            f": a tuned prompt decodes without a pipeline (use tensor "
-                            f"parallelism)")
     return prompt
 
 
@@ -268,9 +264,13 @@ def pipeline_cut(config, args):
     return cut_model(config, pp, split) if pp > 1 else None
 
 
-def build_stage_model(folder, meta, config, cut, tp, ep, device, dtype, backend):
+def build_stage_model(folder, meta, config, cut, tp, ep, device, dtype, backend, prompt=None):
     """This rank's pipeline stage (megatron/generation/stage.py): its part of the model, its
-    tensor-parallel shard of the checkpoint's tensors for that part only, in evaluation mode."""
+    tensor-parallel shard of the checkpoint's tensors for that part only, in evaluation mode;
+    with `prompt` (megatron/generation/prompt.py) the prompt on stage 0."""
+    import itertools
+
+    from megatron.model.prompt import PROMPT_PARAMETER
     from megatron.checkpoint.formats.deepspeed import (CheckpointReadError, iter_full_tensors,
                                                        model_source)
     from megatron.generation.stage import build_stage, pipeline_of_this_process
@@ -279,9 +279,13 @@ def build_stage_model(folder, meta, config, cut, tp, ep, device, dtype, backend)
     stage, ranks, group = pipeline_of_this_process()
     divisible = int((meta.get("model") or {}).get("make_vocab_size_divisible_by", 128))
     try:
-        return build_stage(config, cut, stage, iter_full_tensors(folder, model_source(meta)),
+        tensors = iter_full_tensors(folder, model_source(meta))
+        if prompt is not None and prompt.weight is not None:  # --prompt-load's
+            tensors = itertools.chain(tensors, [(PROMPT_PARAMETER, prompt.weight)])
+        return build_stage(config, cut, stage, tensors,
                            make_vocab_size_divisible_by=divisible, backend=backend, tp=tp,
-                           ep=ep, device=device, dtype=dtype, ranks=ranks, group=group)
+                           ep=ep, device=device, dtype=dtype, ranks=ranks, group=group,
+                           prompt_layout=None if prompt is None else prompt.layout)
     except (CheckpointReadError, StateDictError) as e:
         raise GenerateError(f"--load {folder}: {e}") from None
 
@@ -382,7 +386,7 @@ def run(args) -> int:
     tp_size = args.tensor_model_parallel_size or world_size // (ep_size * pp_size)
     folder, meta, config = read_checkpoint(args.load, args.iteration, ep_size)
     cut = pipeline_cut(config, args)
-    prompt = decoding_prompt(args, folder, meta, cut)
+    prompt = decoding_prompt(args, folder, meta)
     tokenizer = load_tokenizer(args, meta)
     if tokenizer.vocab_size > config.vocab_size:
         raise GenerateError(f"--tokenizer-model: {tokenizer.vocab_size} tokens, more than the "
@@ -410,7 +414,7 @@ def run(args) -> int:
                                 ep, prompt)
         else:
             model = build_stage_model(folder, meta, config, cut, tp, ep, device, dtype,
-                                      args.attention_backend)
+                                      args.attention_backend, prompt)
         records = generate_all(args, model, tokenizer, texts, device, data,
                                ep.group if ep.size > 1 else None)
         if data[1] > 1:  # every data-parallel rank's outputs, in input order

@@ -13,7 +13,8 @@ training's (megatron/pipeline/partition.py, `cut_model`); a stage holds
     the encoder's final norm with the last encoder block; the decoder's, and the untied
         lm_head, on the last stage,
     each stack's relative position bias table (block 0's) where it holds blocks of the stack
-        but not block 0 (block 0 stays on the meta device but for its table).
+        but not block 0 (block 0 stays on the meta device but for its table),
+    a tuned prompt on stage 0 (the encoder's embedding; the grown encoder mask travels on).
 
 Only those tensors of the checkpoint are kept (read as full tensors, split for the
 tensor-parallel size: any saved layout).
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from megatron.model.config import T5Config
+from megatron.model.prompt import PromptEncoder
 from megatron.model.state_dict import load_full_state_dict
 from megatron.model.t5 import (
     T5Model,
@@ -128,10 +130,11 @@ def _build_part(name: str, model: T5Model, backend: str, device, dtype) -> nn.Mo
 def build_stage(config: T5Config, cut: Cut, stage: int, tensors: Iterable[Tuple[str,
                 torch.Tensor]], *, make_vocab_size_divisible_by: int, backend: str,
                 tp: TensorParallel, ep: ExpertParallel, device, dtype, ranks: Tuple[int, ...],
-                group) -> PipelineStage:
+                group, prompt_layout=None) -> PipelineStage:
     """Stage `stage`'s model holding the weights of `tensors` ((name, full tensor) pairs, as
     megatron/checkpoint's iter_full_tensors yields them; only this stage's are kept), in
-    evaluation mode.
+    evaluation mode. `prompt_layout`: a tuned prompt's (megatron/model/prompt.py), attached on
+    stage 0, which embeds the encoder input (its `prompt.weight` among `tensors`).
 
     Raises:
         StateDictError: the tensors do not fit this stage's parts (names or shapes).
@@ -141,6 +144,8 @@ def build_stage(config: T5Config, cut: Cut, stage: int, tensors: Iterable[Tuple[
                     expert_parallel=ep)
     for name in stage_parts(config, cut, stage):
         model.set_submodule(name, _build_part(name, model, backend, device, dtype))
+    if prompt_layout is not None and stage == 0:
+        model.prompt = PromptEncoder(prompt_layout, config.d_model, device=device, dtype=dtype)
     held = {name for name, p in model.named_parameters() if not p.is_meta}
     held |= {name for name, b in model.named_buffers() if not b.is_meta}
     full = {name: tensor for name, tensor in tensors if name in held}

@@ -156,3 +156,21 @@ def test_a_prompt_trained_at_tp2_decodes_on_its_base_at_tp1_and_2(train_data, tu
     result = run_workers(2, run_generate, argv, timeout=300)[0]
     assert result["code"] == 0
     assert [json.loads(line)["ids"] for line in result["text"].splitlines()] == want
+
+
+def test_a_prompt_decodes_in_a_pipeline(train_data, tuned, tmp_path, capsys):
+    """PP 2 (the prompt on stage 0, the grown encoder mask sent on): --prompt-load's prompt
+    and a second stage's own decode as the model's own forward does."""
+    from generation_workers import run_generate
+
+    _generate(train_data, tmp_path, capsys, "--load", tuned["base"])  # writes in.jsonl
+    for load in (["--load", tuned["base"], "--prompt-load", tuned["prompt"]],
+                 ["--load", tuned["stage2"]]):
+        out = tmp_path / "out_pp2.jsonl"
+        argv = [*load, "--tokenizer-model", train_data.spm, "--input", str(tmp_path / "in.jsonl"),
+                "--output", str(out), "--max-new-tokens", "6", "--micro-batch-size", "2",
+                "--pipeline-model-parallel-size", "2"]
+        result = run_workers(2, run_generate, argv, timeout=300)[0]
+        assert result["code"] == 0, result
+        want, _ = _reference(train_data, load[1], load[3] if len(load) > 2 else None)
+        assert [json.loads(line)["ids"] for line in result["text"].splitlines()] == want
