@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from harness import run_workers
-from train_workers import base_argv, losses, run_pretrain, run_pretrain_until_error
+from train_workers import (base_argv, built_steps, losses, run_pretrain,
+                           run_pretrain_until_error)
 
 from megatron.arguments import ArgumentsError, parse_args
 from megatron.checkpoint.formats.deepspeed import find_iteration, read_meta
@@ -22,17 +23,7 @@ PROMPT = ["--prompt-tune", "--prompt-length", "4", "--prompt-positions", "0.5,0.
 def run_keeping_prompt(rank, world_size, argvs):
     """As run_pretrain_until_error; each result also holds the prompt after the run and the
     log's lines."""
-    import megatron.pretrain_t5 as entry
-
-    built = []
-    build_step = entry.build_step
-
-    def keeping(*args, **kwargs):
-        built.append(build_step(*args, **kwargs))
-        return built[-1]
-
-    entry.build_step = keeping
-    try:
+    with built_steps() as built:
         out = []
         for argv in argvs:
             result = run_pretrain_until_error(rank, world_size, [argv])[0]
@@ -41,8 +32,6 @@ def run_keeping_prompt(rank, world_size, argvs):
                 result["prompt"] = prompt.weight.detach().clone()
             out.append(result)
         return out
-    finally:
-        entry.build_step = build_step
 
 
 def _log(tmp_path, name):

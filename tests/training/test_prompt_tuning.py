@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from harness import run_workers
-from train_workers import base_argv, losses, run_pretrain, run_pretrain_until_error
+from train_workers import (base_argv, built_steps, losses, run_pretrain,
+                           run_pretrain_until_error)
 
 from megatron.arguments import ArgumentsError, parse_args
 from megatron.checkpoint.formats.deepspeed_files import load_file
@@ -23,17 +24,7 @@ PROMPT = ["--prompt-tune", "--prompt-length", "6", "--prompt-positions", "0.5,0,
 
 def run_keeping_model(rank, world_size, argvs):
     """As run_pretrain; each result also holds the model's state after the run (CPU tensors)."""
-    import megatron.pretrain_t5 as entry
-
-    built = []
-    build_step = entry.build_step
-
-    def keeping(*args, **kwargs):
-        built.append(build_step(*args, **kwargs))
-        return built[-1]
-
-    entry.build_step = keeping
-    try:
+    with built_steps() as built:
         out = []
         for argv in argvs:
             result = run_pretrain(rank, world_size, [argv])[0]
@@ -44,8 +35,6 @@ def run_keeping_model(rank, world_size, argvs):
                                          if p.requires_grad)
             out.append(result)
         return out
-    finally:
-        entry.build_step = build_step
 
 
 def _module_file(folder):

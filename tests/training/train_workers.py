@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from megatron import parallel_state
@@ -126,3 +127,23 @@ def whole_model_state(rank, world_size, argv):
                     copy is module)
     finally:
         parallel_state.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def built_steps():
+    """Within it, the entry point's steps in the order it builds them (a list; its
+    build_step wrapped), so that a worker can look at the model after a run."""
+    import megatron.pretrain_t5 as entry
+
+    built = []
+    build_step = entry.build_step
+
+    def keeping(*args, **kwargs):
+        built.append(build_step(*args, **kwargs))
+        return built[-1]
+
+    entry.build_step = keeping
+    try:
+        yield built
+    finally:
+        entry.build_step = build_step
