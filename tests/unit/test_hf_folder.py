@@ -432,6 +432,9 @@ def test_bad_tensors_are_refused_and_leave_nothing(tmp_path):
     cases = [
         ({**full, "lm_head.weight": full["shared.weight"]},
          "tensor lm_head.weight is not a parameter of this model \\(the config ties the head"),
+        ({**full, "prompt.weight": full["shared.weight"][:4]},
+         "tensor prompt.weight is not a parameter of this model \\(a --prompt-train-model "
+         "checkpoint's tuned prompt: .* decode with python -m megatron.generate"),
         ({**full, "shared.weight": full["shared.weight"][:-1]},
          r"shared.weight has shape \(4099, 32\), the config needs \(4100, 32\)"),
         ({k: v for k, v in full.items() if "decoder.block.1" not in k},

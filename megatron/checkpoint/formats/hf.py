@@ -55,6 +55,7 @@ from megatron.checkpoint.formats.hf_tokenizer import (
 )
 from megatron.checkpoint.formats.shards import ShardWriter
 from megatron.model.config import T5Config
+from megatron.model.prompt import PROMPT_PARAMETER
 from megatron.checkpoint.formats.switch import (
     ARCHITECTURE as SWITCH_ARCHITECTURE,
     export_problems,
@@ -191,6 +192,10 @@ def write_hf_folder(out_dir: PathLike, config: T5Config,
             if name not in expected:
                 extra = " (the config ties the head to shared.weight)" \
                     if name == "lm_head.weight" else ""
+                if name == PROMPT_PARAMETER:
+                    extra = (" (a --prompt-train-model checkpoint's tuned prompt: a Hugging "
+                             "Face T5 has no place for it; decode with python -m "
+                             "megatron.generate --load CKPT instead)")
                 raise HFFolderError(f"{out}: tensor {name} is not a parameter of this model"
                                     f"{extra}")
             if name in seen:
