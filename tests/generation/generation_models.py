@@ -1,7 +1,9 @@
 """Tiny models with the same weights in our code and in transformers, and a padded batch."""
 
+import json
 import os
 
+import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -87,3 +89,12 @@ def hf_rows(sequences: torch.Tensor):
     for row in sequences[:, 1:].tolist():
         out.append(row[:row.index(EOS) + 1] if EOS in row else row)
     return out
+
+
+def same_outputs(a: str, b: str) -> None:
+    """Two OUT.jsonl texts: the same ids and text; scores to float32 rounding (the tensor-
+    parallel sums add in another order)."""
+    a, b = [[json.loads(line) for line in t.splitlines()] for t in (a, b)]
+    assert [(r["ids"], r["text"]) for r in a] == [(r["ids"], r["text"]) for r in b]
+    scores = [[r.get("score", 0.0) for r in t] for t in (a, b)]
+    assert scores[0] == pytest.approx(scores[1], rel=1e-5)

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from generation_models import EOS, PAD, our_model, padded_batch
+from generation_models import EOS, PAD, our_model, padded_batch, same_outputs
 from harness import run_workers
-from test_generation_tensor_parallel import same_outputs
 
 from megatron.generation import Decoder, beam_search, greedy
 from megatron.model.state_dict import gather_full_state_dict

@@ -7,22 +7,13 @@ import json
 
 import pytest
 import torch
-from generation_models import hf_of, hf_rows, our_model, padded_batch
+from generation_models import hf_of, hf_rows, our_model, padded_batch, same_outputs
 from harness import run_workers
 from train_workers import base_argv, run_pretrain
 
 from megatron.model.state_dict import gather_full_state_dict
 
 pytestmark = pytest.mark.slow
-
-def same_outputs(a: str, b: str) -> None:
-    """Two OUT.jsonl texts: the same ids and text; scores to float32 rounding (the tensor-
-    parallel sums add in another order)."""
-    a, b = [[json.loads(line) for line in t.splitlines()] for t in (a, b)]
-    assert [(r["ids"], r["text"]) for r in a] == [(r["ids"], r["text"]) for r in b]
-    scores = [[r.get("score", 0.0) for r in t] for t in (a, b)]
-    assert scores[0] == pytest.approx(scores[1], rel=1e-5)
-
 
 BEAMS = dict(num_beams=3, length_penalty=0.8, early_stopping=False, no_repeat_ngram_size=2)
 
