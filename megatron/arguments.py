@@ -305,6 +305,23 @@ def parse_args(argv: Optional[Sequence[str]] = None,
     return config
 
 
+def resume_problems(values: Dict, now: Dict[str, int], lr_schedule) -> List[str]:
+    """What the checkpoints this run reads contradict in its flags (layout, LR schedule): --load's
+    and, for a requeued prompt-tuning job, --save's (which it resumes from), found before any
+    process starts."""
+    problems = []
+    if values["load"] is not None:
+        problems += checkpoint_problems(values["load"], now,
+                                        values["finetune"] or values["no_load_optim"],
+                                        lr_schedule, values["lr_policy"], values["finetune"])
+    if not problems and resumes_prompt_run(values) is not None:
+        save = values["save"]  # checkpoint_problems names its folder as --load's
+        problems += [p.replace(f"--load {save}", f"--save {save} (resumed)", 1)
+                     for p in checkpoint_problems(save, now, False, lr_schedule,
+                                                  values["lr_policy"])]
+    return problems
+
+
 def validate(args: argparse.Namespace, env: Mapping[str, str]
              ) -> Tuple[Optional[RunConfig], List[str]]:
     """(the run's configuration, every problem); the configuration is None unless the list is
@@ -365,15 +382,8 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
         problems.append("--peak-tflops must be positive")
     if values["save"] is not None and not values["dry_run"]:
         problems += lock_problems(values["save"])
-    if values["load"] is not None and not problems:
-        problems += checkpoint_problems(values["load"], layout(parallel, resolved.zero.stage),
-                                        values["finetune"] or values["no_load_optim"],
-                                        lr_schedule, values["lr_policy"], values["finetune"])
-    if not problems and resumes_prompt_run(values) is not None:  # a requeued prompt-tuning job
-        save = values["save"]
-        problems += [p.replace(f"--load {save}", f"--save {save} (resumed)", 1)
-                     for p in checkpoint_problems(save, layout(parallel, resolved.zero.stage),
-                                                  False, lr_schedule, values["lr_policy"])]
+    if not problems:
+        problems += resume_problems(values, layout(parallel, resolved.zero.stage), lr_schedule)
     if problems:
         return None, problems
     batch = BatchConfig(resolved.batch.micro_batch_size, global_batch,
