@@ -1,11 +1,17 @@
 """Asynchronous saves against the job's end. SIGKILL of a whole job (torchrun and both workers,
-at once) at 20 different moments while saves are being written: the checkpoint the tracker
-names always loads, and the next launch resumes from it (each save's writer first sleeps 0.2 s,
-the tests' pause, so that the kills land before, during and after the files and the commit).
-And a stop signal during a save: both saves committed, exit 0."""
+at once) at several moments while saves are being written: the checkpoint the tracker names
+always loads, and the next launch resumes from it (each save's writer first sleeps 0.2 s, the
+tests' pause, so that the kills land before, during and after the files and the commit).
+And a stop signal during a save: both saves committed, exit 0.
+
+The kill moments are a sample: the first save's start, 1.3 s after it, and KILL_SAMPLES moments
+drawn between them, from a seed printed by the test (T5_KILL_SEED replays a run's sample). Each
+CI run so tries other moments; the whole range was swept once (20 evenly spaced moments, all
+sound) when the test was written."""
 
 import contextlib
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -22,7 +28,17 @@ from megatron.checkpoint.io.checkpointing import damaged_file, read_tracker, tag
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-ROUNDS = 20
+KILL_SAMPLES = 4
+LAST_KILL_S = 1.3
+"""From the first save's start to LAST_KILL_S later: before, during and after its files and its
+commit (the tests' pause is 0.2 s; a tiny model's files take a few tenths more)."""
+
+
+def kill_moments(seed: int):
+    """The seconds after a save's start at which the rounds kill the job: both ends of the range
+    and KILL_SAMPLES moments drawn between them with `seed`, in order."""
+    drawn = random.Random(seed).sample(range(1, 130), KILL_SAMPLES)
+    return [0.0, *sorted(d * LAST_KILL_S / 130 for d in drawn), LAST_KILL_S]
 
 
 def kill_job(proc):
@@ -55,8 +71,11 @@ def test_kills_during_async_saves_never_lose_the_tracked_checkpoint(train_data, 
          str(free_port()), "-m", "megatron.pretrain_t5", *flags, "--exit-interval", "1"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0 and read_tracker(ckpt) == 1, first.stderr[-3000:]
+    seed = int(os.environ.get("T5_KILL_SEED", random.SystemRandom().randrange(2**32)))
+    moments = kill_moments(seed)
+    print(f"kill moments (T5_KILL_SEED={seed}): {', '.join(f'{m:.2f}' for m in moments)} s")
     seen = []
-    for round_ in range(ROUNDS):
+    for moment in moments:
         before = log.read_text().count("saving checkpoint") if log.exists() else 0
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "--master_port", str(free_port()), "-m", "megatron.pretrain_t5", *flags]
@@ -68,14 +87,15 @@ def test_kills_during_async_saves_never_lose_the_tracked_checkpoint(train_data, 
                 assert proc.poll() is None, proc.stderr.read()[-3000:]
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
-            time.sleep(0.07 * round_)  # from the first save's start to 1.3 s later
+            time.sleep(moment)
         finally:
             kill_job(proc)
         iteration = read_tracker(ckpt)
         folder = ckpt / tag_for(iteration)
-        assert (folder / "meta.json").is_file() and damaged_file(folder) is None, round_
+        assert (folder / "meta.json").is_file() and damaged_file(folder) is None, \
+            f"killed {moment:.2f} s into a save (T5_KILL_SEED={seed})"
         seen.append(iteration)
-    assert seen == sorted(seen) and seen[-1] > seen[0]
+    assert seen == sorted(seen) and seen[-1] > seen[0], (seen, f"T5_KILL_SEED={seed}")
     # the last tracked checkpoint resumes (a launch that ends by itself)
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
