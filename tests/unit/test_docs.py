@@ -509,8 +509,18 @@ def ul2_dry_run(folder: Path, preset: str, encoder: int, mode_ids: int) -> Tuple
 
 
 def test_the_ul2_encoder_lengths_in_the_docs_are_the_trainers(prepared_folder):
-    """docs/ul2.md's table of the shortest encoder per preset and mode-token length: the dry run
-    passes at that length and is refused one token shorter, naming it."""
+    """docs/ul2.md's refused example is refused as it says; in its table of the shortest
+    encoder per preset and mode-token length, the dry run passes at that length and is refused
+    one token shorter, naming it."""
+    text = " ".join((REPO / "docs" / "ul2.md").read_text(encoding="utf-8").split())
+    example = re.search(r"X \((\d+), ([\d.]+)\) at encoder (\d+) \(a (\d+)-token window "
+                        r"behind (\w+)-piece mode tokens, (\d+) noise tokens\)", text)
+    assert example, "docs/ul2.md: the refused example is gone"
+    span, rate, encoder, window, pieces, noise = example.groups()
+    status, err = ul2_dry_run(prepared_folder, "ul2", int(encoder), NUMBER_WORDS[pieces])
+    assert status == 2 and (f"X (span {span}, rate {rate}): a {window}-token window "
+                            f"(--encoder-seq-length {encoder}) has {noise} noise tokens") in err, \
+        f"docs/ul2.md: {example.group(0)}\n{err}"
     header, *rows = page_table("ul2.md", "mode tokens")
     presets = [re.search(r"`--ul2-denoisers (\w+)`", cell).group(1) for cell in header[1:]]
     assert presets == ["ul2", "upalm"] and len(rows) == 3, (header, rows)
