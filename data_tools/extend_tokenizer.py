@@ -121,8 +121,12 @@ def _extend_cpm2(args, corpus, vocab_path: str, prefix: str) -> int:
     finally:
         _remove([str(tmp)])
     sentinels = sum(1 for p in lines if p.startswith("<s_"))
-    print(f"added {len(added)} of the {len(pieces)} pieces trained (CPM-2's form; "
-          f"{len(pieces) - len(added)} were in {vocab_path} already): {len(old_lines)} + "
+    # --add-pieces N trains N pieces: the count is of those, and the few without a CPM-2 form
+    # (the bare word start, a piece with whitespace, a repeat once written CPM-2's way) are named
+    dropped = len(trained) - len(pieces)
+    print(f"added {len(added)} of the {len(trained)} pieces trained ("
+          + (f"{dropped} without a CPM-2 form; " if dropped else "")
+          + f"{len(pieces) - len(added)} were in {vocab_path} already): {len(old_lines)} + "
           f"{len(added)} = {len(lines)} lines; the old pieces keep their ids, the {sentinels} "
           f"sentinels move up by {len(added)} to the end")
     print(f"wrote {out / 'vocab.txt'}")

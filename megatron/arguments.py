@@ -373,8 +373,6 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     problems += checkpoint_flag_problems(values)
     problems += divergence_problems(values)
     problems += prompt_problems(values)
-    if not values["plots"] and values["save"] is None:
-        problems.append("--no-plots needs --save (the figures go to SAVE/plots/)")
     problems += profile_problems(values, parallel.world_size)
     if values["dry_run_device"] != "auto" and not values["dry_run"]:
         problems.append("--dry-run-device has effect only with --dry-run")

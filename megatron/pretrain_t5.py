@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import socket
@@ -45,7 +46,8 @@ from megatron.training.engine import build_model, count_parameters, initialize_e
 from megatron.training.finetune_metrics import generation_line, validation_generation
 from megatron.training.layer_norms import layer_groups
 from megatron.training.loaders import build_data
-from megatron.training.loop import LoopParts, StepCost, TrainState, run_evaluation, train
+from megatron.training.loop import (LoopParts, StepCost, TrainState, evaluate_and_log,
+                                    run_tokenizer, train)
 from megatron.training.metrics import MetricsWriter, peak_tflops
 from megatron.training.pipeline_step import build_pipeline_step
 from megatron.training.profiling import StepProfiler
@@ -346,11 +348,10 @@ def _saver(step, config: RunConfig, writer: MetricsWriter, watchdog,
 
 def _final_evaluation(step, config: RunConfig, state: TrainState, writer: MetricsWriter,
                       watchdog, valid_loader, test_loader) -> None:
+    tokenizer = functools.lru_cache(maxsize=None)(lambda: run_tokenizer(config))
     for split, loader in (("valid", valid_loader), ("test", test_loader)):
-        ev = run_evaluation(step, config.batch, config.runtime, loader, watchdog)
-        if ev is not None:
-            state.evaluations.append((state.iteration, split, ev.loss, ev.span_accuracy))
-            writer.write_eval(state.iteration, split, ev.loss, ev.span_accuracy)
+        evaluate_and_log(step, config.batch, config.runtime, loader, split, state, writer,
+                         tokenizer, watchdog)
     generation = validation_generation(step, config, valid_loader, watchdog)  # fine-tuning
     if generation:
         writer.write_text(generation_line(state.iteration, generation))

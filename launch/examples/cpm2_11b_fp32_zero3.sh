@@ -16,7 +16,8 @@
 # NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT. More flags after the script name override these.
 # As in CPM-2, --no-load-optim: every restart from OUT/ckpt keeps the weights, iteration and data
 # position but starts the Adam states fresh. `WORLD_SIZE=64 LAUNCHER="python -m
-# megatron.pretrain_t5 --dry-run"` prints about 36 GiB per GPU.
+# megatron.pretrain_t5 --dry-run"` prints the parameters and memory per GPU (docs/migrating.md
+# quotes them).
 set -euo pipefail
 SCRIPT_ARGS=("$@")
 # shellcheck source=launch/examples/common.sh

@@ -162,6 +162,34 @@ def run_evaluation(step: TrainStep, batch_config: BatchConfig, runtime: RuntimeC
                       first_predictions)
 
 
+def evaluate_and_log(step: TrainStep, batch_config: BatchConfig, runtime: RuntimeConfig,
+                     loader: Optional[Iterable], split: str, state: TrainState,
+                     writer: MetricsWriter, tokenizer: Callable[[], object],
+                     watchdog=None) -> Optional[Evaluation]:
+    """One evaluation of `split` ('valid' or 'test') at `state.iteration`, recorded in `state`
+    and logged, with the --eval-log-samples examples decoded by `tokenizer()` (called only when
+    they are logged): the loop's evaluations and the final ones alike. None where there is
+    nothing to evaluate."""
+    samples = batch_config.eval_log_samples
+    evaluation = run_evaluation(step, batch_config, runtime, loader, watchdog,
+                                predictions=samples > 0)
+    if evaluation is None:
+        return None
+    state.evaluations.append((state.iteration, split, evaluation.loss,
+                              evaluation.span_accuracy))
+    writer.write_eval(state.iteration, split, evaluation.loss, evaluation.span_accuracy)
+    if samples > 0 and writer.enabled and evaluation.predictions is not None:
+        writer.write_eval_samples(state.iteration, split,
+                                  decode_samples(evaluation.first_batch, evaluation.predictions,
+                                                 tokenizer(), samples))
+    return evaluation
+
+
+def run_tokenizer(config: RunConfig):
+    """The run's tokenizer, as the data was made with it (for decoding logged samples)."""
+    return build_tokenizer(config.data.tokenizer, extra_ids=config.data.vocab_extra_ids)
+
+
 def decode_samples(batch: Batch, predictions: torch.Tensor, tokenizer,
                    count: int) -> List[Tuple[str, str, str]]:
     """The first `count` examples of `batch` as text, (input, target, fill) each: the encoder
@@ -404,20 +432,9 @@ class _Loop:
 
     def _evaluate(self) -> None:
         p, state = self.p, self.state
-        samples = p.batch.eval_log_samples
         with self.ranges(EVALUATION):
-            evaluation = run_evaluation(p.step, p.batch, p.runtime, p.valid_loader,
-                                        self.watchdog, predictions=samples > 0)
-        if evaluation is not None:
-            state.evaluations.append((state.iteration, "valid", evaluation.loss,
-                                      evaluation.span_accuracy))
-            p.writer.write_eval(state.iteration, "valid", evaluation.loss,
-                                evaluation.span_accuracy)
-            if samples > 0 and p.writer.enabled and evaluation.predictions is not None:
-                p.writer.write_eval_samples(
-                    state.iteration, "valid",
-                    decode_samples(evaluation.first_batch, evaluation.predictions,
-                                   self._tokenizer(), samples))
+            evaluate_and_log(p.step, p.batch, p.runtime, p.valid_loader, "valid", state,
+                             p.writer, self._tokenizer, self.watchdog)
         # seq2seq fine-tuning: exact match and label accuracy of the greedy decoding
         generation = validation_generation(p.step, p.config, p.valid_loader, self.watchdog)
         if generation:
@@ -429,9 +446,7 @@ class _Loop:
     def _tokenizer(self):
         """The run's tokenizer (built the first time the samples need it)."""
         if self._sample_tokenizer is None:
-            data = self.p.config.data
-            self._sample_tokenizer = build_tokenizer(data.tokenizer,
-                                                     extra_ids=data.vocab_extra_ids)
+            self._sample_tokenizer = run_tokenizer(self.p.config)
         return self._sample_tokenizer
 
     def _agree_on_stopping(self, result) -> bool:

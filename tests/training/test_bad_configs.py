@@ -241,8 +241,6 @@ CASES = {
     "divergence_thresholds_with_the_guard_off": Case(
         extra=["--no-check-for-divergence", "--divergence-loss-spike-factor", "5"],
         expect=[("--divergence-loss-spike-factor", "no effect", "--no-check-for-divergence")]),
-    "no_plots_without_save": Case(
-        extra=["--no-plots"], expect=[("--no-plots needs --save",)]),
     "keep_last_without_save": Case(
         extra=["--keep-last", "2"],
         expect=[("--keep-last needs --save",)]),
@@ -341,6 +339,12 @@ def test_base_command_line_is_valid(train_data):
     assert config.checkpoint.divergence == DivergenceConfig() and config.logging.plots
     assert config.flags["divergence_weight_growth"] == DivergenceConfig().weight_growth
     assert not dist.is_initialized()
+
+
+def test_no_plots_without_save_is_accepted(train_data):
+    """--no-plots asks for less than a run without --save does anyway: nothing to refuse."""
+    config = parse_args(base_argv(train_data, "--no-plots"), env={})
+    assert config.checkpoint.save is None and not config.logging.plots
 
 
 @pytest.mark.parametrize("name", [

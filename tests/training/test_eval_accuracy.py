@@ -1,7 +1,8 @@
 """Evaluation's span-filling accuracy and --eval-log-samples (megatron/training/step.py,
 loop.py): the greedy prediction over vocabulary-parallel logits is the unsplit one at TP=2
 (padded rows never predicted, ties to the lowest id), and a run reports the same accuracy at
-TP=1, TP=2 and PP=2, prints it after the perplexity and logs decoded samples from rank 0."""
+TP=1, TP=2 and PP=2, prints it after the perplexity and logs decoded samples from rank 0 at
+every evaluation, the final validation and test evaluations too."""
 
 import re
 
@@ -85,9 +86,18 @@ def test_accuracy_and_samples_are_logged(single):
     assert re.fullmatch(r" validation loss at iteration 2 \| lm loss: \S+ \| lm loss PPL: \S+ "
                         r"\| span accuracy: \d\.\d{4} \|", line), line
     assert line.endswith(f"| span accuracy: {got[0][1]:.4f} |")
-    for k in (0, 1):
-        for field in ("input", "target", "fill"):
-            assert len(re.findall(rf"^sample {k} {field}: ", log, re.M)) == 1, (k, field)
+    # every evaluation logs its samples after its loss line: the loop's at 2 and the final
+    # validation and test evaluations at 4 (what --eval-log-samples promises)
+    lines = log.splitlines()
+    evaluations = [i for i, line in enumerate(lines)
+                   if re.match(r" (validation|test) loss at iteration", line)]
+    assert [lines[i].split(" |")[0].strip() for i in evaluations] == [
+        "validation loss at iteration 2", "validation loss at iteration 4",
+        "test loss at iteration 4"], lines
+    for i in evaluations:
+        logged = [re.match(r"sample (\d+) (\w+): ", line) for line in lines[i + 1:i + 7]]
+        assert [m and m.groups() for m in logged] == [
+            (k, field) for k in "01" for field in ("input", "target", "fill")], lines[i:i + 7]
     assert "sample 2 input" not in log
     assert re.search(r"^sample 0 input: .*<extra_id_0>", log, re.M)
     assert re.search(r"^sample 0 target: <extra_id_0>", log, re.M)
@@ -107,7 +117,7 @@ def test_accuracy_is_the_same_at_tp2_and_pp2(train_data, single, layout, tmp_pat
     assert [a for _, a in accuracies(got[0][0])] == pytest.approx([a for _, a in want],
                                                                   abs=0.01)
     text = log.read_text()
-    assert len(re.findall(r"^sample 0 fill: ", text, re.M)) == 1
+    assert len(re.findall(r"^sample 0 fill: ", text, re.M)) == 3  # validation 2 and 4, test 4
     assert "sample 1 input" not in text
     # rank 0 reads the same first batch as one process does
     assert re.findall(r"^sample 0 (?:input|target): .*$", text, re.M) == \

@@ -10,7 +10,8 @@
   script are the trainer's. Placeholders (`...`, `<...>`, `[...]` brackets) are dropped; the
   flags inside brackets are still checked.
 - The `--dry-run` reports and the planner's report quoted in the docs are what the quoted
-  commands print.
+  commands print; so are the figures the prose quotes (docs/ul2.md's shortest encoders, read
+  from its table and checked by the trainer's dry run).
 - "`name(...)` (in `path.py`)" names a function that path defines.
 
 Nothing is skipped: a command this test cannot place is a failure naming its file and line; the
@@ -465,3 +466,71 @@ def test_the_planner_report_in_the_docs_is_the_planners(capsys):
         argv = shlex.split(command)[3:]
         assert plan_main(argv) == 0
         assert_quoted(block, quoted, capsys.readouterr().out.splitlines())
+
+
+# Figures the prose quotes -----------------------------------------------------------------------
+NUMBER_WORDS = {"none": 0, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6}
+
+
+def page_table(page: str, first_cell: str) -> List[List[str]]:
+    """The rows (header first, separator left out) of the table in docs/`page` whose header
+    starts with `first_cell`."""
+    lines = (REPO / "docs" / page).read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_cell} |"))
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        if not re.fullmatch(r"[|\s-]+", line):
+            rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def ul2_dry_run(folder: Path, preset: str, encoder: int, mode_ids: int) -> Tuple[int, str]:
+    """(exit status, stderr) of the trainer's `--dry-run` of a UL2 run at `encoder` tokens with
+    mode tokens of `mode_ids` ids each (given as ids: the tokenizer does not matter)."""
+    from megatron.pretrain_t5 import main as trainer_main
+
+    argv = ["--dry-run", "--data-path", str(folder / "data" / "mix_text_document"),
+            "--tokenizer-model", str(folder / "spm" / "t5.model"),
+            "--model-config", str(REPO / "configs" / "model" / "t5-demo.json"),
+            "--train-iters", "1", "--lr", "1e-3", "--micro-batch-size", "1",
+            "--t5-objective", "ul2", "--ul2-denoisers", preset,
+            "--encoder-seq-length", str(encoder)]
+    if mode_ids == 0:
+        argv.append("--ul2-no-mode-tokens")
+    for kind, first in (("r", 10), ("x", 20), ("s", 30)) if mode_ids else ():
+        argv += [f"--ul2-{kind}-denoiser-token",
+                 ",".join(str(first + i) for i in range(mode_ids))]
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        status = trainer_main(argv)
+    return status, err.getvalue()
+
+
+def test_the_ul2_encoder_lengths_in_the_docs_are_the_trainers(prepared_folder):
+    """docs/ul2.md's refused example is refused as it says; in its table of the shortest
+    encoder per preset and mode-token length, the dry run passes at that length and is refused
+    one token shorter, naming it."""
+    text = " ".join((REPO / "docs" / "ul2.md").read_text(encoding="utf-8").split())
+    example = re.search(r"X \((\d+), ([\d.]+)\) at encoder (\d+) \(a (\d+)-token window "
+                        r"behind (\w+)-piece mode tokens, (\d+) noise tokens\)", text)
+    assert example, "docs/ul2.md: the refused example is gone"
+    span, rate, encoder, window, pieces, noise = example.groups()
+    status, err = ul2_dry_run(prepared_folder, "ul2", int(encoder), NUMBER_WORDS[pieces])
+    assert status == 2 and (f"X (span {span}, rate {rate}): a {window}-token window "
+                            f"(--encoder-seq-length {encoder}) has {noise} noise tokens") in err, \
+        f"docs/ul2.md: {example.group(0)}\n{err}"
+    header, *rows = page_table("ul2.md", "mode tokens")
+    presets = [re.search(r"`--ul2-denoisers (\w+)`", cell).group(1) for cell in header[1:]]
+    assert presets == ["ul2", "upalm"] and len(rows) == 3, (header, rows)
+    for label, *figures in rows:
+        mode_ids = NUMBER_WORDS[label.split()[0]]
+        for preset, figure in zip(presets, figures):
+            shortest = int(figure)
+            status, err = ul2_dry_run(prepared_folder, preset, shortest, mode_ids)
+            assert status == 0, f"docs/ul2.md: {label}, {preset}: {shortest} is refused:\n{err}"
+            status, err = ul2_dry_run(prepared_folder, preset, shortest - 1, mode_ids)
+            assert status == 2 and f"--encoder-seq-length {shortest} or more" in err, \
+                f"docs/ul2.md: {label}, {preset}: {shortest - 1} is not refused naming " \
+                f"{shortest}:\n{err}"

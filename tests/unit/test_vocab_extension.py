@@ -214,7 +214,7 @@ def test_refusals(tokenizers, tmp_path, capsys):
     assert "--extend OLD and --add-pieces N go together" in capsys.readouterr().err
 
 
-def test_the_cpm2_vocabulary_is_extended_in_cpm2s_layout(tokenizers, tmp_path):
+def test_the_cpm2_vocabulary_is_extended_in_cpm2s_layout(tokenizers, tmp_path, capsys):
     from megatron.data.tokenizers.cpm2_tokenizer import CPM2Tokenizer, load_vocabulary
 
     _, _, en = tokenizers
@@ -225,6 +225,10 @@ def test_the_cpm2_vocabulary_is_extended_in_cpm2s_layout(tokenizers, tmp_path):
     lines = load_vocabulary(str(tmp_path / "v" / "vocab.txt"))
     added = len(lines) - len(old)
     assert added > 100
+    # the 300 pieces asked for are the 300 trained, though the bare word start "▁" has no
+    # CPM-2 form
+    said = capsys.readouterr().out
+    assert f"added {added} of the 300 pieces trained (1 without a CPM-2 form; " in said, said
     assert lines[:26050] == old[:26050]  # Chinese (and specials): ids unchanged
     assert lines[-190:] == old[26050:] == [f"<s_{i}>" for i in range(190)]  # sentinels last
     new_pieces = lines[26050:-190]
