@@ -236,8 +236,8 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load", default=None, help="checkpoint folder to resume from (a folder "
                    "with no checkpoint yet starts from scratch)")
     g.add_argument("--ckpt-step", type=int, default=None, metavar="N",
-                   help="on --load, load iteration N (its folder iter_000000N) instead of the "
-                        "one the tracker names; the tracker is not changed until this run "
+                   help="on --load, load iteration N (folder iter_0000020 for 20) instead of "
+                        "the one the tracker names; the tracker is not changed until this run "
                         "saves (Megatron-LM's flag)")
     g.add_argument("--no-load-optim", action="store_true",
                    help="on --load, do not restore optimizer states")

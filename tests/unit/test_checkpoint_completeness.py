@@ -106,6 +106,13 @@ def test_files_the_flags_do_not_read_may_be_missing(saved):
     assert f"{optimizer} is missing" in problems(saved, load_rng=False)[0]
     assert checkpoint_problems(str(saved), LAYOUT, True, load_rng=False) == []  # --no-load-optim
     assert checkpoint_problems(str(saved), LAYOUT, True, finetune=True) == []
+    # ZeRO-3's optimizer files hold its weights: needed by every run
+    meta_path = folder / "meta.json"
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()),
+                                     "layout": {**LAYOUT, "zero_stage": 3}}))
+    zero3 = {**LAYOUT, "zero_stage": 3}
+    assert f"{optimizer} is missing" in checkpoint_problems(str(saved), zero3, True,
+                                                            finetune=True)[0]
 
 
 def test_a_checkpoint_saved_without_sizes_is_checked_for_presence(saved):

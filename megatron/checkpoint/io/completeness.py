@@ -11,7 +11,8 @@ model and optimizer files, the experts', the pipeline's, one RNG file per rank),
 only; the message says so.
 
 What a run reads depends on its flags: the optimizer files are not needed with --no-load-optim
-or --finetune, the RNG files not with --no-load-rng or --finetune.
+or --finetune (but under ZeRO-3, where they hold the weights), the RNG files not with
+--no-load-rng or --finetune.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def missing_or_short(folder: Path, meta: Dict, load_optimizer: bool = True,
     a phrase naming it (None: all there and whole). A checkpoint saved without sizes adds that
     only presence was checked."""
     files, sized = required_files(folder, meta)
+    # ZeRO-3 saves no weights in the model files: its optimizer files hold them
+    load_optimizer = load_optimizer or (meta.get("layout") or {}).get("zero_stage") == 3
     for name, size in files.items():
         if not needed(name, load_optimizer, load_rng):
             continue
