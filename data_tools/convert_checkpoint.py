@@ -418,24 +418,23 @@ def optimizer_states(args, source: dict):
 def upcycled(args, model_meta: dict, tensors, source: dict):
     """(model meta, tensors, source) of the Mixture-of-Experts model --num-experts asks for, made
     from the dense source (megatron/checkpoint/formats/upcycle.py)."""
-    from megatron.checkpoint.formats.upcycle import (DEFAULT_CENTROID_GAIN, UpcycleError, upcycle,
-                                                     upcycled_config)
+    from megatron.checkpoint.formats.upcycle import UpcycleError, upcycle, upcycled_config
     from megatron.model.config import T5Config
 
     dense = T5Config.from_dict(model_meta["config"], source="the source's config")
     try:
-        config = upcycled_config(dense, _upcycle_flags(args))
+        config = upcycled_config(dense, {**_upcycle_flags(args),
+                                         "router_centroid_gain": args.moe_centroid_gain})
     except UpcycleError as e:
         raise CommandLineError(str(e)) from None
-    gain = DEFAULT_CENTROID_GAIN if args.moe_centroid_gain is None else args.moe_centroid_gain
-    router = f"CPM-2's orthogonal centroids (gain {gain})" if config.router_type == "cpm2" \
-        else "zero"
+    router = f"CPM-2's orthogonal centroids (gain {config.router_centroid_gain})" \
+        if config.router_type == "cpm2" else "zero"
     source = {**source, "upcycled": {"num_experts": config.num_experts,
                                      "router_type": config.router_type,
                                      "experts_per_token": config.router_k,
                                      "router": router}}
     return {**model_meta, "config": config.to_dict()}, \
-        upcycle(tensors, config, centroid_gain=gain), source
+        upcycle(tensors, config), source
 
 
 def to_megatron(args, out: Path, model_meta: dict, tensors, source: dict, progress,

@@ -51,8 +51,10 @@ from megatron.training.profiling import add_profile_args, profile_config, profil
 class ArgumentsError(ValueError):
     """The command line (with its files) cannot run; `problems` lists every reason."""
 
-    def __init__(self, problems: Sequence[str]) -> None:
+    def __init__(self, problems: Sequence[str], log_file: Optional[str] = None) -> None:
         self.problems = list(problems)
+        self.log_file = log_file
+        """The command line's --log-file, where the entry point copies the message."""
         super().__init__("\n".join(f"  - {p}" for p in self.problems))
 
 
@@ -233,6 +235,10 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    help="save every this many steps (and always at the end)")
     g.add_argument("--load", default=None, help="checkpoint folder to resume from (a folder "
                    "with no checkpoint yet starts from scratch)")
+    g.add_argument("--ckpt-step", type=int, default=None, metavar="N",
+                   help="on --load, load iteration N (folder iter_0000020 for 20) instead of "
+                        "the one the tracker names; the tracker is not changed until this run "
+                        "saves (Megatron-LM's flag)")
     g.add_argument("--no-load-optim", action="store_true",
                    help="on --load, do not restore optimizer states")
     g.add_argument("--no-load-rng", action="store_true",
@@ -301,7 +307,7 @@ def parse_args(argv: Optional[Sequence[str]] = None,
     args = build_parser().parse_args(argv)
     config, problems = validate(args, os.environ if env is None else env)
     if problems:
-        raise ArgumentsError(problems)
+        raise ArgumentsError(problems, args.log_file)
     return config
 
 
@@ -313,7 +319,8 @@ def resume_problems(values: Dict, now: Dict[str, int], lr_schedule) -> List[str]
     if values["load"] is not None:
         problems += checkpoint_problems(values["load"], now,
                                         values["finetune"] or values["no_load_optim"],
-                                        lr_schedule, values["lr_policy"], values["finetune"])
+                                        lr_schedule, values["lr_policy"], values["finetune"],
+                                        not values["no_load_rng"], values["ckpt_step"])
     if not problems and resumes_prompt_run(values) is not None:
         save = values["save"]  # checkpoint_problems names its folder as --load's
         problems += [p.replace(f"--load {save}", f"--save {save} (resumed)", 1)
@@ -403,7 +410,7 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
                                   async_save=values["async_save"],
                                   check_for_nan=values["check_for_nan"],
                                   detect_nan_layers=values["detect_nan_layers"],
-                                  divergence=divergence)
+                                  divergence=divergence, ckpt_step=values["ckpt_step"])
     logging = LoggingConfig(values["log_interval"], values["log_file"],
                             values["tensorboard_dir"], values["peak_tflops"],
                             values["log_grad_norms_per_layer"], plots=values["plots"])

@@ -10,6 +10,7 @@ is reported by each of those ranks, naming itself.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional
 
@@ -27,18 +28,26 @@ class DataError(RunFailure):
 
 
 def report_failure(error: RunFailure, rank: int, log_file: Optional[str] = None) -> None:
-    """Say once what stopped the job: printed on stderr (and appended to `log_file`) by rank 0
+    """Say once what stopped the job: printed on stderr and appended to `log_file` by rank 0
     when every rank found it, by each finding rank, with its rank, when `error.rank_local`."""
     if error.rank_local:
-        print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+        line = f"error (rank {rank}): {error}"
+    elif rank == 0:
+        line = f"error: {error}"
+    else:
         return
-    if rank != 0:
-        return
-    line = f"error: {error}"
     print(line, file=sys.stderr, flush=True)
-    if log_file is not None:
-        try:
-            with open(log_file, "a", encoding="utf-8") as f:
-                f.write(line + "\n")
-        except OSError:  # the message reached stderr; the log is a copy
-            pass
+    append_to_log(log_file, line)
+
+
+def append_to_log(log_file: Optional[str], text: str, only_if_exists: bool = False) -> None:
+    """Append `text` to the run's --log-file, a copy of what stderr said (`only_if_exists`: not
+    where the file is not there yet: a job refused at start leaves no file behind, but a
+    requeued run's log says why it stopped)."""
+    if log_file is None or (only_if_exists and not os.path.isfile(log_file)):
+        return
+    try:
+        with open(log_file, "a", encoding="utf-8") as f:
+            f.write(text + "\n")
+    except OSError:  # the message reached stderr; the log is a copy
+        pass

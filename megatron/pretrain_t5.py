@@ -31,14 +31,15 @@ import torch.distributed as dist
 from megatron import parallel_state
 from megatron.arguments import ArgumentsError, parse_args
 from megatron.checkpoint.io.checkpointing import CheckpointError, layout, load_checkpoint, \
-    read_meta, read_tracker, resumes_schedule
+    load_iteration, read_meta, resumes_schedule
+from megatron.checkpoint.io.completeness import MANIFEST
 from megatron.checkpoint.io.ownership import SaveLock, SaveLockError, describe, watch_launcher
 from megatron.checkpoint.io.saver import Saver
 from megatron.config import RunConfig
 from megatron.config.prompt_args import prompt_settings, resumes_prompt_run
 from megatron.config.lr_schedule import resolve_with_checkpoint
 from megatron.cost.report import print_dry_run
-from megatron.failures import DataError, RunFailure, report_failure
+from megatron.failures import DataError, RunFailure, append_to_log, report_failure
 from megatron.initialize import distributed_env, join_deepspeed, join_process_group, set_seeds
 from megatron.model.flops import training_step_flops
 from megatron.training.data_workers import reap_daemonic_children
@@ -269,6 +270,10 @@ def _resume(step, config: RunConfig, writer: MetricsWriter, watchdog, ckpt=None)
             if meta.get("format") == "weights" else ""
         writer.write_text(f"resumed from {ckpt.load} at iteration {state.iteration} "
                           f"({state.consumed_samples} samples consumed{converted})")
+    if meta is not None and meta.get("format") != "weights" and MANIFEST not in meta:
+        writer.write_text(f"note: {ckpt.load} iteration {meta['iteration']} was saved before "
+                          f"checkpoints recorded their file sizes: its files were checked for "
+                          f"presence only")
     return state, schedule
 
 
@@ -278,7 +283,7 @@ def _prompt_resume(config: RunConfig):
     (the prompt, or the model and the prompt, their optimizer states, iteration, samples, LR
     schedule and random states), over the base loaded from --load."""
     return dataclasses.replace(config.checkpoint, load=config.checkpoint.save, finetune=False,
-                               no_load_optim=False, no_load_rng=False)
+                               no_load_optim=False, no_load_rng=False, ckpt_step=None)
 
 
 def _start_prompt(step, config: RunConfig, writer: MetricsWriter, resumed=None):
@@ -293,7 +298,7 @@ def _start_prompt(step, config: RunConfig, writer: MetricsWriter, resumed=None):
 
     token = init_token_id(settings, build_tokenizer(config.data.tokenizer))
     load = Path(config.checkpoint.load) if config.checkpoint.load else None
-    iteration = read_tracker(load) if load is not None and load.is_dir() else None
+    iteration = load_iteration(load, config.checkpoint.ckpt_step) if load is not None else None
     meta = read_meta(load, iteration) if iteration is not None else {}
     loaded = "prompt_base" in meta.get("model", {})
     if loaded and not config.checkpoint.finetune:  # --load resumed a second stage's own run:
@@ -465,6 +470,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if voice is not None:
                 print(f"error{voice}: the command line cannot run:\n{e}", file=sys.stderr,
                       flush=True)
+                append_to_log(e.log_file, f"error{voice}: the command line cannot run:\n{e}",
+                              only_if_exists=True)
                 if os.environ.get("WORLD_SIZE", "1") != "1":
                     announce_refusal(os.environ)
             elif os.environ.get("WORLD_SIZE", "1") != "1":

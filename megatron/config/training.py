@@ -133,6 +133,8 @@ class CheckpointConfig:
     re-run of the failing step."""
     divergence: DivergenceConfig = DivergenceConfig()
     """Stop, without saving, at a step whose loss, gradient norm or weights show divergence."""
+    ckpt_step: Optional[int] = None
+    """The iteration of `load` to load (--ckpt-step); None: the one its tracker names."""
 
     @property
     def weights_only(self) -> bool:

@@ -354,13 +354,18 @@ class T5Config:
         return cls.from_dict(values, source=str(path))
 
     def to_dict(self) -> Dict[str, Any]:
-        """The fields; a dense model's leaves out the Mixture-of-Experts ones."""
+        """The fields; a dense model's leaves out the Mixture-of-Experts ones, a
+        Mixture-of-Experts model's those of other routers (router_topk but for 'topk',
+        router_centroid_gain but for 'cpm2')."""
         out = dataclasses.asdict(self)
         if not self.is_moe:
             for name in MOE_FIELDS:
                 out.pop(name)
-        elif self.router_type != "cpm2":
-            out.pop("router_centroid_gain")  # (the files of other routers are as before)
+        else:  # a field that does not apply would contradict the model (--dry-run's k, say)
+            if self.router_type != "cpm2":
+                out.pop("router_centroid_gain")
+            if self.router_type != "topk":  # one expert per token
+                out.pop("router_topk")
         return out
 
     def to_hf_dict(self) -> Dict[str, Any]:

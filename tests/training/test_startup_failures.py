@@ -71,3 +71,34 @@ def test_a_resume_that_contradicts_its_checkpoint_is_refused_once(train_data, tm
     assert_refused_once(proc, "the learning-rate schedule in the checkpoint differs",
                         "--use-new-lr")
     assert sorted(p.name for p in ckpt.iterdir()) == before
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_is_named_once_and_an_earlier_one_loads(train_data, tmp_path):
+    """A file a rank needs deleted from the newest checkpoint (this rank's RNG states; the model
+    file): refused once with exit 2 before any rank starts (no rank 0 "resumed from" then gloo
+    errors), naming the file and the earlier complete iteration, also in --log-file; that
+    iteration then loads with --ckpt-step, and the run saves the newest iteration again."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "run.log"
+    argv = base_argv(train_data, "--save", str(ckpt), "--load", str(ckpt), "--save-interval",
+                     "2", "--log-file", str(log), iters=4)
+    done = torchrun(argv, tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rng = ckpt / "iter_0000004" / "rng" / "rank_00001.pt"
+    rng.unlink()
+    earlier = "iteration 2 is complete: resume from it with --ckpt-step 2"
+    proc = torchrun(argv, tmp_path)
+    assert_refused_once(proc, f"{rng} is missing", earlier)
+    assert re.search(r"exitcode\s*:\s*2\b", proc.stderr), proc.stderr[-3000:]  # torchrun's: 1
+    assert "resumed from" not in proc.stdout + proc.stderr
+    assert f"{rng} is missing" in log.read_text()
+
+    resumed = torchrun(argv + ["--ckpt-step", "2"], tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from {ckpt} at iteration 2 " in resumed.stdout
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4\n" and rng.is_file()
+
+    model = ckpt / "iter_0000004" / "mp_rank_00_model_states.pt"
+    model.unlink()
+    proc = torchrun(argv, tmp_path)
+    assert_refused_once(proc, f"{model} is missing", earlier)

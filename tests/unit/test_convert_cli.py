@@ -41,3 +41,36 @@ def test_load_and_from_exclude_each_other():
     with pytest.raises(SystemExit) as e:
         convert_checkpoint.main(["--load", "A", "--from", "hf", "B", "--to", "hf", "C"])
     assert e.value.code == 2
+
+
+def test_a_prompt_alone_is_named_not_read_as_damage(tmp_path, capsys):
+    """A first prompt-tuning stage's checkpoint (--prompt-tune, the model frozen) holds the
+    prompt alone: converting it says so and what to do (not 'missing shared.weight ...
+    unexpected prompt.weight'), as for a second stage's prompt."""
+    import json
+
+    import torch
+
+    from megatron.model.config import T5Config
+
+    ckpt, base = tmp_path / "prompt", tmp_path / "base"
+    folder = ckpt / "iter_0000004"
+    folder.mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("4\n")
+    config = T5Config(vocab_size=4100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    torch.save({"module": {"prompt.weight": torch.zeros(6, 32)}},
+               folder / "mp_rank_00_model_states.pt")
+    meta = {"iteration": 4, "layout": {"tensor_model_parallel_size": 1,
+                                       "pipeline_model_parallel_size": 1,
+                                       "data_parallel_size": 1, "zero_stage": 0},
+            "flags": {"prompt_tune": True, "prompt_length": 6},
+            "model": {"config": config.to_dict(), "precision": "fp32",
+                      "prompt_base": {"load": str(base), "iteration": 2, "digest": "0" * 64}}}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    out = tmp_path / "hf"
+    assert convert_checkpoint.main(["--load", str(ckpt), "--to", "hf", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert f"{folder} holds a tuned prompt alone (a --prompt-tune run's checkpoint" in err, err
+    assert f"convert its base model instead (--load {base})" in err
+    assert f"python -m megatron.generate --load {base} --prompt-load {ckpt}" in err
+    assert "missing shared.weight" not in err and not out.exists()

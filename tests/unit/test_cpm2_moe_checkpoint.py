@@ -19,6 +19,7 @@ import torch
 from data_tools import convert_checkpoint
 from megatron.checkpoint.formats import cpm2, cpm2_moe
 from megatron.checkpoint.formats.deepspeed import find_iteration, iter_full_tensors
+from megatron.model.config import T5Config
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "data" / "cpm2_moe_checkpoint"
@@ -197,14 +198,18 @@ def test_upcycling_dense_cpm2_is_init_ckpt(tmp_path):
                 assert torch.equal(ours[name], t), name
 
 
-def test_upcycling_ours_gives_dense_experts_and_centroids_of_the_gain(tmp_path):
+@pytest.mark.parametrize("given", [None, 0.3])
+def test_upcycling_ours_gives_dense_experts_and_centroids_of_the_gain(tmp_path, given):
+    """The experts are the dense feed-forward; the centroids orthogonal with the row norm
+    --moe-centroid-gain gives (default init_ckpt.py's 0.01), which model_config.json states,
+    with no router_topk (a CPM-2 router sends each token to one expert)."""
     dense = tmp_path / "dense"
     assert convert("--from", "cpm2", DENSE / "mp1", "--model-config", DENSE / "config.json",
                    "--to", "megatron", dense) == 0
-    moe, gain = tmp_path / "moe", 0.3
+    moe, gain = tmp_path / "moe", 0.01 if given is None else given
     assert convert("--load", dense, "--num-experts", EXPERTS, "--moe-router-type", "cpm2",
-                   "--moe-centroid-gain", gain, "--to", "megatron", moe,
-                   "--target-expert-parallel-size", 2) == 0
+                   *(() if given is None else ("--moe-centroid-gain", given)), "--to",
+                   "megatron", moe, "--target-expert-parallel-size", 2) == 0
     before = dict(iter_full_tensors(find_iteration(dense)))
     after = dict(iter_full_tensors(find_iteration(moe)))
     centroids = [n for n in after if n.endswith("mlp.router.expert_centroids")]
@@ -218,7 +223,9 @@ def test_upcycling_ours_gives_dense_experts_and_centroids_of_the_gain(tmp_path):
             experts = after[f"{prefix}.mlp.experts.{w}"]
             assert all(torch.equal(experts[e], before[f"{prefix}.DenseReluDense.{w}.weight"])
                        for e in range(EXPERTS))
-    assert json.loads((moe / "model_config.json").read_text())["router_type"] == "cpm2"
+    written = json.loads((moe / "model_config.json").read_text())
+    assert (written["router_type"], written["router_centroid_gain"]) == ("cpm2", gain)
+    assert "router_topk" not in written and T5Config.from_dict(written).router_k == 1
 
 
 # Bad inputs ------------------------------------------------------------------------------------

@@ -162,7 +162,8 @@ def test_our_weights_load_in_transformers(name, sharded, tmp_path):
             size = sum(t.numel() * t.element_size() for t in tensors.values())
             assert size <= 100_000 or len(tensors) == 1
     else:
-        assert files == ["config.json", "generation_config.json", "model.safetensors"]
+        assert files == sorted(["config.json", "generation_config.json", "model.safetensors"] +
+                               ([] if tied else ["README.md"]))
     written = json.loads((out / "config.json").read_text())
     assert written["tie_word_embeddings"] == tied and written["scale_decoder_outputs"] == tied
     assert written["dtype"] == "float32" and written["decoder_start_token_id"] == 0
@@ -175,6 +176,9 @@ def test_our_weights_load_in_transformers(name, sharded, tmp_path):
         assert messages == []
     else:
         assert len(messages) == 1 and UNTIE_WARNING in messages[0]
+        # the export's README says why (no config.json silences it)
+        readme = " ".join((out / "README.md").read_text().split())
+        assert "The model is loaded correctly" in readme and UNTIE_WARNING in readme
         hf.save_pretrained(tmp_path / "theirs")  # transformers' own save warns the same
         assert from_pretrained(tmp_path / "theirs")[2] == messages
     assert_same_logits(ours, hf)

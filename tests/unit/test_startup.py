@@ -121,3 +121,32 @@ def test_a_silent_rank_without_a_launcher_store_leaves_at_a_signal():
     waiter.start()
     waiter.join(60)
     assert not waiter.is_alive()
+
+
+def test_a_refused_command_line_is_copied_into_an_existing_log(tmp_path, monkeypatch, capsys):
+    """A requeued job whose checkpoint cannot be read says why in its run's --log-file too; a
+    job refused with no log yet creates none (nothing left behind)."""
+    from megatron.pretrain_t5 import main
+
+    for key in ("RANK", "SLURM_PROCID", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    log = tmp_path / "run.log"
+    assert main(["--log-file", str(log)]) == 2
+    assert not log.exists()
+    stderr = capsys.readouterr().err
+    log.write_text("iteration 2 | loss 9.1\n")
+    assert main(["--log-file", str(log)]) == 2
+    assert "--data-path is required" in stderr
+    assert log.read_text() == "iteration 2 | loss 9.1\n" + stderr
+
+
+def test_a_failure_of_some_ranks_reaches_the_log_too(tmp_path, capsys):
+    from megatron.failures import RunFailure, report_failure
+
+    log = tmp_path / "run.log"
+    report_failure(RunFailure("rng/rank_00001.pt is missing", rank_local=True), 1, str(log))
+    report_failure(RunFailure("every rank saw it"), 1, str(log))  # rank 0 speaks for the job
+    report_failure(RunFailure("every rank saw it"), 0, str(log))
+    expected = "error (rank 1): rng/rank_00001.pt is missing\nerror: every rank saw it\n"
+    assert capsys.readouterr().err == expected
+    assert log.read_text() == expected

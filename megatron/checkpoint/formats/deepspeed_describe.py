@@ -9,16 +9,13 @@ import math
 from pathlib import Path
 from typing import Any, Dict, List
 
-from megatron.checkpoint.formats.deepspeed_experts import (
-    describe_experts,
-    expert_files,
-    expert_size,
-)
+from megatron.checkpoint.formats.deepspeed_experts import describe_experts, expert_size
 from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError, Files, model_file
 from megatron.checkpoint.formats.deepspeed_folder import (
     LAYERS_FILE,
     META,
     PathLike,
+    expected_files,
     is_weights_format,
     model_config,
     precision_of,
@@ -76,7 +73,7 @@ def describe(iter_dir: PathLike) -> Dict[str, Any]:
     except CheckpointReadError as e:
         out["problems"].append(str(e))
     present = {f["name"] for f in listing}
-    missing = [n for n in _expected_files(folder, layout, precision) if n not in present]
+    missing = [n for n in expected_files(folder, layout, precision) if n not in present]
     if missing:
         out["problems"].append(f"missing files: {', '.join(missing)}")
     zero, files = layout["zero_stage"], Files(folder)
@@ -106,28 +103,6 @@ def describe(iter_dir: PathLike) -> Dict[str, Any]:
         except ValueError as e:
             out["problems"].append(f"{folder / LAYERS_FILE}: unreadable ({e})")
     return out
-
-
-def _expected_files(folder: Path, layout: Dict[str, int], precision: str) -> List[str]:
-    """DeepSpeed's model and optimizer files (and the pipeline's tied files) for the layout."""
-    tp, pp, dp = (layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"],
-                  layout["data_parallel_size"])
-    zero, files = layout["zero_stage"], Files(folder)
-    names = []
-    for m in range(tp * pp):
-        names += ([f"zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt" for d in range(dp)]
-                  if zero == 3 else [f"mp_rank_{m:02d}_model_states.pt"])
-        if zero > 0:
-            names += [files.zero_name(d, m, precision == "bf16") for d in range(dp)]
-    if pp > 1:
-        names.append(LAYERS_FILE)
-    if pp > 1 and expert_size(layout) == 1:  # with experts over ranks DeepSpeed's MoE layout:
-        try:  # no tied files
-            keys = list(json.loads((folder / LAYERS_FILE).read_text())["tied"])
-        except (OSError, ValueError, KeyError):
-            keys = []
-        names += [f"tied_{k}-model_{t:02d}-model_states.pt" for k in keys for t in range(tp)]
-    return names + expert_files(layout)
 
 
 def _weights_dtype(files: Files, layout: Dict[str, int], first: Dict[str, Any]) -> str:

@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError
+from megatron.checkpoint.formats.deepspeed_experts import expert_files, expert_size
+from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError, Files
 from megatron.checkpoint.layout import (
     DEEPSPEED_LATEST,
     ITERATION_PREFIX,
@@ -142,3 +143,25 @@ def precision_of(meta: Dict[str, Any]) -> str:
     """The training precision meta.json records ('fp32' when it records none)."""
     return (meta.get("model") or {}).get("precision") \
         or (meta.get("flags") or {}).get("precision") or "fp32"
+
+
+def expected_files(folder: Path, layout: Dict[str, int], precision: str) -> List[str]:
+    """DeepSpeed's model and optimizer files (and the pipeline's tied files) for the layout."""
+    tp, pp, dp = (layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"],
+                  layout["data_parallel_size"])
+    zero, files = layout["zero_stage"], Files(folder)
+    names = []
+    for m in range(tp * pp):
+        names += ([f"zero_pp_rank_{d}_mp_rank_{m:02d}_model_states.pt" for d in range(dp)]
+                  if zero == 3 else [f"mp_rank_{m:02d}_model_states.pt"])
+        if zero > 0:
+            names += [files.zero_name(d, m, precision == "bf16") for d in range(dp)]
+    if pp > 1:
+        names.append(LAYERS_FILE)
+    if pp > 1 and expert_size(layout) == 1:  # with experts over ranks DeepSpeed's MoE layout:
+        try:  # no tied files
+            keys = list(json.loads((folder / LAYERS_FILE).read_text())["tied"])
+        except (OSError, ValueError, KeyError):
+            keys = []
+        names += [f"tied_{k}-model_{t:02d}-model_states.pt" for k in keys for t in range(tp)]
+    return names + expert_files(layout)

@@ -80,6 +80,13 @@ def iter_full_tensors(iter_dir: PathLike, source: str = "master"
     if is_weights_format(meta):
         yield from _weights_format_tensors(folder, source if source in MOMENTS else "model")
         return
+    if prompt_alone(meta):  # the frozen model is the base's: its files hold no model
+        base = (meta["model"].get("prompt_base") or {}).get("load", "BASE")
+        raise CheckpointReadError(
+            f"{folder} holds a tuned prompt alone (a --prompt-tune run's checkpoint, the model "
+            f"frozen), not a model: convert its base model instead (--load {base}); a Hugging "
+            f"Face T5 has no place for the prompt: decode with it with python -m "
+            f"megatron.generate --load {base} --prompt-load {folder.parent}")
     config = model_config(meta, folder / META)
     check_readable(meta["layout"], folder)
     divisible = int(meta["model"].get("make_vocab_size_divisible_by", 128))

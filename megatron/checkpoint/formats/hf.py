@@ -7,7 +7,8 @@
     spiece.model                the SentencePiece model (with a tokenizer model)
     tokenizer.json              the same ids as megatron.data.tokenizers.tokenizer.T5Tokenizer (below)
     tokenizer_config.json, special_tokens_map.json
-    README.md                   how to load it: AutoTokenizer, not T5Tokenizer (below)
+    README.md                   how to load it: AutoTokenizer, not T5Tokenizer (below); for an
+                                untied model, why transformers 5.x warns as it loads it
 
 Memory is bounded by one tensor when writing (megatron.checkpoint.formats.shards writes each tensor's
 bytes to its file as it comes, never a whole shard) and by two vocabulary-sized tensors when
@@ -23,7 +24,8 @@ What transformers 5.x does that shapes this module:
   always logs "... both are present in the checkpoints with different values, so we will NOT tie
   them" (its own saves too; passing `tie_word_embeddings=False` to from_pretrained instead leaves
   the encoder and decoder embeddings untied and missing). We write `tie_word_embeddings: false`
-  for an untied model, which transformers 4.x needs to untie and to leave the outputs unscaled.
+  for an untied model, which transformers 4.x needs to untie and to leave the outputs unscaled,
+  and the folder's README.md says why the warning is expected.
 - Its T5Tokenizer (= T5TokenizerFast) takes the pieces, scores and character map of tokenizer.json
   (else spiece.model) and builds its own Unigram model with `byte_fallback=False`
   (TokenizersBackend.convert_to_native_format, models/t5/tokenization_t5.py): characters outside
@@ -231,7 +233,38 @@ def write_hf_folder(out_dir: PathLike, config: T5Config,
             tokenizer.write(tmp)
         if config.is_moe:
             _switch_readme(tmp / "README.md", config, inexact)
+        elif not config.tie_word_embeddings:
+            _untied_readme(tmp / "README.md")
     return out
+
+
+UNTIED_README = """## The warning when loading
+
+transformers 5.x logs, when it loads this model:
+
+    The tied weights mapping and config for this model specifies to tie shared.weight to
+    lm_head.weight, but both are present in the checkpoints with different values, so we will
+    NOT tie them. You should update the config with `tie_word_embeddings=False` to silence this
+    warning.
+
+The model is loaded correctly: it has an output layer of its own (`lm_head.weight`, as T5 v1.1,
+mT5 and CPM-2 do), and transformers leaves it untied, as it must. config.json already says
+`tie_word_embeddings: false`, but transformers 5.x's `T5Config` sets it to true whatever
+config.json says (the saved value only decides `scale_decoder_outputs`), so every untied T5
+logs this warning, the folders transformers' own `save_pretrained` writes included. No
+config.json silences it: `tie_word_embeddings: false` is what transformers 4.x needs to keep
+the head untied and the decoder output unscaled, and `from_pretrained(...,
+tie_word_embeddings=False)` would leave the encoder's and decoder's embeddings untied and
+missing.
+"""
+
+
+def _untied_readme(path: Path) -> None:
+    """The tokenizer's README.md (if any) with why transformers warns about the untied head."""
+    text = path.read_text(encoding="utf-8") if path.is_file() else \
+        "# A T5 model in Hugging Face layout\n\nWritten by t5-pretrain's " \
+        "`data_tools/convert_checkpoint.py --to hf`.\n"
+    path.write_text(text.rstrip("\n") + "\n\n" + UNTIED_README, encoding="utf-8")
 
 
 def _check_switch(config: T5Config, allow_inexact: bool) -> List[str]:

@@ -57,7 +57,9 @@ class UpcycleError(ValueError):
 
 def upcycled_config(dense: T5Config, values: Mapping[str, Optional[object]]) -> T5Config:
     """The Mixture-of-Experts config of a dense one: `values` by T5Config field (None: the
-    field's default; a router_topk alone means router_type 'topk', as the trainer's flags do).
+    field's default; a router_topk alone means router_type 'topk', as the trainer's flags do;
+    'cpm2' centroids' gain, router_centroid_gain, defaults to init_ckpt.py's 0.01, the norm
+    `upcycle` draws them with).
 
     Raises:
         UpcycleError: a model with experts already, or values it cannot be built with.
@@ -68,6 +70,8 @@ def upcycled_config(dense: T5Config, values: Mapping[str, Optional[object]]) -> 
     changes = {k: v for k, v in values.items() if v is not None}
     if "router_topk" in changes and "router_type" not in changes:
         changes["router_type"] = "topk"
+    if changes.get("router_type") == "cpm2":  # the config states the gain the centroids have
+        changes.setdefault("router_centroid_gain", DEFAULT_CENTROID_GAIN)
     try:
         return dataclasses.replace(dense, **changes)
     except ConfigError as e:
@@ -84,11 +88,12 @@ def _sparse_prefixes(config: T5Config) -> Dict[str, str]:
             for i in config.sparse_blocks(stack == "decoder")}
 
 
-def upcycle(tensors: Iterable[Tuple[str, torch.Tensor]], config: T5Config,
-            centroid_gain: float = DEFAULT_CENTROID_GAIN) -> Iterator[Tuple[str, torch.Tensor]]:
+def upcycle(tensors: Iterable[Tuple[str, torch.Tensor]], config: T5Config
+            ) -> Iterator[Tuple[str, torch.Tensor]]:
     """The dense model's (name, full tensor) stream as the Mixture-of-Experts model `config`'s
-    (module docstring): one stacked expert weight in memory at a time. Every name and shape is
-    checked against `config`'s model as it passes.
+    (module docstring; 'cpm2' centroids of norm config.router_centroid_gain, which
+    `upcycled_config` sets): one stacked expert weight in memory at a time. Every name and
+    shape is checked against `config`'s model as it passes.
 
     Raises:
         UpcycleError: a tensor the upcycled model does not have, a shape that does not fit, or
@@ -120,8 +125,8 @@ def upcycle(tensors: Iterable[Tuple[str, torch.Tensor]], config: T5Config,
                       copies.contiguous())
         if prefix not in routed:
             routed.add(prefix)
-            for name_, router in _router(prefix, config, tensor.dtype, centroid_gain,
-                                         generator):
+            for name_, router in _router(prefix, config, tensor.dtype,
+                                         config.router_centroid_gain, generator):
                 yield checked(name_, router)
     missing = [n for n in expected if n not in seen]
     if missing:

@@ -42,6 +42,7 @@ from megatron.failures import RunFailure
 from megatron.config.lr_schedule import LRSchedule, resolve_with_checkpoint
 from megatron.config.training import CheckpointConfig
 from megatron.checkpoint import layout as folder_layout  # (`layout` is the parallel sizes')
+from megatron.checkpoint.io.completeness import incomplete
 
 TEST_PAUSE_ENV = "MEGATRON_CHECKPOINT_TEST_PAUSE_S"
 """Tests only: "SECONDS" or "ITERATION:SECONDS" to sleep after the engine files of a save are
@@ -130,7 +131,9 @@ def checkpoint_flag_problems(values: Dict[str, Any]) -> List[str]:
             problems.append(f"--keep-last {values['keep_last']}: keep at least 1 checkpoint")
         if values["save"] is None:
             problems.append("--keep-last needs --save")
-    for flag in ("no_load_optim", "no_load_rng", "finetune"):
+    if values["ckpt_step"] is not None and values["ckpt_step"] < 0:
+        problems.append(f"--ckpt-step {values['ckpt_step']}: give an iteration (0 or more)")
+    for flag in ("no_load_optim", "no_load_rng", "finetune", "ckpt_step"):
         if values[flag] and values["load"] is None:
             problems.append(f"--{flag.replace('_', '-')} needs --load")
     if values["lr_policy"] != "check" and values["load"] is None:
@@ -155,16 +158,23 @@ def checkpoint_flag_problems(values: Dict[str, Any]) -> List[str]:
 
 
 def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool,
-                        schedule: Optional[LRSchedule] = None, lr_policy: str = "check", finetune: bool = False
-                        ) -> List[str]:
-    """A checkpoint in `load` that a run of layout `now` cannot read, or (given the flags'
-    learning-rate `schedule`) a resume whose schedule the checkpoint contradicts under
-    `lr_policy`; found before any process starts. Empty when the folder holds none yet."""
+                        schedule: Optional[LRSchedule] = None, lr_policy: str = "check",
+                        finetune: bool = False, load_rng: bool = True,
+                        ckpt_step: Optional[int] = None) -> List[str]:
+    """A checkpoint in `load` that a run of layout `now` cannot read (a file it needs missing
+    or cut short: io/completeness.py; another layout), or (given the flags' learning-rate
+    `schedule`) a resume whose schedule the checkpoint contradicts under `lr_policy`; found
+    before any process starts. Empty when the folder holds none yet. `ckpt_step`: the
+    iteration to load instead of the tracker's (--ckpt-step); `load_rng`: the run restores the
+    random generators' states (not --no-load-rng or --finetune)."""
     root = Path(load)
     try:
-        iteration = read_tracker(root) if root.is_dir() else None
+        iteration = load_iteration(root, ckpt_step)
         if iteration is None:
             return []
+        problem = incomplete(root, iteration, not weights_only, load_rng and not finetune)
+        if problem is not None:
+            return [f"--load {load}: {problem}"]
         meta = read_meta(root, iteration)
         if meta.get("format") == "weights":
             problems = weights_checkpoint_problems(load, weights_only, "optimizer" in meta)
@@ -176,6 +186,24 @@ def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool,
         return []
     except (CheckpointError, ValueError, KeyError) as e:
         return [f"--load {load}: {e}"]
+
+
+def load_iteration(root: Path, ckpt_step: Optional[int] = None) -> Optional[int]:
+    """The iteration a run loads from `root`: `ckpt_step` (--ckpt-step) where given, else the
+    tracker's; None when the folder holds no checkpoint yet.
+
+    Raises:
+        CheckpointError: --ckpt-step names an iteration `root` has no folder for (the message
+            lists those it has), or the tracker names no iteration.
+    """
+    if ckpt_step is None:
+        return read_tracker(root) if root.is_dir() else None
+    if not (root / tag_for(ckpt_step)).is_dir():
+        have = [n for n, _ in folder_layout.iteration_folders(root)] if root.is_dir() else []
+        raise CheckpointError(f"--ckpt-step {ckpt_step}: no folder {tag_for(ckpt_step)}; the "
+                              f"iterations saved there: "
+                              f"{', '.join(map(str, have)) if have else 'none'}")
+    return ckpt_step
 
 
 def resumes_schedule(meta: Dict[str, Any], finetune: bool) -> bool:
@@ -280,7 +308,7 @@ def damaged_file(folder: Path) -> Optional[str]:
                 archive.infolist()
         except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
             return (f"{path}: truncated or damaged ({e}); the checkpoint cannot be loaded: "
-                    f"load an earlier iteration (--load with a tracker naming it)")
+                    f"load an earlier iteration (--ckpt-step N)")
     return None
 
 
@@ -293,7 +321,7 @@ def load_checkpoint(step, config: CheckpointConfig, layout_now: Dict[str, int],
         CheckpointError: a damaged checkpoint or one from another layout.
     """
     root = Path(config.load)
-    iteration = read_tracker(root) if root.is_dir() else None
+    iteration = load_iteration(root, config.ckpt_step)
     if iteration is None:
         return None
     meta = read_meta(root, iteration)
@@ -311,8 +339,11 @@ def load_checkpoint(step, config: CheckpointConfig, layout_now: Dict[str, int],
     if problems:  # validate() finds these first; a checkpoint may have appeared since
         raise CheckpointError(problems[0])
     damaged = [None]
-    if dist.get_rank() == 0:
-        damaged[0] = damaged_file(root / tag_for(iteration))
+    if dist.get_rank() == 0:  # validate() checked too; the folder may have changed since
+        damaged[0] = incomplete(root, iteration, not config.weights_only,
+                                not (config.finetune or config.no_load_rng))
+        damaged[0] = f"--load {config.load}: {damaged[0]}" if damaged[0] else \
+            damaged_file(root / tag_for(iteration))
     dist.broadcast_object_list(damaged, src=0)
     if damaged[0] is not None:
         raise CheckpointError(damaged[0])

@@ -47,6 +47,7 @@ from megatron.checkpoint.io.checkpointing import (
     rng_state,
     write_atomic,
 )
+from megatron.checkpoint.io.completeness import MANIFEST, manifest
 from megatron.checkpoint.layout import ITERATION_PREFIX, iteration_folder_name, write_tracker
 
 
@@ -301,7 +302,9 @@ class Saver:
         return final
 
     def _commit(self, tmp: Path, final: Path, pending: _Pending) -> None:
-        meta = {**pending.meta, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        # every rank's files are written: their sizes let a load name a file cut short later
+        meta = {**pending.meta, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                MANIFEST: manifest(tmp)}
         write_atomic(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
         for folder, _, _ in os.walk(tmp):  # the files are durable (each writer fsynced its
             fsync_dir(Path(folder))       # own); now their directory entries
