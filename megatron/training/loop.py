@@ -43,7 +43,8 @@ from megatron.failures import RunFailure
 from megatron.training import (denoiser_metrics, divergence, moe_metrics, nan_locator, producers,
                                step_metrics)
 from megatron.training.divergence import DivergenceError, DivergenceGuard, WeightGrowth
-from megatron.training.finetune_metrics import generation_line, validation_generation
+from megatron.training.finetune_metrics import (accuracy_name, generation_line, generation_scalars,
+                                               validation_generation)
 from megatron.training.layer_norms import write_layer_norms
 from megatron.training.metrics import IntervalStats, MetricsWriter, Timer
 from megatron.training.nan_locator import locate
@@ -412,7 +413,7 @@ class _Loop:
             state.evaluations.append((state.iteration, "valid", evaluation.loss,
                                       evaluation.span_accuracy))
             p.writer.write_eval(state.iteration, "valid", evaluation.loss,
-                                evaluation.span_accuracy)
+                                evaluation.span_accuracy, accuracy_name(p.config))
             if samples > 0 and p.writer.enabled and evaluation.predictions is not None:
                 p.writer.write_eval_samples(
                     state.iteration, "valid",
@@ -422,8 +423,7 @@ class _Loop:
         generation = validation_generation(p.step, p.config, p.valid_loader, self.watchdog)
         if generation:
             p.writer.write_text(generation_line(state.iteration, generation))
-            p.writer.write_scalars({f"validation/{k}": v for k, v in generation.items()},
-                                   state.iteration)
+            p.writer.write_scalars(generation_scalars(generation), state.iteration)
         self.timer.reset()
 
     def _tokenizer(self):
