@@ -94,6 +94,33 @@ def test_finetuning_learns_and_validates(single_log, train_data):
                                                         round(labels / 16, 4)), predictions
 
 
+def test_logged_exact_match_counts_the_right_predictions(single_log, train_data, tmp_path):
+    """A validation file whose first targets are what the final model writes (the recount's
+    greedy decoding): the same 4 steps again (the same final model) score exactly those."""
+    single, _ = single_log
+    tokenizer = build_tokenizer(resolve_tokenizer(train_data.spm))
+    model = reference_model(finetune_argv(train_data), single["state"])
+    rows = [json.loads(line) for line in open(VALID, encoding="utf-8")]
+    batches = split_batches(finetune_argv(train_data), "valid", 4, 4)
+    predictions = [p for batch in batches for p in reference_greedy(model, batch, tokenizer, 8)]
+    # the targets that fit the 8 decoder tokens with EOS (the model rarely stops before)
+    written = [i for i, p in enumerate(predictions) if len(tokenizer.encode(p)) < 8]
+    assert len(written) >= 2, predictions
+    for i in written:
+        rows[i]["target"] = predictions[i]
+    valid = tmp_path / "own.jsonl"
+    valid.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    log = tmp_path / "own.log"
+    argv = finetune_argv(train_data, "--finetune-valid-data", str(valid), "--label-words",
+                         predictions[written[0]], "--log-file", str(log))
+    (again,) = run_workers(1, run_keeping_model, [argv], timeout=600)[0]
+    assert all(torch.equal(again["state"][k], v) for k, v in single["state"].items())
+    labelled = sum(predictions[i] == predictions[written[0]] for i in written)
+    last = re.findall(r"validation generation at iteration 4 \| (.*)", log.read_text())
+    assert last == [f"exact match: {len(written) / 16:.4f} | label accuracy: "
+                    f"{labelled / 16:.4f} | 16 examples |"]
+
+
 def test_finetuning_from_a_pretrained_checkpoint(train_data, tmp_path, single):
     ckpt = str(tmp_path / "pretrained")
     log = tmp_path / "finetune.log"
