@@ -94,31 +94,67 @@ def test_finetuning_learns_and_validates(single_log, train_data):
                                                         round(labels / 16, 4)), predictions
 
 
-def test_logged_exact_match_counts_the_right_predictions(single_log, train_data, tmp_path):
-    """A validation file whose first targets are what the final model writes (the recount's
-    greedy decoding): the same 4 steps again (the same final model) score exactly those."""
-    single, _ = single_log
-    tokenizer = build_tokenizer(resolve_tokenizer(train_data.spm))
-    model = reference_model(finetune_argv(train_data), single["state"])
+def own_targets(argv, state, spm, path):
+    """Write to `path` the validation file with each target that the model of `state` decodes
+    within the 8 decoder tokens (with EOS) replaced by that decoding (the recount's); returns
+    the line of the final validation that file must give, with the first of those decodings as
+    the label word (the flags that say so: `--label-words WORD`)."""
+    tokenizer = build_tokenizer(resolve_tokenizer(spm))
+    model = reference_model(argv, state)
     rows = [json.loads(line) for line in open(VALID, encoding="utf-8")]
-    batches = split_batches(finetune_argv(train_data), "valid", 4, 4)
-    predictions = [p for batch in batches for p in reference_greedy(model, batch, tokenizer, 8)]
-    # the targets that fit the 8 decoder tokens with EOS (the model rarely stops before)
+    predictions = [p for batch in split_batches(argv, "valid", 4, 4)
+                   for p in reference_greedy(model, batch, tokenizer, 8)]
     written = [i for i, p in enumerate(predictions) if len(tokenizer.encode(p)) < 8]
-    assert len(written) >= 2, predictions
+    assert len(written) >= 2, predictions  # (the tiny model rarely stops before 8 tokens)
     for i in written:
         rows[i]["target"] = predictions[i]
-    valid = tmp_path / "own.jsonl"
-    valid.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    word = predictions[written[0]]
+    labelled = sum(predictions[i] == word for i in written)
+    return (["--finetune-valid-data", str(path), "--label-words", word],
+            f"exact match: {len(written) / 16:.4f} | label accuracy: {labelled / 16:.4f} | "
+            f"16 examples |")
+
+
+def final_generation(log):
+    return re.findall(r"validation generation at iteration 4 \| (.*)", log.read_text())
+
+
+def test_logged_exact_match_counts_the_right_predictions(single_log, train_data, tmp_path):
+    """A validation file whose targets are what the final model writes, where it stops in
+    time: the same 4 steps again (the same final model) score exactly those (at 0 exact, the
+    cloze's, a wrong count would go unseen)."""
+    single, _ = single_log
+    flags, want = own_targets(finetune_argv(train_data), single["state"], train_data.spm,
+                              tmp_path / "own.jsonl")
     log = tmp_path / "own.log"
-    argv = finetune_argv(train_data, "--finetune-valid-data", str(valid), "--label-words",
-                         predictions[written[0]], "--log-file", str(log))
-    (again,) = run_workers(1, run_keeping_model, [argv], timeout=600)[0]
+    (again,) = run_workers(1, run_keeping_model, [finetune_argv(
+        train_data, *flags, "--log-file", str(log))], timeout=600)[0]
     assert all(torch.equal(again["state"][k], v) for k, v in single["state"].items())
-    labelled = sum(predictions[i] == predictions[written[0]] for i in written)
-    last = re.findall(r"validation generation at iteration 4 \| (.*)", log.read_text())
-    assert last == [f"exact match: {len(written) / 16:.4f} | label accuracy: "
-                    f"{labelled / 16:.4f} | 16 examples |"]
+    assert final_generation(log) == [want]
+
+
+MOE = ("--num-experts", "4", "--moe-router-topk", "2")
+
+
+@pytest.mark.slow
+def test_expert_parallel_validation_matches_one_process(train_data, tmp_path):
+    """EP 2 (DP 2: each rank decodes its half of the validation batches, the two in lockstep
+    for the experts' all-to-alls): the losses and the generation metrics of one process, on a
+    validation file that one process's final model scores non-zero on."""
+    argv = finetune_argv(train_data, *MOE)
+    (one,) = run_workers(1, run_keeping_model, [argv], timeout=600)[0]
+    flags, want = own_targets(argv, one["state"], train_data.spm, tmp_path / "own.jsonl")
+    logs = [tmp_path / "ep1.log", tmp_path / "ep2.log"]
+    (one_again,) = run_workers(1, run_pretrain, [finetune_argv(
+        train_data, *MOE, *flags, "--log-file", str(logs[0]))], timeout=600)[0]
+    two = run_workers(2, run_pretrain, [finetune_argv(
+        train_data, *MOE, *flags, "--expert-model-parallel-size", "2", "--log-file",
+        str(logs[1]))], timeout=900)
+    assert two[0] == two[1]
+    assert_same_run(two[0][0], one_again, rtol=2e-5, label="EP 2")
+    assert final_generation(logs[0]) == final_generation(logs[1]) == [want]
+    assert generation_lines(logs[1].read_text()) == generation_lines(logs[0].read_text())
 
 
 def test_finetuning_from_a_pretrained_checkpoint(train_data, tmp_path, single):
