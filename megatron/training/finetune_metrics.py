@@ -115,9 +115,8 @@ def generation_counts(model, batches, tokenizer, max_new_tokens: int,
                       label_words: Sequence[str] = (), group=None) -> Dict[str, int]:
     """{"examples", "exact", and with label words "label_right"} over `batches` (greedy
     decoding of each, the targets from its labels; a row without labels is not counted):
-    sums, to be added over data-parallel
-    ranks before `rates` divides them. `group`: as `greedy_predictions`' (every rank of it
-    decodes the same number of batches)."""
+    sums, to be added over data-parallel ranks before `rates` divides them. `group`: as
+    `greedy_predictions`' (every rank of it decodes the same number of batches)."""
     counts = {"examples": 0, "exact": 0}
     if label_words:
         counts["label_right"] = 0
