@@ -92,6 +92,16 @@ def test_finetuning_learns_and_validates(single_log, train_data):
                  for p, r in zip(predictions, rows))
     assert (float(lines[1][1]), float(lines[1][2])) == (round(exact / 16, 4),
                                                         round(labels / 16, 4)), predictions
+    # and the final validation loss is the final model's, token-weighted over those 16
+    loss_sum = tokens = 0.0
+    with torch.no_grad():
+        for batch in split_batches(argv, "valid", 4, 4):
+            out = model(batch["encoder_input_ids"], batch["decoder_input_ids"],
+                        batch["encoder_attention_mask"], batch["decoder_attention_mask"],
+                        batch["labels"])
+            loss_sum += float(out.token_losses.double().sum())
+            tokens += int((batch["labels"] != -100).sum())
+    assert single["evals"][1][2] == pytest.approx(loss_sum / tokens, rel=1e-6)
 
 
 def own_targets(argv, state, spm, path):
