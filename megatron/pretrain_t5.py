@@ -44,7 +44,8 @@ from megatron.initialize import distributed_env, join_deepspeed, join_process_gr
 from megatron.model.flops import training_step_flops
 from megatron.training.data_workers import reap_daemonic_children
 from megatron.training.engine import build_model, count_parameters, initialize_engine
-from megatron.training.finetune_metrics import generation_line, validation_generation
+from megatron.training.finetune_metrics import (accuracy_name, generation_line, generation_scalars,
+                                               validation_generation)
 from megatron.training.layer_norms import layer_groups
 from megatron.training.loaders import build_data
 from megatron.training.loop import (LoopParts, StepCost, TrainState, evaluate_and_log,
@@ -154,8 +155,9 @@ def _pretrain(config: RunConfig, signals, watchdog, lock):
         set_seeds(runtime.seed, runtime.device_type)
         step = build_step(config, watchdog, writer)
         _instrument(step, config, profiler)
-        state, schedule = _resume(step, config, writer, watchdog)
         prompt_resume = resumes_prompt_run(config.flags)  # a requeued prompt-tuning job
+        state, schedule = _resume(step, config, writer, watchdog,
+                                  base_of=config.checkpoint.save if prompt_resume else None)
         prompt_base = _start_prompt(step, config, writer, prompt_resume)
         if prompt_resume is not None:
             state, schedule = _resume(step, config, writer, watchdog, _prompt_resume(config))
@@ -239,12 +241,15 @@ def _instrument(step, config: RunConfig, profiler: StepProfiler) -> None:
         step.watch_nonfinite(config.checkpoint.detect_nan_layers)
 
 
-def _resume(step, config: RunConfig, writer: MetricsWriter, watchdog, ckpt=None):
+def _resume(step, config: RunConfig, writer: MetricsWriter, watchdog, ckpt=None,
+            base_of: Optional[str] = None):
     """(the state to start from, the LR schedule) after --load, if any: from scratch, weights
     only (--finetune, or a checkpoint of weights alone), or a resume.
 
     ckpt: the checkpoint settings to load with (default: the flags'; `_prompt_resume`'s for a
         prompt-tuning run resuming from its --save).
+    base_of: the --save a requeued prompt-tuning run resumes from next (its weights-only
+        --load is the base, and the log says so rather than that the optimizer starts fresh).
     Raises:
         CheckpointError: the checkpoint cannot be read, or its schedule contradicts the flags."""
     ckpt = ckpt or config.checkpoint
@@ -256,6 +261,10 @@ def _resume(step, config: RunConfig, writer: MetricsWriter, watchdog, ckpt=None)
                                config.runtime.device_type)
     if meta is None:
         writer.write_text(f"no checkpoint in {ckpt.load}: starting from scratch")
+    elif not resumes_schedule(meta, ckpt.finetune) and base_of is not None:
+        writer.write_text(f"loaded the base weights of {ckpt.load} iteration "
+                          f"{meta['iteration']} (--finetune); the prompt-tuning run resumes "
+                          f"from --save {base_of}")
     elif not resumes_schedule(meta, ckpt.finetune):
         how = "--finetune" if ckpt.finetune else "a weights-only checkpoint"
         writer.write_text(f"loaded the weights of {ckpt.load} iteration {meta['iteration']} "
@@ -356,12 +365,11 @@ def _final_evaluation(step, config: RunConfig, state: TrainState, writer: Metric
     tokenizer = functools.lru_cache(maxsize=None)(lambda: run_tokenizer(config))
     for split, loader in (("valid", valid_loader), ("test", test_loader)):
         evaluate_and_log(step, config.batch, config.runtime, loader, split, state, writer,
-                         tokenizer, watchdog)
+                         tokenizer, watchdog, accuracy_name(config))
     generation = validation_generation(step, config, valid_loader, watchdog)  # fine-tuning
     if generation:
         writer.write_text(generation_line(state.iteration, generation))
-        writer.write_scalars({f"validation/{k}": v for k, v in generation.items()},
-                             state.iteration)
+        writer.write_scalars(generation_scalars(generation), state.iteration)
 
 
 def _plot(config: RunConfig, writer: MetricsWriter) -> None:

@@ -17,6 +17,7 @@ import functools
 from contextlib import nullcontext
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron.data.datasets.seq2seq import is_scored
 from megatron.data.preprocess.jsonl import BadLine, read_fields
 
 
@@ -113,16 +114,23 @@ def greedy_predictions(model, batch, tokenizer, max_new_tokens: int,
 def generation_counts(model, batches, tokenizer, max_new_tokens: int,
                       label_words: Sequence[str] = (), group=None) -> Dict[str, int]:
     """{"examples", "exact", and with label words "label_right"} over `batches` (greedy
-    decoding of each, the targets from its labels): sums, to be added over data-parallel
-    ranks before `rates` divides them. `group`: as `greedy_predictions`' (every rank of it
-    decodes the same number of batches)."""
+    decoding of each, the targets from its labels; a row without labels is not counted):
+    sums, to be added over data-parallel ranks before `rates` divides them. `group`: as
+    `greedy_predictions`' (every rank of it decodes the same number of batches)."""
     counts = {"examples": 0, "exact": 0}
     if label_words:
         counts["label_right"] = 0
     for batch in batches:
+        # every row decoded (the ranks of `group` decode in lockstep), the scored ones counted:
+        # a validation sample past the file's end repeats an example (data/datasets/seq2seq.py)
         predictions = greedy_predictions(model, batch, tokenizer, max_new_tokens, group)
         targets = decoded_targets(batch, tokenizer)
+        scored = [is_scored(row) for row in batch["labels"]]
+        predictions = [p for p, keep in zip(predictions, scored) if keep]
+        targets = [t for t, keep in zip(targets, scored) if keep]
         n = len(targets)
+        if n == 0:
+            continue
         counts["examples"] += n
         counts["exact"] += round(exact_match(predictions, targets) * n)
         if label_words:
@@ -131,11 +139,11 @@ def generation_counts(model, batches, tokenizer, max_new_tokens: int,
 
 
 def rates(counts: Dict[str, float]) -> Dict[str, float]:
-    """{"exact_match", and "accuracy" where labels were counted} from `generation_counts`'s
-    sums (empty without examples)."""
+    """{"exact_match", "examples" (how many were scored), and "accuracy" where labels were
+    counted} from `generation_counts`'s sums (empty without examples)."""
     if not counts.get("examples"):
         return {}
-    out = {"exact_match": counts["exact"] / counts["examples"]}
+    out = {"exact_match": counts["exact"] / counts["examples"], "examples": counts["examples"]}
     if "label_right" in counts:
         out["accuracy"] = counts["label_right"] / counts["examples"]
     return out
@@ -207,9 +215,23 @@ def validation_generation(step, config, loader, watchdog=None,
     return rates(dict(zip(names, summed.tolist())))
 
 
+def generation_scalars(metrics: Dict[str, float]) -> Dict[str, float]:
+    """TensorBoard's `validation/exact_match` (and `validation/accuracy`) of
+    `validation_generation`'s numbers."""
+    return {f"validation/{k}": v for k, v in metrics.items() if k != "examples"}
+
+
+def accuracy_name(config) -> str:
+    """What the evaluation's teacher-forced accuracy is called in the log: a seq2seq target
+    holds no spans, so there it is the share of target tokens predicted right."""
+    objective = config.data.dataset.objective
+    return "token accuracy" if objective == "seq2seq" else "span accuracy"
+
+
 def generation_line(iteration: int, metrics: Dict[str, float]) -> str:
-    """The log line of `validation_generation`'s numbers."""
+    """The log line of `validation_generation`'s numbers, with how many examples they score."""
     parts = [f"exact match: {metrics['exact_match']:.4f}"]
     if "accuracy" in metrics:
         parts.append(f"label accuracy: {metrics['accuracy']:.4f}")
+    parts.append(f"{int(metrics['examples'])} examples")
     return f" validation generation at iteration {iteration} | " + " | ".join(parts) + " |"

@@ -43,7 +43,8 @@ from megatron.failures import RunFailure
 from megatron.training import (denoiser_metrics, divergence, moe_metrics, nan_locator, producers,
                                step_metrics)
 from megatron.training.divergence import DivergenceError, DivergenceGuard, WeightGrowth
-from megatron.training.finetune_metrics import generation_line, validation_generation
+from megatron.training.finetune_metrics import (accuracy_name, generation_line, generation_scalars,
+                                               validation_generation)
 from megatron.training.layer_norms import write_layer_norms
 from megatron.training.metrics import IntervalStats, MetricsWriter, Timer
 from megatron.training.nan_locator import locate
@@ -165,10 +166,11 @@ def run_evaluation(step: TrainStep, batch_config: BatchConfig, runtime: RuntimeC
 def evaluate_and_log(step: TrainStep, batch_config: BatchConfig, runtime: RuntimeConfig,
                      loader: Optional[Iterable], split: str, state: TrainState,
                      writer: MetricsWriter, tokenizer: Callable[[], object],
-                     watchdog=None) -> Optional[Evaluation]:
+                     watchdog=None, accuracy: str = "span accuracy") -> Optional[Evaluation]:
     """One evaluation of `split` ('valid' or 'test') at `state.iteration`, recorded in `state`
-    and logged, with the --eval-log-samples examples decoded by `tokenizer()` (called only when
-    they are logged): the loop's evaluations and the final ones alike. None where there is
+    and logged (its teacher-forced accuracy under the name `accuracy`, finetune_metrics'
+    accuracy_name), with the --eval-log-samples examples decoded by `tokenizer()` (called only
+    when they are logged): the loop's evaluations and the final ones alike. None where there is
     nothing to evaluate."""
     samples = batch_config.eval_log_samples
     evaluation = run_evaluation(step, batch_config, runtime, loader, watchdog,
@@ -177,7 +179,8 @@ def evaluate_and_log(step: TrainStep, batch_config: BatchConfig, runtime: Runtim
         return None
     state.evaluations.append((state.iteration, split, evaluation.loss,
                               evaluation.span_accuracy))
-    writer.write_eval(state.iteration, split, evaluation.loss, evaluation.span_accuracy)
+    writer.write_eval(state.iteration, split, evaluation.loss, evaluation.span_accuracy,
+                      accuracy)
     if samples > 0 and writer.enabled and evaluation.predictions is not None:
         writer.write_eval_samples(state.iteration, split,
                                   decode_samples(evaluation.first_batch, evaluation.predictions,
@@ -434,13 +437,12 @@ class _Loop:
         p, state = self.p, self.state
         with self.ranges(EVALUATION):
             evaluate_and_log(p.step, p.batch, p.runtime, p.valid_loader, "valid", state,
-                             p.writer, self._tokenizer, self.watchdog)
+                             p.writer, self._tokenizer, self.watchdog, accuracy_name(p.config))
         # seq2seq fine-tuning: exact match and label accuracy of the greedy decoding
         generation = validation_generation(p.step, p.config, p.valid_loader, self.watchdog)
         if generation:
             p.writer.write_text(generation_line(state.iteration, generation))
-            p.writer.write_scalars({f"validation/{k}": v for k, v in generation.items()},
-                                   state.iteration)
+            p.writer.write_scalars(generation_scalars(generation), state.iteration)
         self.timer.reset()
 
     def _tokenizer(self):

@@ -280,10 +280,12 @@ class MetricsWriter:
         self._tb.flush()
 
     def write_eval(self, iteration: int, split: str, loss: float,
-                   span_accuracy: Optional[float] = None) -> None:
+                   span_accuracy: Optional[float] = None,
+                   accuracy_name: str = "span accuracy") -> None:
         """Log an evaluation loss and its perplexity (exp of the loss capped at 20), and the
-        span-filling accuracy where known (after the perplexity; TensorBoard
-        `{split}/span_accuracy`).
+        teacher-forced accuracy where known (after the perplexity, under `accuracy_name`:
+        "span accuracy" in pretraining, "token accuracy" for seq2seq pairs; TensorBoard
+        `{split}/span_accuracy` or `{split}/token_accuracy`).
 
         Raises ValueError when split is not 'valid' or 'test'.
         """
@@ -292,14 +294,16 @@ class MetricsWriter:
         if not self.enabled:
             return
         ppl = math.exp(min(loss, _PPL_LOSS_CAP))
-        accuracy = "" if span_accuracy is None else f" span accuracy: {span_accuracy:.4f} |"
+        accuracy = "" if span_accuracy is None else \
+            f" {accuracy_name}: {span_accuracy:.4f} |"
         self.write_text(f" {_EVAL_LABELS[split]} loss at iteration {iteration} | "
                         f"lm loss: {loss:.4E} | lm loss PPL: {ppl:.4E} |{accuracy}")
         if self._tb is not None:
             self._tb.add_scalar(f"{split}/loss", loss, iteration)
             self._tb.add_scalar(f"{split}/ppl", ppl, iteration)
             if span_accuracy is not None:
-                self._tb.add_scalar(f"{split}/span_accuracy", span_accuracy, iteration)
+                self._tb.add_scalar(f"{split}/{accuracy_name.replace(' ', '_')}",
+                                    span_accuracy, iteration)
             self._tb.flush()
 
     def write_eval_samples(self, iteration: int, split: str,

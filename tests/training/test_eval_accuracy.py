@@ -9,8 +9,12 @@ import re
 import pytest
 
 from harness import run_workers
-from train_workers import base_argv, run_pretrain
+from train_workers import (base_argv, reference_model, run_keeping_model, run_pretrain,
+                           split_batches)
 
+# a learning rate at which 4 steps of the tiny model predict some target tokens (the sentinels)
+# right: at base_argv's, every accuracy is 0 and agrees with anything
+LEARNS = ("--lr", "3e-2")
 VOCAB, PADDED = 13, 16  # 8 columns per rank at TP=2; the second rank's last 3 are padding
 
 
@@ -71,17 +75,33 @@ def accuracies(result):
 @pytest.fixture(scope="module")
 def single(train_data, tmp_path_factory):
     log = tmp_path_factory.mktemp("eval_accuracy") / "single.log"
-    result = run_workers(1, run_pretrain, [base_argv(train_data, "--eval-log-samples", "2",
-                                                     "--log-file", str(log))],
+    result = run_workers(1, run_keeping_model, [base_argv(train_data, *LEARNS,
+                                                          "--eval-log-samples", "2",
+                                                          "--log-file", str(log))],
                          timeout=300)[0][0]
     return result, log.read_text()
 
 
-def test_accuracy_and_samples_are_logged(single):
+def test_accuracy_and_samples_are_logged(single, train_data):
+    import torch
+
     result, log = single
-    got = accuracies(result)[:1]
-    assert [i for i, _ in got] == [2]  # the loop's evaluation (4 is the final one)
-    assert 0.0 <= got[0][1] <= 1.0
+    got = [(e[0], e[3]) for e in result["evals"] if e[1] == "valid"]
+    assert [i for i, _ in got] == [2, 4]  # the loop's evaluation and the final one
+    # the final one recounted from the final model on the same batch (eval_iters 1 x global
+    # batch 4 of the validation split): teacher-forced argmax over the real vocabulary
+    argv = base_argv(train_data, *LEARNS)
+    model = reference_model(argv, result["state"])
+    right = total = 0
+    with torch.no_grad():
+        for batch in split_batches(argv, "valid", 2, 2):
+            logits = model(batch["encoder_input_ids"], batch["decoder_input_ids"],
+                           batch["encoder_attention_mask"], batch["decoder_attention_mask"],
+                           ).logits[..., :model.config.vocab_size]
+            labelled = batch["labels"] != -100
+            right += int((logits.argmax(-1) == batch["labels"])[labelled].sum())
+            total += int(labelled.sum())
+    assert right > 0 and got[1][1] == right / total, (right, total, got)
     line = next(line for line in log.splitlines() if "validation loss at iteration 2" in line)
     assert re.fullmatch(r" validation loss at iteration 2 \| lm loss: \S+ \| lm loss PPL: \S+ "
                         r"\| span accuracy: \d\.\d{4} \|", line), line
@@ -108,7 +128,8 @@ def test_accuracy_and_samples_are_logged(single):
                          ids=["tp2", "pp2"])
 def test_accuracy_is_the_same_at_tp2_and_pp2(train_data, single, layout, tmp_path):
     log = tmp_path / "run.log"
-    argv = base_argv(train_data, "--eval-log-samples", "1", "--log-file", str(log), *layout)
+    argv = base_argv(train_data, *LEARNS, "--eval-log-samples", "1", "--log-file", str(log),
+                     *layout)
     got = run_workers(2, run_pretrain, [argv], timeout=600)
     assert accuracies(got[0][0]) == accuracies(got[1][0])
     want = accuracies(single[0])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness import run_workers
-from train_workers import (base_argv, built_steps, losses, run_pretrain,
+from train_workers import (base_argv, losses, run_keeping_model, run_pretrain,
                            run_pretrain_until_error)
 
 from megatron.arguments import ArgumentsError, parse_args
@@ -20,21 +20,6 @@ from megatron.model import T5Model
 from megatron.pretrain_t5 import main
 
 PROMPT = ["--prompt-tune", "--prompt-length", "6", "--prompt-positions", "0.5,0,0.5"]
-
-
-def run_keeping_model(rank, world_size, argvs):
-    """As run_pretrain; each result also holds the model's state after the run (CPU tensors)."""
-    with built_steps() as built:
-        out = []
-        for argv in argvs:
-            result = run_pretrain(rank, world_size, [argv])[0]
-            module = built[-1].engine.module
-            result["state"] = {k: v.detach().cpu().clone()
-                               for k, v in module.state_dict().items()}
-            result["trainable"] = sorted(n for n, p in module.named_parameters()
-                                         if p.requires_grad)
-            out.append(result)
-        return out
 
 
 def _module_file(folder):
@@ -51,8 +36,11 @@ def test_prompt_tuning_freezes_the_model_and_saves_the_prompt(train_data, tmp_pa
         run("--save", base),
         run("--load", base, "--finetune", "--save", prompt, *PROMPT, "--lr", "0.05",
             "--prompt-init-token", "<extra_id_0>", "--eval-interval", "2", iters=10),
+        # one step at lr 0: the prompt as it started
+        run("--load", base, "--finetune", *PROMPT, "--lr", "0",
+            "--prompt-init-token", "<extra_id_0>", iters=1),
     ], timeout=600)[0]
-    trained, tuned = results
+    trained, tuned, started = results
     _, base_module = _module_file(tmp_path / "base")
     # every model parameter bitwise unchanged; the prompt alone was trainable
     assert tuned["trainable"] == ["prompt.weight"]
@@ -63,6 +51,7 @@ def test_prompt_tuning_freezes_the_model_and_saves_the_prompt(train_data, tmp_pa
     from megatron.data.tokenizers.tokenizer import build_tokenizer, resolve_tokenizer
     token = build_tokenizer(resolve_tokenizer(train_data.spm)).vocab["<extra_id_0>"]
     start = base_module["shared.weight"][token]
+    assert torch.equal(started["state"]["prompt.weight"], start.expand(6, -1))
     assert not torch.equal(tuned["state"]["prompt.weight"], start.expand(6, -1))
     # (the loss falling: test_prompt_tuning_on_seq2seq_pairs, a task with a clearer signal)
     # the saved checkpoint: the prompt alone, and the base it was trained on

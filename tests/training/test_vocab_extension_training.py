@@ -1,7 +1,8 @@
 """Training continues from a checkpoint grown to an extended vocabulary (CPM-2's bilingual
 stage; data_tools/train_tokenizer.py --extend, convert_checkpoint.py --extend-vocab): the old
 tokenizer comes from the run's recorded flags, and the grown checkpoint loads at TP 1 and TP 2,
-from its weights (--finetune) and resuming with its optimizer states."""
+from its weights (--finetune) and resuming with its optimizer states (which change step 4
+against --no-load-optim)."""
 
 import json
 import math
@@ -46,9 +47,10 @@ def test_training_continues_from_the_extended_checkpoint(train_data, corpora_dir
         return argv
 
     tp2 = ["--tensor-model-parallel-size", "2"]
-    weights_tp1, weights_tp2, resumed_tp1, resumed_tp2 = run_workers(2, run_pretrain, [
+    weights_tp1, weights_tp2, resumed_tp1, resumed_tp2, fresh = run_workers(2, run_pretrain, [
         run("--finetune", "--lr", "0", iters=2), run("--finetune", "--lr", "0", *tp2, iters=2),
-        run("--use-new-lr", iters=4), run("--use-new-lr", *tp2, iters=4)], timeout=1200)[0]
+        run("--use-new-lr", iters=4), run("--use-new-lr", *tp2, iters=4),
+        run("--use-new-lr", "--no-load-optim", iters=4)], timeout=1200)[0]
     # the same model at TP 1 and TP 2: the same evaluation losses
     assert [e[:2] for e in weights_tp1["evals"]] == [e[:2] for e in weights_tp2["evals"]]
     assert [e[2] for e in weights_tp2["evals"]] == pytest.approx(
@@ -59,3 +61,10 @@ def test_training_continues_from_the_extended_checkpoint(train_data, corpora_dir
         assert all(math.isfinite(v) for v in result["losses"].values())
     assert [resumed_tp2["losses"][i] for i in (3, 4)] == pytest.approx(
         [resumed_tp1["losses"][i] for i in (3, 4)], rel=1e-4)
+    # ... and the states were used: step 3 (the loaded weights, before any update) is the
+    # run's without them (--no-load-optim), step 4 (after an update with the loaded Adam
+    # moments) is not (1.4e-3 apart): a load that dropped the moments gives --no-load-optim's
+    assert sorted(fresh["losses"]) == [3, 4]
+    assert fresh["losses"][3] == pytest.approx(resumed_tp1["losses"][3], rel=1e-6)
+    assert abs(fresh["losses"][4] - resumed_tp1["losses"][4]) > 1e-4 * fresh["losses"][4], \
+        (fresh["losses"], resumed_tp1["losses"])

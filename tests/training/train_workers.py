@@ -31,6 +31,22 @@ def run_pretrain(rank, world_size, argvs):
     return out
 
 
+def run_keeping_model(rank, world_size, argvs):
+    """As run_pretrain; each result also holds the model's state after the run ('state', CPU
+    tensors) and its trainable parameters' names ('trainable')."""
+    with built_steps() as built:
+        out = []
+        for argv in argvs:
+            result = run_pretrain(rank, world_size, [argv])[0]
+            module = built[-1].engine.module
+            result["state"] = {k: v.detach().cpu().clone()
+                               for k, v in module.state_dict().items()}
+            result["trainable"] = sorted(n for n, p in module.named_parameters()
+                                         if p.requires_grad)
+            out.append(result)
+        return out
+
+
 def run_pretrain_counting_samples(rank, world_size, argvs):
     """As run_pretrain (with --num-workers 0), each result with 'samples_read': how many
     samples this rank's datasets served."""
@@ -147,3 +163,31 @@ def built_steps():
         yield built
     finally:
         entry.build_step = build_step
+
+
+def reference_model(argv, state):
+    """A plain one-process T5Model (evaluation mode) of `argv`'s model flags holding `state`
+    (run_keeping_model's), to recompute what a run reported."""
+    from megatron.arguments import parse_args
+    from megatron.model import T5Model
+
+    config = parse_args(argv, env={})
+    model = T5Model(config.model.t5, config.model.make_vocab_size_divisible_by)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def split_batches(argv, split, count, size):
+    """The first `count` batches of `size` samples of `split` of the run `argv` describes (the
+    entry point's datasets, built without a process group), as tensors."""
+    import torch
+
+    from megatron.arguments import parse_args
+    from megatron.data.datasets.t5_dataset import collate
+    from megatron.training.loaders import build_run_datasets
+
+    config = parse_args(argv, env={})
+    dataset = build_run_datasets(config.data, config.batch)[split]
+    return [{k: torch.from_numpy(v) for k, v in
+             collate([dataset[i] for i in range(b * size, (b + 1) * size)]).items()}
+            for b in range(count)]

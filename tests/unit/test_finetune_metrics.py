@@ -96,3 +96,7 @@ def test_generation_counts_score_the_greedy_decoding(spm_model):
     assert counts["label_right"] == sum(p == predicted[0] for p in predicted)
     assert rates(counts)["exact_match"] == 1.0
     assert rates({"examples": 0}) == {}
+    # rows without labels (validation past the file's end) are decoded but not counted
+    own["labels"][5:] = -100
+    assert generation_counts(model, [own], tokenizer, 5) == {"examples": 5, "exact": 5}
+    assert rates({"examples": 5, "exact": 4})["examples"] == 5

@@ -14,6 +14,7 @@ from megatron.data.datasets.seq2seq import (
     Seq2SeqDataset,
     build_seq2seq_datasets,
     fit,
+    is_scored,
     open_examples,
     source_problems,
 )
@@ -52,8 +53,8 @@ def test_a_sample_is_one_example_padded_and_masked(tokenizer, tokens):
     rows = [json.loads(line) for line in open(VALID, encoding="utf-8")]
     assert sorted(ds[0]) == sorted(["encoder_input_ids", "decoder_input_ids", "labels",
                                     "encoder_attention_mask", "decoder_attention_mask"])
-    for i in range(20):  # validation: file order, cycled
-        row = rows[i % len(rows)]
+    for i in range(len(rows)):  # validation: file order
+        row = rows[i]
         s = ds[i]
         want_in = fit(np.array(tokenizer.encode(row["input"])), ENC, tokens.eos_id)
         want_out = fit(np.array(tokenizer.encode(row["target"])), DEC, tokens.eos_id)
@@ -66,6 +67,17 @@ def test_a_sample_is_one_example_padded_and_masked(tokenizer, tokens):
         assert s["decoder_input_ids"][1:m].tolist() == want_out[:-1].tolist()  # shifted right
         assert s["decoder_attention_mask"].tolist() == [1] * m + [0] * (DEC - m)
         assert s["encoder_input_ids"].shape == (ENC,) and s["labels"].shape == (DEC,)
+    # past the file's end (an evaluation of 20 samples over 16 examples): the batch keeps its
+    # shape, and the repeated example is not scored a second time (issue 43 item 7: the first
+    # 4 counted twice)
+    for i in range(len(rows), 20):
+        again, first = ds[i], ds[i - len(rows)]
+        assert (again["labels"] == IGNORE_INDEX).all()
+        assert again["encoder_input_ids"].tolist() == first["encoder_input_ids"].tolist()
+        assert not is_scored(again["labels"]) and is_scored(first["labels"])
+    # training cycles over the examples in epochs: every sample scored
+    train = make(tokenizer, tokens, num_samples=130)
+    assert all(is_scored(train[i]["labels"]) for i in range(64, 130))
 
 
 def test_long_examples_are_cut_with_eos_last(tokenizer, tokens):

@@ -13,7 +13,9 @@ to fit, EOS kept as its last token.
 
 Sample i of a split is a pure function of (seed, i): training samples walk the examples in a
 seeded permutation per epoch; validation samples walk them in file order, from the first, so
-every evaluation sees the same examples.
+every evaluation sees the same examples, each at most once: a sample past the file's last
+example (an evaluation of more samples than the file holds) repeats an example with every label
+-100, so that it keeps the batch's shape but counts for nothing (`is_scored`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron.data.datasets.t5_dataset import T5SpecialTokens, make_sample
+from megatron.data.datasets.t5_dataset import IGNORE_INDEX, T5SpecialTokens, make_sample
 from megatron.data.preprocess.jsonl import BadLine, read_fields
 from megatron.data.storage.indexed_dataset import IndexedDataset, dataset_exists
 
@@ -201,10 +203,21 @@ class Seq2SeqDataset:
             raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
         inputs, targets = self.examples[self.example_index(index)]
         eos = self.tokens.eos_id
-        return make_sample(fit(inputs, self.encoder_length, eos),
-                           fit(targets, self.decoder_length, eos), self.encoder_length,
-                           self.decoder_length, self.tokens.pad_id,
-                           self.tokens.decoder_start_token_id)
+        sample = make_sample(fit(inputs, self.encoder_length, eos),
+                             fit(targets, self.decoder_length, eos), self.encoder_length,
+                             self.decoder_length, self.tokens.pad_id,
+                             self.tokens.decoder_start_token_id)
+        if not self.shuffle and int(index) >= len(self.examples):
+            # validation past the file's end: the batch keeps its shape (the ranks and pipeline
+            # stages run the same steps), the example already scored is not scored again
+            sample["labels"][:] = IGNORE_INDEX
+        return sample
+
+
+def is_scored(labels) -> bool:
+    """Whether a sample (its labels row) is scored: a real example always labels its EOS; a
+    validation sample past the file's end labels nothing (module docstring)."""
+    return bool((labels != IGNORE_INDEX).any())
 
 
 def build_seq2seq_datasets(config: Seq2SeqConfig, encoder_length: int, decoder_length: int,
