@@ -11,7 +11,6 @@ caches training will look up, prints what it built, and checks one sample of eac
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Optional, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.cli import CommandLineParser
 from megatron.data.datasets.builder import build_datasets
 from megatron.data.data_args import (
     add_data_args,
@@ -35,7 +35,7 @@ from megatron.data.tokenizers.tokenizer import build_tokenizer
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = add_data_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser = add_data_args(CommandLineParser(description=__doc__.split("\n\n")[0]))
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         print(f"note: ignoring flags that do not concern the data: {' '.join(unknown)}",

@@ -68,13 +68,14 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from megatron.stdout import logs_to_stderr  # noqa: E402 - after the path is set
+from megatron.cli import CommandLineParser  # noqa: E402 - after the path is set
+from megatron.stdout import logs_to_stderr  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.split("\n")[0],
+    p = CommandLineParser(prog="convert_checkpoint.py", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 1)[1])
     source = p.add_mutually_exclusive_group(required=True)

@@ -38,6 +38,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from megatron.cli import CommandLineParser
+
 EXIT_USAGE = 2
 
 
@@ -46,7 +48,7 @@ class GenerateError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron.generate",
+    p = CommandLineParser(prog="python -m megatron.generate",
                                 description="Generate text from one of our checkpoints.")
     io = p.add_argument_group("input and output")
     io.add_argument("--load", required=True, metavar="CKPT",

@@ -11,7 +11,7 @@ import numpy as np
 
 from megatron.data.datasets.builder import data_file_problems
 from megatron.data.storage.indexed_dataset import IndexedDatasetBuilder
-from megatron.pretrain_t5 import startup_voice
+from megatron.cli import startup_voice
 from megatron.training.loaders import UnreadBatches
 
 
@@ -78,15 +78,11 @@ def _agent_store():
     return store, env
 
 
-class _NoSignal:
-    received = None
-
-
 def test_a_silent_rank_leaves_once_the_speaker_has_printed():
     import threading
     import time
 
-    from megatron.pretrain_t5 import announce_refusal, await_refusal
+    from megatron.cli import announce_refusal, await_refusal
 
     store, env = _agent_store()
     speaker = {**env, "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0"}
@@ -94,7 +90,7 @@ def test_a_silent_rank_leaves_once_the_speaker_has_printed():
     left = []
 
     def wait():
-        await_refusal(silent, _NoSignal(), grace_s=600)
+        await_refusal(silent, lambda: False, grace_s=600)
         left.append(time.monotonic())
 
     waiter = threading.Thread(target=wait)
@@ -108,15 +104,12 @@ def test_a_silent_rank_leaves_once_the_speaker_has_printed():
 
 
 def test_a_silent_rank_without_a_launcher_store_leaves_at_a_signal():
-    from megatron.pretrain_t5 import await_refusal
-
-    class Signalled:
-        received = 15
+    from megatron.cli import await_refusal
 
     # no agent store (srun, a plain python): the grace is cut short by the launcher's SIGTERM
     import threading
 
-    waiter = threading.Thread(target=await_refusal, args=({"WORLD_SIZE": "2"}, Signalled(), 600),
+    waiter = threading.Thread(target=await_refusal, args=({"WORLD_SIZE": "2"}, lambda: True, 600),
                               daemon=True)
     waiter.start()
     waiter.join(60)
