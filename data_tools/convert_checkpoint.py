@@ -68,7 +68,7 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from megatron.cli import CommandLineParser  # noqa: E402 - after the path is set
+from megatron.cli import CommandLineParser, folder_problems  # noqa: E402 - after the path is set
 from megatron.stdout import logs_to_stderr  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -166,6 +166,10 @@ class CommandLineError(ValueError):
 
 def check(args) -> List[str]:
     problems = []
+    for flag, path in (("--load", args.load), ("--inspect", args.inspect),
+                       (f"--from {args.from_format}", args.source_dir)):
+        if path is not None:  # refused here, with the others: exit 2, not a read failure's 1
+            problems += folder_problems(flag, path, "the checkpoint folder")
     if args.inspect is not None:
         if args.to is not None:
             problems.append("--inspect stops after describing; --to has no effect with it")

@@ -177,6 +177,20 @@ def refuse(problems: Sequence[str], env: Optional[Mapping[str, str]] = None,
     raise SystemExit(EXIT_USAGE)
 
 
+def folder_problems(flag: str, path: str,
+                    what: str = "the checkpoint folder (a run's --save)") -> List[str]:
+    """A flag that names a folder given a file, or a path that does not exist, said as such
+    (`--load ckpt/model.pt is a file: give the checkpoint folder ...`); empty for a folder or
+    an object-storage URL (s3://, checked where it is read)."""
+    if "://" in path:
+        return []
+    if os.path.isfile(path):
+        return [f"{flag} {path} is a file: give {what}"]
+    if not os.path.isdir(path):
+        return [f"{flag} {path}: no such folder"]
+    return []
+
+
 def startup_voice(env: Mapping[str, str]) -> Optional[str]:
     """How this rank reports a command line that cannot run, found before any process group
     exists (so no rank can ask another): '' for rank 0, which speaks for the job; None (silent)
