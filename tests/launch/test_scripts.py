@@ -91,6 +91,19 @@ def stage_env(tiny_data, tmp_path, **extra) -> dict:
             "TOKENIZER": tiny_data.spm, "OUT": str(tmp_path / "out"), "INIT": "", **extra}
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "launch/examples").glob("*.sh")
+                                         if p.name != "common.sh"))
+def test_examples_create_nothing_before_the_launcher(name, tiny_data, tmp_path):
+    """A script leaves OUT to the trainer (which makes what it writes): under --dry-run, or a
+    launcher that fails, no empty OUT is left behind."""
+    env = {**stage_env(tiny_data, tmp_path), "DATA": tiny_data.prefix,
+           "MODEL_CONFIG": tiny_data.config, "LAUNCHER": "echo"}
+    proc = bash(REPO / "launch/examples" / name, "--dry-run", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "--dry-run" in proc.stdout
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("name", CPM2_LATER_STAGES)
 def test_cpm2_later_stages_name_missing_settings(name, tiny_data, tmp_path):
     script = REPO / "launch/examples" / name
