@@ -445,11 +445,14 @@ def _collect(problems: List[str], read, *args):
 
 
 def run(args) -> int:
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
     from megatron import parallel_state
-    from megatron.initialize import choose_device, distributed_env
+    from megatron.initialize import PortInUse, choose_device, distributed_env, launcher_of, \
+        start_process_group
     from megatron.tensor_parallel.group import ExpertParallel, TensorParallel
 
     world_size = int(distributed_env(os.environ)["WORLD_SIZE"])  # torchrun's, or Slurm's
@@ -459,10 +462,14 @@ def run(args) -> int:
     device_type, backend, _ = choose_device(None)
     created = False
     if world_size > 1 and not dist.is_initialized():
+        launcher = launcher_of(os.environ)
         os.environ.update(distributed_env(os.environ))
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-        dist.init_process_group(backend=backend, init_method="env://")
+        try:
+            start_process_group(backend, timedelta(minutes=30), launcher)  # torch's default
+        except PortInUse as e:
+            raise GenerateError(str(e)) from None
         created = True
     try:
         if world_size > 1:

@@ -37,7 +37,8 @@ from megatron.config.prompt_args import prompt_settings, resumes_prompt_run
 from megatron.config.lr_schedule import resolve_with_checkpoint
 from megatron.cost.report import print_dry_run
 from megatron.failures import DataError, RunFailure, report_failure
-from megatron.initialize import distributed_env, join_deepspeed, join_process_group, set_seeds
+from megatron.initialize import PortInUse, distributed_env, join_deepspeed, join_process_group, \
+    set_seeds
 from megatron.model.flops import training_step_flops
 from megatron.training.data_workers import reap_daemonic_children
 from megatron.training.engine import build_model, count_parameters, initialize_engine
@@ -413,11 +414,15 @@ def run(config: RunConfig, signals) -> int:
     launch = distributed_env(os.environ, runtime.local_rank)
     watchdog = Watchdog(int(launch["RANK"]))
     try:
-        with watchdog.watch(f"process-group start: rendezvous with {launch['MASTER_ADDR']}:"
-                            f"{launch['MASTER_PORT']} and connections to the other ranks (on "
-                            f"hosts with several interfaces, set GLOO_SOCKET_IFNAME or "
-                            f"NCCL_SOCKET_IFNAME)", 60 * runtime.distributed_timeout_minutes):
-            created = join_process_group(runtime, config.parallel)
+        try:
+            with watchdog.watch(f"process-group start: rendezvous with {launch['MASTER_ADDR']}:"
+                                f"{launch['MASTER_PORT']} and connections to the other ranks "
+                                f"(on hosts with several interfaces, set GLOO_SOCKET_IFNAME or "
+                                f"NCCL_SOCKET_IFNAME)", 60 * runtime.distributed_timeout_minutes):
+                created = join_process_group(runtime, config.parallel)
+        except PortInUse as e:  # only the rank that binds it (0) finds it; its peers time out
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
         return _train(config, signals, watchdog, created)
     finally:
         reap_daemonic_children()  # a data worker that nobody closed (training/data_workers.py)

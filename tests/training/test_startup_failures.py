@@ -71,3 +71,35 @@ def test_a_resume_that_contradicts_its_checkpoint_is_refused_once(train_data, tm
     assert_refused_once(proc, "the learning-rate schedule in the checkpoint differs",
                         "--use-new-lr")
     assert sorted(p.name for p in ckpt.iterdir()) == before
+
+
+@pytest.mark.slow
+def test_single_process_runs_and_a_master_port_in_use(train_data, tmp_path):
+    """A plain `python -m megatron.pretrain_t5` without MASTER_PORT trains on a port its store
+    picked (29500 was fixed: a second run on the host died with a 30-line EADDRINUSE
+    traceback); one with a MASTER_PORT in use says so in one line, exit 2, writing nothing."""
+    import socket
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_", "SLURM_",
+                                "TORCHELASTIC_"))}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "megatron.pretrain_t5",
+            *base_argv(train_data, "--log-file", str(tmp_path / "log"), iters=1,
+                       model=train_data.tiny)]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        refused = subprocess.run(argv, cwd=tmp_path, env={**env, "MASTER_PORT": str(port)},
+                                 capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+    errors = [line for line in refused.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [f"error: MASTER_PORT {port} is in use on 127.0.0.1 (another job or run "
+                      f"listens there): set MASTER_PORT to a free port, or unset it: a run "
+                      f"without a launcher then takes a free one"], refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr and not (tmp_path / "log").exists()
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"iteration +1/ *1 \|.*loss: ", done.stdout), done.stdout[-3000:]

@@ -114,3 +114,60 @@ def test_a_silent_rank_without_a_launcher_store_leaves_at_a_signal():
     waiter.start()
     waiter.join(60)
     assert not waiter.is_alive()
+
+
+JOIN = """
+import datetime, os, sys
+from megatron.initialize import PortInUse, distributed_env, launcher_of, start_process_group
+launcher = launcher_of(os.environ)
+os.environ.update(distributed_env(os.environ))
+try:
+    start_process_group("gloo", datetime.timedelta(seconds=60), launcher)
+except PortInUse as e:
+    print(e, file=sys.stderr)
+    sys.exit(2)
+print(os.environ["MASTER_PORT"], flush=True)
+sys.stdin.readline()  # holds its process group (and its store's port) until the test is done
+"""
+
+
+def _join(env):
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "SLURM_",
+                                  "TORCHELASTIC_"))}
+    return subprocess.Popen([sys.executable, "-c", JOIN], env={**clean, **env}, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def test_single_process_runs_without_master_port_take_free_ports():
+    """Two plain `python` runs on one host at once (both used to bind 29500, the second dying
+    with EADDRINUSE): each store binds a port the kernel picks, and MASTER_PORT says which."""
+    first, second = _join({}), _join({})
+    try:
+        ports = [int(p.stdout.readline() or 0) for p in (first, second)]
+        assert all(ports) and ports[0] != ports[1], [p.stderr.read() for p in (first, second)]
+    finally:
+        for p in (first, second):
+            p.communicate("\n", timeout=60)
+    assert first.returncode == second.returncode == 0
+
+
+def test_a_master_port_in_use_is_one_line_naming_it():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _join({"MASTER_PORT": str(port)})
+        out, err = proc.communicate("\n", timeout=120)
+    assert proc.returncode == 2, err
+    assert err.splitlines() == [
+        f"MASTER_PORT {port} is in use on 127.0.0.1 (another job or run listens there): set "
+        f"MASTER_PORT to a free port, or unset it: a run without a launcher then takes a free "
+        f"one"], err
