@@ -12,7 +12,7 @@ one line for each unknown flag, on the rank that speaks for the job (`startup_vo
 other ranks exit silently once it has printed (`announce_refusal`, `await_refusal`), since a
 launcher ends the others as soon as one rank exits. `RENAMED_FLAGS` is the one table of flags
 that Megatron-LM or CPM-2-Pretrain accept and this project does not, with what to use instead;
-docs/migrating.md lists the same flags (tests/unit/test_cli.py holds the two together).
+docs/migrating.md lists the same flags (tests/unit/test_command_line.py holds the two together).
 
 No import of the rest of the package: every layer's command may use it.
 """
@@ -153,10 +153,9 @@ class CommandLineParser(argparse.ArgumentParser):
         refuse(self.unknown_problems(extras))
 
     def error(self, message: str) -> NoReturn:
-        message = f"{message} ({self.prog} --help lists every flag)"
-        if self._parsing:
-            raise _Malformed(message)
-        refuse([message])
+        if self._parsing:  # argparse's own words: where to look them up
+            raise _Malformed(f"{message} ({self.prog} --help lists every flag)")
+        refuse([message])  # a tool's parser.error(...): its message says what to do
 
 
 def refuse(problems: Sequence[str], env: Optional[Mapping[str, str]] = None,

@@ -519,9 +519,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     old_term = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return run(args)
-    except GenerateError as e:
+    except GenerateFailure as e:  # may be this rank's alone (its shard): it says so itself
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+        where = f" (rank {rank})" if rank is not None and startup_voice(os.environ) != "" \
+            else ""
+        print(f"error{where}: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILURE
+    except GenerateError as e:  # found alike by every rank, before any process group
         _say(f"error: {e}")
-        return EXIT_FAILURE if isinstance(e, GenerateFailure) else EXIT_USAGE
+        return EXIT_USAGE
     except (KeyboardInterrupt, Interrupted):
         _say("interrupted; no output was written")
         return EXIT_INTERRUPTED
