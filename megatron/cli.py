@@ -26,14 +26,15 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from typing import Callable, Dict, List, Mapping, NoReturn, Optional, Sequence
+from types import MappingProxyType
+from typing import Callable, List, Mapping, NoReturn, Optional, Sequence
 
 _MODEL_CONFIG = "the model's shape comes from --model-config (a JSON file or a preset name)"
 _NO_RECOMPUTE = "use --checkpoint-activations (it recomputes whole blocks; selective " \
                 "recompute is not available)"
 _RESUMES = "remove it (the data loader always resumes)"
 
-RENAMED_FLAGS: Dict[str, str] = {
+RENAMED_FLAGS: Mapping[str, str] = MappingProxyType({  # read-only: no module state
     # Megatron-LM
     "--num-layers": _MODEL_CONFIG,
     "--hidden-size": _MODEL_CONFIG,
@@ -58,7 +59,7 @@ RENAMED_FLAGS: Dict[str, str] = {
     "--no-save-rng": _RESUMES,
     "--resume-dataloader": _RESUMES,
     "--eval-batch-size": _RESUMES,
-}
+})
 """Flag of Megatron-LM or CPM-2-Pretrain -> what to do here (docs/migrating.md)."""
 
 EXIT_USAGE = 2
