@@ -39,6 +39,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -516,7 +517,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     130 interrupted (Ctrl-C, SIGTERM); the rank that speaks for the job says why, one line a
     problem, the others stay silent."""
     args = build_parser().parse_args(argv)
-    old_term = signal.signal(signal.SIGTERM, _on_sigterm)
+    main_thread = threading.current_thread() is threading.main_thread()  # where handlers go
+    old_term = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         return run(args)
     except GenerateFailure as e:  # may be this rank's alone (its shard): it says so itself
@@ -532,7 +534,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _say("interrupted; no output was written")
         return EXIT_INTERRUPTED
     finally:
-        signal.signal(signal.SIGTERM, old_term)
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_term)
 
 
 def _say(line: str) -> None:
