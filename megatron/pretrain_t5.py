@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import sys
-
 from pathlib import Path
 from typing import Optional, Sequence
 
