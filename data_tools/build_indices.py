@@ -55,7 +55,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.data_path:  # opened as training opens them: a missing or truncated prefix is named
         problems += data_file_problems(args.data_path, args.data_impl, storage)
     if problems:
-        refuse(problems)
+        refuse(problems, job=False)
     start = time.time()
     try:
         tokenizer = build_tokenizer(spec, extra_ids=args.vocab_extra_ids)

@@ -76,8 +76,8 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 def build_parser() -> argparse.ArgumentParser:
     p = CommandLineParser(prog="convert_checkpoint.py", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n", 1)[1])
+                          formatter_class=argparse.RawDescriptionHelpFormatter,
+                          epilog=__doc__.split("\n", 1)[1])
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", metavar="CKPT", help="one of our checkpoint folders (the "
                         "trainer's --save; or a weights checkpoint this tool wrote)")

@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Every flag of the entry point, group by group (docs/flags.md is made from it)."""
     parser = CommandLineParser(
         prog="python -m megatron.pretrain_t5", allow_abbrev=False, renamed=RENAMED_FLAGS,
+        job=True,
         description="Pretrain a T5 / CPM-2 encoder-decoder with DeepSpeed and tensor parallelism.")
     add_data_args(parser, schedule=False)
     for action in parser._actions:  # checked in validate(), with every other problem

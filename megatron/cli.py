@@ -115,17 +115,22 @@ class CommandLineParser(argparse.ArgumentParser):
 
     renamed: unknown flags that have a replacement (`RENAMED_FLAGS` for the commands that take
         the trainer's flags, which users bring from Megatron-LM and CPM-2; default none).
+    job: the command runs as the ranks of a launched job (the trainer, megatron.generate), so
+        one rank speaks for all (`refuse`); a tool (default) always speaks for itself: a Slurm
+        task running it may have problems of its own.
     """
 
-    def __init__(self, *args, renamed: Optional[Mapping[str, str]] = None, **kwargs) -> None:
+    def __init__(self, *args, renamed: Optional[Mapping[str, str]] = None, job: bool = False,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.renamed = renamed or {}
+        self.job = job
         self._parsing = False  # error() raises _Malformed while parse_args collects
 
     def parse_args(self, args=None, namespace=None):
         namespace, extras, problems = self.parse_collecting(args, namespace)
         if problems:
-            refuse(problems)
+            refuse(problems, job=self.job)
         return namespace
 
     def parse_collecting(self, args=None, namespace=None):
@@ -151,21 +156,21 @@ class CommandLineParser(argparse.ArgumentParser):
 
     def refuse_unknown(self, extras: Sequence[str]) -> NoReturn:
         """`refuse` the arguments left over by `parse_known_args`, one line per unknown flag."""
-        refuse(self.unknown_problems(extras))
+        refuse(self.unknown_problems(extras), job=self.job)
 
     def error(self, message: str) -> NoReturn:
         if self._parsing:  # argparse's own words: where to look them up
             raise _Malformed(f"{message} ({self.prog} --help lists every flag)")
-        refuse([message])  # a tool's parser.error(...): its message says what to do
+        refuse([message], job=self.job)  # a tool's parser.error(...): its own words
 
 
 def refuse(problems: Sequence[str], env: Optional[Mapping[str, str]] = None,
-           stopped: Optional[Callable[[], bool]] = None) -> NoReturn:
+           stopped: Optional[Callable[[], bool]] = None, job: bool = True) -> NoReturn:
     """Say why the command line cannot run, once for the job, and exit 2 (SystemExit): the
     speaking rank prints `error: PROBLEM` for each problem on stderr (a node's first rank
     naming its node), and under a launcher tells its node's silent ranks, which wait for that
-    word (`await_refusal`)."""
-    env = os.environ if env is None else env
+    word (`await_refusal`). Not a `job`'s rank: this process speaks, whatever its environment."""
+    env = (os.environ if env is None else env) if job else {}
     voice = startup_voice(env)
     several = env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")) != "1"
     if voice is not None:

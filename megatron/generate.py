@@ -64,8 +64,8 @@ class Interrupted(BaseException):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = CommandLineParser(prog="python -m megatron.generate",
-                                description="Generate text from one of our checkpoints.")
+    p = CommandLineParser(prog="python -m megatron.generate", job=True,
+                          description="Generate text from one of our checkpoints.")
     io = p.add_argument_group("input and output")
     # --load, --input and --output are required: checked with every other problem (flag_problems)
     io.add_argument("--load", metavar="CKPT",

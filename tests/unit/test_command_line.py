@@ -121,3 +121,12 @@ def test_only_the_speaking_rank_prints(capsys):
     assert err[0] == "error: unknown flag --x" and len(err) == 2, err
     assert err[1].startswith("error (node 1, ") and err[1].endswith("): unknown flag --x")
     del store
+
+
+def test_a_tool_speaks_for_itself_whatever_its_rank(capsys, monkeypatch):
+    """A data tool is no rank of a job: started by srun as task 3 of 4 (its own shard, maybe
+    its own problem), it says why, and does not wait for a rank 0 that is not there."""
+    for key, value in (("SLURM_PROCID", "3"), ("SLURM_NTASKS", "4"), ("SLURM_LOCALID", "3")):
+        monkeypatch.setenv(key, value)
+    status, err = refusal("data_tools.merge_datasets", ["--bogus"], capsys)
+    assert status == 2 and any("unknown flag --bogus" in line for line in err), err
