@@ -143,7 +143,7 @@ class CommandLineParser(argparse.ArgumentParser):
             complaint = []
         except _Malformed as e:  # argparse stops at its first complaint: the flags still count
             namespace, complaint = None, [str(e)]
-            extras = [a for a in args if a.startswith("--")
+            extras = [a for a in args if a.startswith("--") and a != "--"
                       and a.split("=", 1)[0] not in self._option_string_actions]
         finally:
             self._parsing = False
