@@ -5,6 +5,7 @@ torchrun.sh running the tiny example, SIGUSR1 included."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -192,6 +193,20 @@ def test_torchrun_sh_refuses_incomplete_settings():
     proc = bash(REPO / "launch/torchrun.sh", "--help", env={"RDZV_ENDPOINT": "h:29400",
                                                              "NPROC_PER_NODE": "1"})
     assert proc.returncode == 2 and "RDZV_ID" in proc.stderr
+
+
+def test_torchrun_sh_ends_with_the_workers_status(tiny_data, tmp_path):
+    """A command line the ranks refuse: launch/torchrun.sh ends in their status, 2 (torchrun
+    alone ends in 1, with a ChildFailedError traceback: megatron/torchrun.py), after rank 0's
+    lines and one line of its own."""
+    proc = subprocess.run(["bash", str(REPO / "launch/examples/tiny_cpu.sh"),
+                           "--use-distributed-optimizer"], env=tiny_env(tiny_data, tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("unknown flag --use-distributed-optimizer") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"^torchrun: rank \d \(local rank \d on .*\) exited with status 2: the "
+                     r"job ends with status 2", proc.stderr, re.M), proc.stderr[-3000:]
 
 
 def test_sbatch_script_refuses_to_run_outside_slurm():
