@@ -11,7 +11,6 @@ caches training will look up, prints what it built, and checks one sample of eac
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -20,7 +19,9 @@ from typing import Optional, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.data.datasets.builder import build_datasets
+from megatron.arguments import build_parser as training_parser
+from megatron.cli import CommandLineParser, refuse
+from megatron.data.datasets.builder import build_datasets, data_file_problems
 from megatron.data.data_args import (
     add_data_args,
     check_data_args,
@@ -35,25 +36,32 @@ from megatron.data.tokenizers.tokenizer import build_tokenizer
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = add_data_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    """Exit status: 0 built, 2 a command line or data that cannot run (every problem listed,
+    one a line, before anything is built), 1 a failure while building."""
+    parser = add_data_args(CommandLineParser(description=__doc__.split("\n\n")[0]))
     args, unknown = parser.parse_known_args(argv)
-    if unknown:
+    # the training command's other flags are welcome (and ignored); flags it would refuse too
+    # are refused here, named as the trainer names them
+    _, _, problems = training_parser().parse_collecting(unknown)
+    if unknown and not problems:
         print(f"note: ignoring flags that do not concern the data: {' '.join(unknown)}",
               file=sys.stderr)
-    problems = check_data_args(args)
+    problems += check_data_args(args)
     try:
         spec = tokenizer_spec_from_args(args)
     except ValueError as e:
         problems.append(str(e))
+    storage = ObjectStorage(storage_settings_from_args(vars(args)))
+    if args.data_path:  # opened as training opens them: a missing or truncated prefix is named
+        problems += data_file_problems(args.data_path, args.data_impl, storage)
     if problems:
-        parser.error("; ".join(problems))
+        refuse(problems, job=False)
     start = time.time()
     try:
         tokenizer = build_tokenizer(spec, extra_ids=args.vocab_extra_ids)
         tokens = T5SpecialTokens.from_tokenizer(tokenizer, whole_word=args.whole_word_masking)
         counts = sample_counts_from_args(args)
-        datasets = build_datasets(data_config_from_args(args), tokens, counts,
-                                  ObjectStorage(storage_settings_from_args(vars(args))))
+        datasets = build_datasets(data_config_from_args(args), tokens, counts, storage)
     except (OSError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

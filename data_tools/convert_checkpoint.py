@@ -68,15 +68,16 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from megatron.stdout import logs_to_stderr  # noqa: E402 - after the path is set
+from megatron.cli import CommandLineParser, folder_problems  # noqa: E402 - after the path is set
+from megatron.stdout import logs_to_stderr  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n", 1)[1])
+    p = CommandLineParser(prog="convert_checkpoint.py", description=__doc__.split("\n")[0],
+                          formatter_class=argparse.RawDescriptionHelpFormatter,
+                          epilog=__doc__.split("\n", 1)[1])
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", metavar="CKPT", help="one of our checkpoint folders (the "
                         "trainer's --save; or a weights checkpoint this tool wrote)")
@@ -165,6 +166,10 @@ class CommandLineError(ValueError):
 
 def check(args) -> List[str]:
     problems = []
+    for flag, path in (("--load", args.load), ("--inspect", args.inspect),
+                       (f"--from {args.from_format}", args.source_dir)):
+        if path is not None:  # refused here, with the others: exit 2, not a read failure's 1
+            problems += folder_problems(flag, path, "the checkpoint folder")
     if args.inspect is not None:
         if args.to is not None:
             problems.append("--inspect stops after describing; --to has no effect with it")

@@ -22,7 +22,6 @@ writes nothing beside the data).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import List, Optional, Sequence
@@ -32,6 +31,7 @@ if __package__ in (None, ""):
 
 import numpy as np
 
+from megatron.cli import CommandLineParser
 from megatron.data.storage.indexed_dataset import IMPLS, IndexedDataset
 
 
@@ -57,7 +57,7 @@ def print_samples(args, rest: Sequence[str]) -> int:
     from megatron.data.data_args import add_data_args, storage_settings_from_args
     from megatron.data.storage.object_storage import ObjectStorage
 
-    parser = add_data_args(argparse.ArgumentParser(prog="inspect_dataset.py --samples"),
+    parser = add_data_args(CommandLineParser(prog="inspect_dataset.py --samples"),
                            schedule=False)
     parser.add_argument("--train-iters", type=int, default=None)
     parser.add_argument("--global-batch-size", type=int, default=None)
@@ -137,7 +137,7 @@ def _print_samples(args, flags, storage) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = CommandLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("prefix", help="dataset path without .bin/.idx")
     p.add_argument("--data-impl", default="infer", choices=IMPLS)
     p.add_argument("--tokenizer-model", "--tokenizer-path", dest="tokenizer_model", default=None,
@@ -153,7 +153,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="with --samples: one JSON object per sample on stdout, nothing else")
     args, rest = p.parse_known_args(argv)
     if rest and not args.samples:
-        p.error(f"unrecognized arguments: {' '.join(rest)}")
+        p.refuse_unknown(rest)
     if (args.document or args.samples) and not args.tokenizer_model:
         p.error("--document and --samples need --tokenizer-model")
     if args.samples:

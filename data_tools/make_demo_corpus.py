@@ -8,11 +8,15 @@ fresh machine with no network. One document per topic, `{"text": ...}` per line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from typing import Optional, Sequence
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.cli import CommandLineParser  # noqa: E402 - after the path is set
 
 
 def demo_documents():
@@ -25,7 +29,7 @@ def demo_documents():
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = CommandLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True, help="JSONL file to write")
     args = p.parse_args(argv)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

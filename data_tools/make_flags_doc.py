@@ -19,6 +19,8 @@ from typing import List, Optional, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.cli import CommandLineParser  # noqa: E402 - after the path is set
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO / "docs" / "flags.md"
 REGENERATE = "python data_tools/make_flags_doc.py"
@@ -128,7 +130,7 @@ def check(path: Path = DEFAULT_OUTPUT) -> List[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = CommandLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT,
                         help=f"the Markdown file (default: {DEFAULT_OUTPUT.relative_to(REPO)})")
     parser.add_argument("--check", action="store_true",

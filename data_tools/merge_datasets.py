@@ -10,7 +10,6 @@ input must have the same token dtype; the output appears only when complete.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import List, Optional, Sequence
@@ -18,6 +17,7 @@ from typing import List, Optional, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.cli import CommandLineParser
 from megatron.data.storage.indexed_dataset import IndexedDataset, dataset_exists, merge_datasets
 
 
@@ -40,7 +40,7 @@ def expand_prefixes(inputs: Sequence[str]) -> List[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = CommandLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="dataset prefixes or directories")
     p.add_argument("--output-prefix", required=True)
     args = p.parse_args(argv)

@@ -44,6 +44,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import numpy as np
 
+from megatron.cli import CommandLineParser
 from megatron.data.storage.data_meta import DatasetMeta, meta_file_path
 from megatron.data.storage.indexed_dataset import (
     IndexedDatasetBuilder,
@@ -57,7 +58,7 @@ from megatron.data.tokenizers.tokenizer import TOKENIZER_TYPES, build_tokenizer,
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = CommandLineParser(
         description="Tokenize JSONL corpora into Megatron .bin/.idx datasets.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -13,7 +13,6 @@ downloaded. The package's own `megatron/data/preprocess/assets/punkt_english.jso
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Iterator, Optional, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.cli import CommandLineParser
 from megatron.data.preprocess.jsonl import BadLine, expand_inputs, iter_texts
 from megatron.data.preprocess.sentence_splitter import save_punkt_parameters, train_punkt_parameters
 
@@ -44,7 +44,7 @@ def pydoc_topic_texts() -> Iterator[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = CommandLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="*", default=[], help="JSONL files or globs")
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--pydoc-topics", action="store_true",

@@ -43,6 +43,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import sentencepiece as spm
 
+from megatron.cli import CommandLineParser
 from megatron.data.preprocess.jsonl import JSONL_SUFFIXES, BadLine, expand_inputs, parse_line, read_chunks
 from megatron.data.tokenizers.tokenizer import T5Tokenizer, available_cpus
 from megatron.data.datasets.ul2 import DEFAULT_MODE_TOKENS
@@ -60,7 +61,7 @@ class InputError(Exception):
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = CommandLineParser(
         description="Train a SentencePiece tokenizer in T5's layout (pad=0, eos=1, unk=2, no bos).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--input", nargs="+", required=True,

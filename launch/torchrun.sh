@@ -16,6 +16,9 @@
 #   TORCHRUN_ARGS   more torchrun options, word-split (e.g. "--max-restarts 0 --log-dir logs")
 #   PYTHON          the interpreter (default: python)
 #
+# Exit status: the first failed rank's (docs/troubleshooting.md), not torchrun's 1 for any failure:
+# torchrun runs through `python -m megatron.torchrun`, which takes the same options.
+#
 # Several nodes by hand: run this on every node with the same NNODES/MASTER_ADDR/MASTER_PORT and
 # its own NODE_RANK. Under Slurm, launch/slurm/pretrain_t5.sbatch does that with srun.
 #
@@ -74,4 +77,4 @@ else
 fi
 # shellcheck disable=SC2206  # TORCHRUN_ARGS is a word list on purpose
 launch+=(${TORCHRUN_ARGS:-})
-exec "$PYTHON" -m torch.distributed.run "${launch[@]}" -m megatron.pretrain_t5 "$@"
+exec "$PYTHON" -m megatron.torchrun "${launch[@]}" -m megatron.pretrain_t5 "$@"

@@ -29,6 +29,7 @@ from megatron.checkpoint.io.checkpointing import (
     layout,
 )
 from megatron.checkpoint.io.ownership import lock_problems
+from megatron.cli import RENAMED_FLAGS, CommandLineParser
 from megatron.config import Layout, ParallelConfig, RunConfig, RuntimeConfig
 from megatron.config.lr_schedule import DECAY_STYLES
 from megatron.config.lr_schedule import from_args as lr_from_args
@@ -60,8 +61,9 @@ class ArgumentsError(ValueError):
 
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of the entry point, group by group (docs/flags.md is made from it)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m megatron.pretrain_t5", allow_abbrev=False,
+    parser = CommandLineParser(
+        prog="python -m megatron.pretrain_t5", allow_abbrev=False, renamed=RENAMED_FLAGS,
+        job=True,
         description="Pretrain a T5 / CPM-2 encoder-decoder with DeepSpeed and tensor parallelism.")
     add_data_args(parser, schedule=False)
     for action in parser._actions:  # checked in validate(), with every other problem
@@ -304,10 +306,14 @@ def parse_args(argv: Optional[Sequence[str]] = None,
         ArgumentsError: listing every problem of the flags and the files they name.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    # unknown flags (named with their replacement, megatron/cli.py) are listed with the
+    # problems of the others; a malformed value stops the checks: nothing else can be read
+    args, _, unknown = build_parser().parse_collecting(argv)
+    if args is None:
+        raise ArgumentsError(unknown)
     config, problems = validate(args, os.environ if env is None else env)
-    if problems:
-        raise ArgumentsError(problems, args.log_file)
+    if unknown or problems:
+        raise ArgumentsError(unknown + problems, args.log_file)
     return config
 
 

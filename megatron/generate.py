@@ -25,8 +25,11 @@ experts of each Mixture-of-Experts layer and its expert-parallel group decodes i
 With a tuned prompt (megatron/generation/prompt.py): `--prompt-load P` puts the prompt of a
 prompt-tuning run's --save on --load, its base (refused, naming both, on another); a
 --prompt-train-model checkpoint decodes with the prompt it holds.
-The output is written to a temporary name and renamed; any problem is one message naming the
-file, line or flag, and a non-zero exit.
+The output is written to a temporary name and renamed. Every problem found before decoding
+(the flags, --input's lines, --load, the tokenizer) is listed at once, one line each, exit 2; a
+checkpoint that fails while it is read, or an output that cannot be written, exit 1; Ctrl-C or
+SIGTERM, one line and exit 130 (docs/troubleshooting.md, "Exit statuses"). Under a launcher, one
+rank speaks for the job (megatron/cli.py).
 """
 
 from __future__ import annotations
@@ -34,22 +37,38 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-EXIT_USAGE = 2
+from megatron.cli import EXIT_INTERRUPTED, EXIT_USAGE, CommandLineParser, folder_problems, \
+    startup_voice
+
+EXIT_FAILURE = 1
 
 
 class GenerateError(Exception):
-    """A problem the user can act on; the message names the file, line or flag."""
+    """A problem the user can act on, found before decoding starts (exit 2); the message names
+    the file, line or flag."""
+
+
+class GenerateFailure(GenerateError):
+    """A problem found while running (exit 1): a checkpoint's tensors unreadable, the output
+    not writable."""
+
+
+class Interrupted(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron.generate",
-                                description="Generate text from one of our checkpoints.")
+    p = CommandLineParser(prog="python -m megatron.generate", job=True,
+                          description="Generate text from one of our checkpoints.")
     io = p.add_argument_group("input and output")
-    io.add_argument("--load", required=True, metavar="CKPT",
+    # --load, --input and --output are required: checked with every other problem (flag_problems)
+    io.add_argument("--load", metavar="CKPT",
                     help="the trainer's --save folder (or an iteration folder, or a weights "
                          "checkpoint written by data_tools/convert_checkpoint.py)")
     io.add_argument("--iteration", type=int, default=None,
@@ -57,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--tokenizer-model", default=None,
                     help="the run's SentencePiece model or CPM-2 vocab.txt (default: the one "
                          "the run recorded, if it still exists)")
-    io.add_argument("--input", required=True, metavar="IN.jsonl", help="one JSON object a line")
+    io.add_argument("--input", metavar="IN.jsonl", help="one JSON object a line (required)")
     io.add_argument("--input-key", default="text", help="the field holding the input text")
-    io.add_argument("--output", required=True, metavar="OUT.jsonl")
+    io.add_argument("--output", metavar="OUT.jsonl", help="(required)")
     io.add_argument("--micro-batch-size", type=int, default=8, help="inputs decoded together")
     io.add_argument("--prompt-load", default=None, metavar="DIR",
                     help="decode with the prompt of a prompt-tuning run's --save (its latest "
@@ -102,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def flag_problems(args, world_size: int) -> List[str]:
     """Every problem of the flags alone, all at once."""
-    out = []
+    out = [f"--{name} is required" for name in ("load", "input", "output")
+           if getattr(args, name) is None]
     positive = ("micro_batch_size", "max_new_tokens", "num_beams")
     for name in positive:
         if getattr(args, name) < 1:
@@ -139,10 +159,10 @@ def flag_problems(args, world_size: int) -> List[str]:
         out.append(f"--expert-model-parallel-size {ep} does not divide the data-parallel size "
                    f"{world_size // (tp * pp)} (processes {world_size} / tensor-parallel size "
                    f"{tp}" + (f" / pipeline-parallel size {pp})" if pp > 1 else ")"))
-    if not Path(args.input).is_file():
+    if args.input is not None and not Path(args.input).is_file():
         out.append(f"--input {args.input}: no such file")
-    out_dir = Path(args.output).resolve().parent
-    if not out_dir.is_dir():
+    out_dir = Path(args.output or ".").resolve().parent
+    if args.output is not None and not out_dir.is_dir():
         out.append(f"--output {args.output}: its folder {out_dir} does not exist")
     return out
 
@@ -228,7 +248,7 @@ def build_model(folder, meta, config, tp, device, dtype, backend, ep=None, promp
         with_prompt(model, prompt, full)
         load_full_state_dict(model, full)
     except (CheckpointReadError, StateDictError) as e:
-        raise GenerateError(f"--load {folder}: {e}") from None
+        raise GenerateFailure(f"--load {folder}: {e}") from None
     del full
     return model.eval()
 
@@ -287,7 +307,7 @@ def build_stage_model(folder, meta, config, cut, tp, ep, device, dtype, backend,
                            ep=ep, device=device, dtype=dtype, ranks=ranks, group=group,
                            prompt_layout=None if prompt is None else prompt.layout)
     except (CheckpointReadError, StateDictError) as e:
-        raise GenerateError(f"--load {folder}: {e}") from None
+        raise GenerateFailure(f"--load {folder}: {e}") from None
 
 
 def batches(texts: List[str], size: int):
@@ -353,7 +373,12 @@ def generate_all(args, model, tokenizer, texts, device, data=(0, 1),
 
 
 def write_jsonl(path: str, records: List[dict]) -> None:
-    """Write to a temporary name beside `path`, then rename: never half-written."""
+    """Write to a temporary name beside `path`, then rename: never half-written, not even when
+    interrupted.
+
+    Raises:
+        GenerateFailure: the file cannot be written.
+    """
     target = Path(path)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
@@ -365,39 +390,87 @@ def write_jsonl(path: str, records: List[dict]) -> None:
         os.replace(tmp, target)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise GenerateError(f"--output {path}: cannot write ({e.strerror})") from None
+        raise GenerateFailure(f"--output {path}: cannot write ({e.strerror})") from None
+    except BaseException:  # Ctrl-C or SIGTERM (Interrupted) mid-write
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def prepare(args, world_size: int):
+    """(texts, (folder, meta, config), cut, prompt, tokenizer): everything read and checked
+    before any process group or model exists.
+
+    Raises:
+        GenerateError: listing every problem found (the flags', --input's, --load's, the
+            tokenizer's), one a line.
+    """
+    problems = flag_problems(args, world_size)
+    load_problems = [] if args.load is None else folder_problems("--load", args.load)
+    problems += load_problems
+    if args.prompt_load is not None:
+        problems += folder_problems("--prompt-load", args.prompt_load,
+                                    "the prompt-tuning run's --save folder")
+    texts = checkpoint = cut = prompt = tokenizer = None
+    if args.input is not None and Path(args.input).is_file():
+        texts = _collect(problems, read_inputs, args.input, args.input_key)
+    if args.load is not None and not load_problems:
+        ep_size = max(args.expert_model_parallel_size, 1)
+        checkpoint = _collect(problems, read_checkpoint, args.load, args.iteration, ep_size)
+    if checkpoint is not None:
+        folder, meta, config = checkpoint
+        if args.pipeline_model_parallel_size >= 1:
+            cut = _collect(problems, pipeline_cut, config, args)
+        if args.prompt_load is None or os.path.isdir(args.prompt_load):
+            prompt = _collect(problems, decoding_prompt, args, folder, meta)
+    if checkpoint is not None or args.tokenizer_model is not None:
+        tokenizer = _collect(problems, load_tokenizer, args,
+                             checkpoint[1] if checkpoint is not None else {})
+    if tokenizer is not None and checkpoint is not None \
+            and tokenizer.vocab_size > checkpoint[2].vocab_size:
+        problems.append(f"--tokenizer-model: {tokenizer.vocab_size} tokens, more than the "
+                        f"model's vocab_size {checkpoint[2].vocab_size}: not this run's "
+                        f"tokenizer")
+    if problems:
+        raise GenerateError("the command line cannot run:\n" +
+                            "\n".join(f"  - {p}" for p in problems))
+    return texts, checkpoint, cut, prompt, tokenizer
+
+
+def _collect(problems: List[str], read, *args):
+    """read(*args), or None with its GenerateError's message added to `problems`."""
+    try:
+        return read(*args)
+    except GenerateError as e:
+        problems.append(str(e))
+        return None
 
 
 def run(args) -> int:
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
     from megatron import parallel_state
-    from megatron.initialize import choose_device, distributed_env
+    from megatron.initialize import PortInUse, choose_device, distributed_env, launcher_of, \
+        start_process_group
     from megatron.tensor_parallel.group import ExpertParallel, TensorParallel
 
     world_size = int(distributed_env(os.environ)["WORLD_SIZE"])  # torchrun's, or Slurm's
-    problems = flag_problems(args, world_size)
-    if problems:
-        raise GenerateError("the command line cannot run:\n" +
-                            "\n".join(f"  - {p}" for p in problems))
-    texts = read_inputs(args.input, args.input_key)
+    texts, (folder, meta, config), cut, prompt, tokenizer = prepare(args, world_size)
     ep_size, pp_size = args.expert_model_parallel_size, args.pipeline_model_parallel_size
     tp_size = args.tensor_model_parallel_size or world_size // (ep_size * pp_size)
-    folder, meta, config = read_checkpoint(args.load, args.iteration, ep_size)
-    cut = pipeline_cut(config, args)
-    prompt = decoding_prompt(args, folder, meta)
-    tokenizer = load_tokenizer(args, meta)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise GenerateError(f"--tokenizer-model: {tokenizer.vocab_size} tokens, more than the "
-                            f"model's vocab_size {config.vocab_size}: not this run's tokenizer")
     device_type, backend, _ = choose_device(None)
     created = False
     if world_size > 1 and not dist.is_initialized():
+        launcher = launcher_of(os.environ)
         os.environ.update(distributed_env(os.environ))
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
-        dist.init_process_group(backend=backend, init_method="env://")
+        try:
+            start_process_group(backend, timedelta(minutes=30), launcher)  # torch's default
+        except PortInUse as e:
+            raise GenerateError(str(e)) from None
         created = True
     try:
         if world_size > 1:
@@ -435,13 +508,39 @@ def run(args) -> int:
     return 0
 
 
+def _on_sigterm(signum, frame):
+    raise Interrupted()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Exit status: 0 written, 2 refused before decoding, 1 failed while decoding or writing,
+    130 interrupted (Ctrl-C, SIGTERM); the rank that speaks for the job says why, one line a
+    problem, the others stay silent."""
     args = build_parser().parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()  # where handlers go
+    old_term = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         return run(args)
-    except GenerateError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except GenerateFailure as e:  # may be this rank's alone (its shard): it says so itself
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+        where = f" (rank {rank})" if rank is not None and startup_voice(os.environ) != "" \
+            else ""
+        print(f"error{where}: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILURE
+    except GenerateError as e:  # found alike by every rank, before any process group
+        _say(f"error: {e}")
         return EXIT_USAGE
+    except (KeyboardInterrupt, Interrupted):
+        _say("interrupted; no output was written")
+        return EXIT_INTERRUPTED
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _say(line: str) -> None:
+    if startup_voice(os.environ) is not None:
+        print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

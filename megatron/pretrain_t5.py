@@ -18,12 +18,9 @@ import dataclasses
 import functools
 import json
 import os
-import socket
 import sys
-import time
-from datetime import timedelta
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,12 +32,14 @@ from megatron.checkpoint.io.checkpointing import CheckpointError, layout, load_c
 from megatron.checkpoint.io.completeness import MANIFEST
 from megatron.checkpoint.io.ownership import SaveLock, SaveLockError, describe, watch_launcher
 from megatron.checkpoint.io.saver import Saver
+from megatron.cli import announce_refusal, await_refusal, startup_voice
 from megatron.config import RunConfig
 from megatron.config.prompt_args import prompt_settings, resumes_prompt_run
 from megatron.config.lr_schedule import resolve_with_checkpoint
 from megatron.cost.report import print_dry_run
 from megatron.failures import DataError, RunFailure, append_to_log, report_failure
-from megatron.initialize import distributed_env, join_deepspeed, join_process_group, set_seeds
+from megatron.initialize import PortInUse, distributed_env, join_deepspeed, join_process_group, \
+    set_seeds
 from megatron.model.flops import training_step_flops
 from megatron.training.data_workers import reap_daemonic_children
 from megatron.training.engine import build_model, count_parameters, initialize_engine
@@ -400,74 +399,6 @@ def _take_save_lock(save: str, device):
     return lock
 
 
-SILENT_RANK_GRACE_S = 10.0
-"""The longest a silent rank waits for its node's speaking rank to say it has printed."""
-REFUSAL_KEY = "t5-pretrain/command-line-refused"
-
-
-def _launcher_store(env: Mapping[str, str], timeout_s: float):
-    """A client of torchrun's own store (the one its ranks rendezvous through), or None when
-    the launcher offers none (srun, a plain `python`, an older launcher)."""
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_PORT" not in env:
-        return None
-    try:
-        return dist.TCPStore(env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]),
-                             is_master=False, timeout=timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
-    except (RuntimeError, ValueError, OSError):  # gone meanwhile
-        return None
-
-
-def _refusal_key(env: Mapping[str, str]) -> str:
-    node = env.get("GROUP_RANK", env.get("SLURM_NODEID", env.get("NODE_RANK", "0")))
-    return f"{REFUSAL_KEY}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{node}"
-
-
-def announce_refusal(env: Mapping[str, str]) -> None:
-    """A speaking rank has printed why the command line cannot run: tell its node's silent
-    ranks through the launcher's store, so that they leave now."""
-    store = _launcher_store(env, 5.0)
-    if store is not None:
-        try:
-            store.set(_refusal_key(env), "printed")
-        except (RuntimeError, OSError):  # the launcher is ending the job already
-            pass
-
-
-def await_refusal(env: Mapping[str, str], signals, grace_s: float = SILENT_RANK_GRACE_S) -> None:
-    """A silent rank outlives its speaking rank's message (a launcher ends the other ranks as
-    soon as one exits, which could cut the message short): it waits until the speaker says it
-    has printed (launcher_store), or a stop signal comes (torchrun ending the job), or grace_s
-    passes."""
-    deadline = time.monotonic() + grace_s
-    store = _launcher_store(env, grace_s)
-    if store is not None:
-        try:
-            store.wait([_refusal_key(env)],
-                       timedelta(seconds=max(0.0, deadline - time.monotonic())))
-            return
-        except (RuntimeError, OSError):  # no word in time, or the store is gone
-            pass
-    while time.monotonic() < deadline and signals.received is None:
-        time.sleep(0.05)
-
-
-def startup_voice(env: Mapping[str, str]) -> Optional[str]:
-    """How this rank reports a command line that cannot run, found before any process group
-    exists (so no rank can ask another): '' for rank 0, which speaks for the job; None (silent)
-    for the other ranks of its node, which check the same flags and see the same files; and
-    for the first rank of every other node a prefix naming the node, since a file may be
-    missing there only."""
-    rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
-    if rank == "0":
-        return ""
-    node = env.get("GROUP_RANK", env.get("SLURM_NODEID", env.get("NODE_RANK", "0")))
-    local = env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
-    if node == "0" or local != "0":
-        return None
-    return f" (node {node}, {socket.gethostname()})"
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     # Before anything slow: a stop signal during start-up ends the run at its first step.
     with StopSignals() as signals:
@@ -483,7 +414,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 if os.environ.get("WORLD_SIZE", "1") != "1":
                     announce_refusal(os.environ)
             elif os.environ.get("WORLD_SIZE", "1") != "1":
-                await_refusal(os.environ, signals)
+                await_refusal(os.environ, lambda: signals.received is not None)
             return 2
         if config.dry_run:
             return print_dry_run(config)
@@ -498,11 +429,15 @@ def run(config: RunConfig, signals) -> int:
     launch = distributed_env(os.environ, runtime.local_rank)
     watchdog = Watchdog(int(launch["RANK"]))
     try:
-        with watchdog.watch(f"process-group start: rendezvous with {launch['MASTER_ADDR']}:"
-                            f"{launch['MASTER_PORT']} and connections to the other ranks (on "
-                            f"hosts with several interfaces, set GLOO_SOCKET_IFNAME or "
-                            f"NCCL_SOCKET_IFNAME)", 60 * runtime.distributed_timeout_minutes):
-            created = join_process_group(runtime, config.parallel)
+        try:
+            with watchdog.watch(f"process-group start: rendezvous with {launch['MASTER_ADDR']}:"
+                                f"{launch['MASTER_PORT']} and connections to the other ranks "
+                                f"(on hosts with several interfaces, set GLOO_SOCKET_IFNAME or "
+                                f"NCCL_SOCKET_IFNAME)", 60 * runtime.distributed_timeout_minutes):
+                created = join_process_group(runtime, config.parallel)
+        except PortInUse as e:  # only the rank that binds it (0) finds it; its peers time out
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
         return _train(config, signals, watchdog, created)
     finally:
         reap_daemonic_children()  # a data worker that nobody closed (training/data_workers.py)

@@ -38,7 +38,6 @@ if ! compgen -G "$DATA*.idx" >/dev/null; then
     echo "error: no $DATA*.idx: DATA must be the prefix of a preprocessed dataset" >&2
     exit 2
 fi
-mkdir -p "$OUT"
 
 # shellcheck disable=SC2054  # the commas belong to --split
 flags=(

@@ -34,7 +34,6 @@ if ! compgen -G "$DATA*.idx" >/dev/null; then
     echo "error: no $DATA*.idx: DATA must be the prefix of a preprocessed dataset" >&2
     exit 2
 fi
-mkdir -p "$OUT"
 load=(--load "$OUT/ckpt")
 if [ -n "${INIT:-}" ] && [ ! -f "$OUT/ckpt/latest_checkpointed_iteration.txt" ]; then
     load=(--load "$INIT" --finetune)

@@ -38,7 +38,6 @@ if ! compgen -G "$DATA*.idx" >/dev/null; then
     echo "error: no $DATA*.idx: DATA must be the prefix of a preprocessed dataset" >&2
     exit 2
 fi
-mkdir -p "$OUT"
 
 flags=(
     --model-config "$REPO/configs/model/cpm2-11b.json" --tokenizer-path "$TOKENIZER"

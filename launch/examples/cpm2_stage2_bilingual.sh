@@ -58,7 +58,6 @@ for data in "$DATA_EN" "$DATA_ZH"; do
         exit 2
     fi
 done
-mkdir -p "$OUT"
 load=(--load "$OUT/ckpt")
 if [ -n "${INIT:-}" ] && [ ! -f "$OUT/ckpt/latest_checkpointed_iteration.txt" ]; then
     load=(--load "$INIT" --finetune)

@@ -21,7 +21,6 @@ SCRIPT_ARGS=("$@")
 
 require_env DATA TOKENIZER OUT
 require_files "$DATA.bin" "$DATA.idx" "$TOKENIZER"
-mkdir -p "$OUT"
 
 flags=(
     --model-config "$REPO/configs/model/switch-base-8.json" --tokenizer-model "$TOKENIZER"

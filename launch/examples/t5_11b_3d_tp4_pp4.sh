@@ -34,7 +34,6 @@ SCRIPT_ARGS=("$@")
 
 require_env DATA TOKENIZER OUT
 require_files "$DATA.bin" "$DATA.idx" "$TOKENIZER"
-mkdir -p "$OUT"
 
 flags=(
     --model-config "$REPO/configs/model/t5-11b.json" --tokenizer-model "$TOKENIZER"

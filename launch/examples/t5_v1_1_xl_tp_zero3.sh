@@ -22,7 +22,6 @@ DS_CONFIG=${DS_CONFIG:-$REPO/configs/deepspeed/zero3_bf16.json}
 
 require_env DATA TOKENIZER OUT
 require_files "$DATA.bin" "$DATA.idx" "$TOKENIZER" "$DS_CONFIG"
-mkdir -p "$OUT"
 
 flags=(
     --model-config "$REPO/configs/model/t5-v1_1-xl.json" --tokenizer-model "$TOKENIZER"

@@ -18,7 +18,6 @@ SCRIPT_ARGS=("$@")
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 require_env DATA TOKENIZER MODEL_CONFIG OUT
 require_files "$DATA.bin" "$DATA.idx" "$TOKENIZER" "$MODEL_CONFIG"
-mkdir -p "$OUT"
 export NPROC_PER_NODE=${NPROC_PER_NODE:-2}
 
 # shellcheck disable=SC2054  # the commas belong to --split

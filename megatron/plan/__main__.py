@@ -18,6 +18,7 @@ import json
 import sys
 from typing import List, Optional, Sequence
 
+from megatron.cli import RENAMED_FLAGS, CommandLineParser
 from megatron.model.config import ConfigError
 from megatron.plan.cluster import (
     DEVICES,
@@ -45,8 +46,9 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The planner's command line (every flag with its default in --help)."""
-    p = argparse.ArgumentParser(
-        prog="python -m megatron.plan", formatter_class=_DefaultsFormatter,
+    p = CommandLineParser(
+        prog="python -m megatron.plan", renamed=RENAMED_FLAGS,
+        formatter_class=_DefaultsFormatter,
         description="The k best parallel layouts (TP, PP, DP, ZeRO, offload, micro batch, "
                     "recomputation) of an encoder-decoder on a cluster: memory per device from "
                     "the --dry-run estimate, a step-time model, and the flags to run each.")

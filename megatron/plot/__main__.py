@@ -20,12 +20,13 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from megatron.cli import CommandLineParser
 from megatron.plot.find import RunNotFound, default_labels, load_run
 from megatron.plot.runs import Run
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandLineParser(
         prog="python -m megatron.plot",
         description="PNG figures of training runs (loss, validation loss, learning rate, "
                     "gradient norm, tokens/s, memory, per-layer gradient norms) from their "

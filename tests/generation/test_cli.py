@@ -147,3 +147,72 @@ def test_a_cpm2_moe_checkpoint_decodes_with_test_time_routing(spm_model, tmp_pat
     got = [json.loads(line)["ids"] for line in out.read_text(encoding="utf-8").splitlines()]
     want, _ = reference(model, spm_model, TEXTS)
     assert got == [h.ids for h in want]
+
+
+def test_every_problem_is_named_at_once(tmp_path, capsys):
+    """The flags, --input, --load and the tokenizer in one list (argparse used to stop at the
+    missing --output alone), exit 2; --load naming a file says so."""
+    weights = tmp_path / "model.pt"
+    weights.write_bytes(b"not a folder")
+    code = generate.main(["--load", str(weights), "--input", str(tmp_path / "nope.jsonl"),
+                          "--top-p", "3", "--tokenizer-model", str(tmp_path / "no.model")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    for problem in ("--output is required", "--top-p must be in (0, 1], not 3.0",
+                    f"--input {tmp_path / 'nope.jsonl'}: no such file",
+                    f"--load {weights} is a file: give the checkpoint folder",
+                    f"--tokenizer-model {tmp_path / 'no.model'}: no such file"):
+        assert sum(problem in line for line in err.splitlines()) == 1, (problem, err)
+    assert "usage:" not in err
+
+
+@pytest.mark.parametrize("how", ["decoding", "writing", "sigterm"])
+def test_an_interrupt_is_one_line_exit_130_and_no_output(tiny, spm_model, tmp_path, capsys,
+                                                          monkeypatch, how):
+    """Ctrl-C (KeyboardInterrupt) while decoding or while the output is written, or SIGTERM:
+    `interrupted; no output was written`, exit 130, neither OUT nor its temporary file."""
+    import os
+    import signal
+
+    ckpt, _ = tiny
+    inp = inputs(tmp_path / "in.jsonl", [json.dumps({"text": t}) for t in TEXTS])
+    out = tmp_path / "out.jsonl"
+    if how == "decoding":
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(generate, "generate_all", interrupted)
+    elif how == "writing":
+        real_dumps, written = json.dumps, []
+
+        def dumps(record, **kwargs):  # the second record: the temporary file is half-written
+            written.append(record)
+            if len(written) == 2:
+                raise KeyboardInterrupt
+            return real_dumps(record, **kwargs)
+        monkeypatch.setattr(generate.json, "dumps", dumps)
+    else:
+        real_generate_all = generate.generate_all
+
+        def terminated(*args, **kwargs):
+            records = real_generate_all(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGTERM)  # as a launcher or scancel sends it
+            return records
+        monkeypatch.setattr(generate, "generate_all", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    assert generate.main(argv(ckpt, spm_model, inp, out)) == 130
+    assert capsys.readouterr().err.splitlines() == ["interrupted; no output was written"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_only_the_speaking_rank_reports(tiny, spm_model, tmp_path, capsys, monkeypatch):
+    """Under a launcher, rank 0 says why; rank 1 of the same node exits as it does, silent."""
+    ckpt, _ = tiny
+    out = tmp_path / "out.jsonl"
+    missing = tmp_path / "nope.jsonl"
+    for rank, lines in (("0", 2), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        monkeypatch.setattr(generate, "run", lambda args: generate.prepare(args, 2))
+        assert generate.main(argv(ckpt, spm_model, missing, out)) == 2
+        assert len(capsys.readouterr().err.splitlines()) == lines

@@ -203,16 +203,28 @@ def test_build_indices_prebuilds_what_training_reads(corpus, tmp_path, spm_model
 
 
 def test_build_indices_reports_bad_flags(spm_model, tmp_path, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         build_indices.main(["--data-path", str(tmp_path / "x"), "--tokenizer-model",
                             str(spm_model), "--train-iters", "0", "--global-batch-size", "8",
                             "--noise-density", "2"])
+    assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--train-iters must be positive" in err and "--noise-density 2.0" in err
-    assert build_indices.main(["--data-path", str(tmp_path / "x"), "--tokenizer-model",
-                               str(spm_model), "--train-iters", "5",
-                               "--global-batch-size", "8"]) == 1
-    assert "no .bin/.idx pair" in capsys.readouterr().err
+    # a missing dataset is input refused before anything is built: 2, as training gives it
+    with pytest.raises(SystemExit) as e:
+        build_indices.main(["--data-path", str(tmp_path / "x"), "--tokenizer-model",
+                            str(spm_model), "--train-iters", "5", "--global-batch-size", "8"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "no .bin/.idx pair" in err[0] and str(tmp_path / "x") in err[0]
+    # flags of the training command pass; flags the trainer would refuse are refused
+    with pytest.raises(SystemExit) as e:
+        build_indices.main(["--data-path", str(tmp_path / "x"), "--tokenizer-model",
+                            str(spm_model), "--train-iters", "5", "--global-batch-size", "8",
+                            "--lr", "1e-4", "--use-distributed-optimizer"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "use --zero-stage 1 or higher" in err[0], err
 
 
 def test_megatron_objective_on_sentence_data(tmp_path, spm_model, corpora_dir, corpus):

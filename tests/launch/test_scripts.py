@@ -5,6 +5,7 @@ torchrun.sh running the tiny example, SIGUSR1 included."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,6 +90,19 @@ CPM2_LATER_STAGES = ["cpm2_stage2_bilingual.sh", "cpm2_stage3_moe.sh"]
 def stage_env(tiny_data, tmp_path, **extra) -> dict:
     return {"DATA_EN": tiny_data.prefix, "DATA_ZH": tiny_data.prefix,
             "TOKENIZER": tiny_data.spm, "OUT": str(tmp_path / "out"), "INIT": "", **extra}
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "launch/examples").glob("*.sh")
+                                         if p.name != "common.sh"))
+def test_examples_create_nothing_before_the_launcher(name, tiny_data, tmp_path):
+    """A script leaves OUT to the trainer (which makes what it writes): under --dry-run, or a
+    launcher that fails, no empty OUT is left behind."""
+    env = {**stage_env(tiny_data, tmp_path), "DATA": tiny_data.prefix,
+           "MODEL_CONFIG": tiny_data.config, "LAUNCHER": "echo"}
+    proc = bash(REPO / "launch/examples" / name, "--dry-run", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "--dry-run" in proc.stdout
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("name", CPM2_LATER_STAGES)
@@ -179,6 +193,20 @@ def test_torchrun_sh_refuses_incomplete_settings():
     proc = bash(REPO / "launch/torchrun.sh", "--help", env={"RDZV_ENDPOINT": "h:29400",
                                                              "NPROC_PER_NODE": "1"})
     assert proc.returncode == 2 and "RDZV_ID" in proc.stderr
+
+
+def test_torchrun_sh_ends_with_the_workers_status(tiny_data, tmp_path):
+    """A command line the ranks refuse: launch/torchrun.sh ends in their status, 2 (torchrun
+    alone ends in 1, with a ChildFailedError traceback: megatron/torchrun.py), after rank 0's
+    lines and one line of its own."""
+    proc = subprocess.run(["bash", str(REPO / "launch/examples/tiny_cpu.sh"),
+                           "--use-distributed-optimizer"], env=tiny_env(tiny_data, tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("unknown flag --use-distributed-optimizer") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"^torchrun: rank \d \(local rank \d on .*\) exited with status 2: the "
+                     r"job ends with status 2", proc.stderr, re.M), proc.stderr[-3000:]
 
 
 def test_sbatch_script_refuses_to_run_outside_slurm():

@@ -74,3 +74,21 @@ def test_a_prompt_alone_is_named_not_read_as_damage(tmp_path, capsys):
     assert f"convert its base model instead (--load {base})" in err
     assert f"python -m megatron.generate --load {base} --prompt-load {ckpt}" in err
     assert "missing shared.weight" not in err and not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--load", "--inspect", "--from"])
+def test_a_missing_or_file_source_is_a_bad_command_line(flag, tmp_path, capsys):
+    """Exit 2 as megatron.generate gives for the same mistake (it was 1, a read failure's),
+    and a file said to be one."""
+    weights = tmp_path / "model.pt"
+    weights.write_bytes(b"not a folder")
+    for source, said in ((tmp_path / "nothing", "no such folder"),
+                         (weights, "is a file: give the checkpoint folder")):
+        argv = {"--load": ["--load", str(source)], "--inspect": ["--inspect", str(source)],
+                "--from": ["--from", "hf", str(source)]}[flag]
+        if flag != "--inspect":
+            argv += ["--to", "megatron", str(tmp_path / "out")]
+        assert convert_checkpoint.main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{source}: {said}" in err or f"{source} {said}" in err, err
+        assert not (tmp_path / "out").exists()

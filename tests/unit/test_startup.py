@@ -11,7 +11,7 @@ import numpy as np
 
 from megatron.data.datasets.builder import data_file_problems
 from megatron.data.storage.indexed_dataset import IndexedDatasetBuilder
-from megatron.pretrain_t5 import startup_voice
+from megatron.cli import startup_voice
 from megatron.training.loaders import UnreadBatches
 
 
@@ -78,15 +78,11 @@ def _agent_store():
     return store, env
 
 
-class _NoSignal:
-    received = None
-
-
 def test_a_silent_rank_leaves_once_the_speaker_has_printed():
     import threading
     import time
 
-    from megatron.pretrain_t5 import announce_refusal, await_refusal
+    from megatron.cli import announce_refusal, await_refusal
 
     store, env = _agent_store()
     speaker = {**env, "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0"}
@@ -94,7 +90,7 @@ def test_a_silent_rank_leaves_once_the_speaker_has_printed():
     left = []
 
     def wait():
-        await_refusal(silent, _NoSignal(), grace_s=600)
+        await_refusal(silent, lambda: False, grace_s=600)
         left.append(time.monotonic())
 
     waiter = threading.Thread(target=wait)
@@ -108,15 +104,12 @@ def test_a_silent_rank_leaves_once_the_speaker_has_printed():
 
 
 def test_a_silent_rank_without_a_launcher_store_leaves_at_a_signal():
-    from megatron.pretrain_t5 import await_refusal
-
-    class Signalled:
-        received = 15
+    from megatron.cli import await_refusal
 
     # no agent store (srun, a plain python): the grace is cut short by the launcher's SIGTERM
     import threading
 
-    waiter = threading.Thread(target=await_refusal, args=({"WORLD_SIZE": "2"}, Signalled(), 600),
+    waiter = threading.Thread(target=await_refusal, args=({"WORLD_SIZE": "2"}, lambda: True, 600),
                               daemon=True)
     waiter.start()
     waiter.join(60)
@@ -150,3 +143,60 @@ def test_a_failure_of_some_ranks_reaches_the_log_too(tmp_path, capsys):
     expected = "error (rank 1): rng/rank_00001.pt is missing\nerror: every rank saw it\n"
     assert capsys.readouterr().err == expected
     assert log.read_text() == expected
+
+
+JOIN = """
+import datetime, os, sys
+from megatron.initialize import PortInUse, distributed_env, launcher_of, start_process_group
+launcher = launcher_of(os.environ)
+os.environ.update(distributed_env(os.environ))
+try:
+    start_process_group("gloo", datetime.timedelta(seconds=60), launcher)
+except PortInUse as e:
+    print(e, file=sys.stderr)
+    sys.exit(2)
+print(os.environ["MASTER_PORT"], flush=True)
+sys.stdin.readline()  # holds its process group (and its store's port) until the test is done
+"""
+
+
+def _join(env):
+    import os
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "SLURM_",
+                                  "TORCHELASTIC_"))}
+    return subprocess.Popen([sys.executable, "-c", JOIN], env={**clean, **env}, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def test_single_process_runs_without_master_port_take_free_ports():
+    """Two plain `python` runs on one host at once (both used to bind 29500, the second dying
+    with EADDRINUSE): each store binds a port the kernel picks, and MASTER_PORT says which."""
+    first, second = _join({}), _join({})
+    try:
+        ports = [int(p.stdout.readline() or 0) for p in (first, second)]
+        assert all(ports) and ports[0] != ports[1], [p.stderr.read() for p in (first, second)]
+    finally:
+        for p in (first, second):
+            p.communicate("\n", timeout=60)
+    assert first.returncode == second.returncode == 0
+
+
+def test_a_master_port_in_use_is_one_line_naming_it():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _join({"MASTER_PORT": str(port)})
+        out, err = proc.communicate("\n", timeout=120)
+    assert proc.returncode == 2, err
+    assert err.splitlines() == [
+        f"MASTER_PORT {port} is in use on 127.0.0.1 (another job or run listens there): set "
+        f"MASTER_PORT to a free port, or unset it: a run without a launcher then takes a free "
+        f"one"], err
