@@ -25,6 +25,8 @@ from megatron.generation import Decoder, beam_search
 from megatron.model import T5Config, T5Model
 from megatron.model.state_dict import gather_full_state_dict, load_full_state_dict
 
+pytestmark = pytest.mark.slow  # (about 30 s: 14 in-process commands, 11 of transformers)
+
 TINY = dict(vocab_size=4100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
             num_heads=4, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
             dropout_rate=0.0)

@@ -1,7 +1,7 @@
 """Generation on several processes (gloo) and from a real training checkpoint: greedy, sampling
-and beam search at TP 2 equal transformers' `generate`; `python -m megatron.generate` on the checkpoint
-of a 2-step pretraining run writes text and ids, the same at TP 1 and TP 2 (the checkpoint,
-saved at TP 1, split on load)."""
+and beam search at TP 2 equal transformers' `generate`; `python -m megatron.generate` on the
+checkpoint of a 2-step pretraining run writes text and ids, the same at TP 1 and TP 2 (the
+checkpoint, saved at TP 1, split on load)."""
 
 import json
 
