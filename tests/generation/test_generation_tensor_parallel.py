@@ -117,11 +117,6 @@ def test_a_checkpoint_saved_at_tp_2_decodes_at_tp_1(train_data, tmp_path):
     their shards, not read back from the checkpoint)."""
     from generation_workers import run_generate, run_pretrain_keeping_shards
 
-    from megatron.checkpoint.formats.deepspeed import find_iteration, model_config, read_meta
-    from megatron.data.tokenizers.tokenizer import build_tokenizer, resolve_tokenizer
-    from megatron.generation import Decoder, beam_search
-    from megatron.model import T5Model
-    from megatron.model.state_dict import VOCAB_PARAMETERS, load_full_state_dict
     from megatron.tensor_parallel.layers import unshard
 
     ckpt = tmp_path / "ckpt_tp2"
@@ -142,33 +137,51 @@ def test_a_checkpoint_saved_at_tp_2_decodes_at_tp_1(train_data, tmp_path):
     same_outputs(*outputs)
     assert len(outputs[0].splitlines()) == 2
 
+    full = {name: part if dim is None else unshard([part, shards[1][name][0]], dim, stride)
+            for name, (part, dim, stride) in shards[0].items()}
+    same_outputs(outputs[0], one_process_outputs(ckpt, full, train_data.spm, texts, beams=2))
+
+
+def one_process_outputs(ckpt, state, spm, texts, beams):
+    """OUT.jsonl's text as one process decodes `texts` (one micro-batch, 6 new tokens) in
+    process with the model of `ckpt`'s meta.json holding `state` (a state dict as training
+    held it, its vocabulary rows padded for the training layout), not the checkpoint's
+    tensors."""
+    from megatron.checkpoint.formats.deepspeed import find_iteration, model_config, read_meta
+    from megatron.data.tokenizers.tokenizer import build_tokenizer, resolve_tokenizer
+    from megatron.generation import Decoder, beam_search, greedy
+    from megatron.model import T5Model
+    from megatron.model.state_dict import VOCAB_PARAMETERS, load_full_state_dict
+
     meta = read_meta(find_iteration(ckpt))
     config = model_config(meta)
-    full = {}
-    for name, (part, dim, stride) in shards[0].items():
-        full[name] = part if dim is None else unshard([part, shards[1][name][0]], dim, stride)
-        if name in VOCAB_PARAMETERS:
-            full[name] = full[name][:config.vocab_size]
     model = T5Model(config, make_vocab_size_divisible_by=meta["model"][
         "make_vocab_size_divisible_by"])
-    load_full_state_dict(model, full)
-    tok = build_tokenizer(resolve_tokenizer(train_data.spm))
+    load_full_state_dict(model, {name: t[:config.vocab_size] if name in VOCAB_PARAMETERS else t
+                                 for name, t in state.items()})
+    model.eval()
+    tok = build_tokenizer(resolve_tokenizer(spm))
     encoded = [tok.encode(t, add_eos=True) for t in texts]
     n = max(map(len, encoded))
     ids = torch.tensor([e + [tok.pad_id] * (n - len(e)) for e in encoded])
     mask = torch.tensor([[1] * len(e) + [0] * (n - len(e)) for e in encoded])
-    want = beam_search(Decoder(model.eval(), ids, mask, expand=2), len(texts), 2,
-                       tok.decoder_start_token_id, tok.eos_id, tok.pad_id, 6)
-    same_outputs(outputs[0], "\n".join(
-        json.dumps({"ids": h.ids, "text": tok.decode([i for i in h.ids if i not in
-                                                      (tok.eos_id, tok.pad_id)]),
-                    "score": h.score}) for h in want))
+    start, eos, pad = tok.decoder_start_token_id, tok.eos_id, tok.pad_id
+    if beams > 1:
+        found = beam_search(Decoder(model, ids, mask, expand=beams), len(texts), beams, start,
+                            eos, pad, 6)
+    else:
+        found = greedy(Decoder(model, ids, mask), len(texts), start, eos, pad, 6)
+    return "\n".join(json.dumps({"ids": h.ids, "text": tok.decode([i for i in h.ids
+                                                                   if i not in (eos, pad)]),
+                                 **({"score": h.score} if beams > 1 else {})})
+                     for h in found)
 
 
 def test_a_pipeline_checkpoint_decodes_as_its_merged_copy(train_data, pipeline_trained,
-                                                          tmp_path):
+                                                          pipeline_trained_model, tmp_path):
     """Saved by a 2-stage pipeline run, read as full tensors (the stages' layer files joined):
-    the ids and text of the copy that convert_checkpoint.py merges to one stage."""
+    the ids and text of the copy that convert_checkpoint.py merges to one stage, and of one
+    process's search in-process on the weights the training ranks held."""
     from generation_workers import run_generate
 
     from data_tools import convert_checkpoint
@@ -187,3 +200,5 @@ def test_a_pipeline_checkpoint_decodes_as_its_merged_copy(train_data, pipeline_t
         assert result["code"] == 0
         texts.append(result["text"])
     assert texts[0] == texts[1] and len(texts[0].splitlines()) == 2
+    same_outputs(texts[0], one_process_outputs(ckpt, pipeline_trained_model, train_data.spm,
+                                               ["The king", "Good morrow"], beams=1))
