@@ -5,8 +5,9 @@ import torch
 import torch.distributed as dist
 
 
-def decode_tensor_parallel(rank, world_size, name, full, ids, mask, beam_flags):
-    """Greedy and beam-search ids of a TP = world_size model holding `full`'s weights."""
+def decode_tensor_parallel(rank, world_size, name, full, ids, mask, beam_flags, sampling):
+    """Greedy, sampled (`sampling`: greedy's keywords) and beam-search ids of a TP =
+    world_size model holding `full`'s weights."""
     from generation_models import CONFIGS, EOS, PAD
 
     from megatron.generation import Decoder, beam_search, greedy
@@ -20,6 +21,8 @@ def decode_tensor_parallel(rank, world_size, name, full, ids, mask, beam_flags):
     model.eval()
     out = {"greedy": [h.ids for h in greedy(Decoder(model, ids, mask), ids.shape[0], PAD, EOS,
                                             PAD, 12)]}
+    out["sample"] = [h.ids for h in greedy(Decoder(model, ids, mask), ids.shape[0], PAD, EOS,
+                                           PAD, 12, sample=True, **sampling)]
     beams = beam_search(Decoder(model, ids, mask, expand=beam_flags["num_beams"]),
                         ids.shape[0], eos_id=EOS, pad_id=PAD, start_id=PAD, max_new_tokens=10,
                         **beam_flags)
@@ -37,3 +40,46 @@ def run_generate(rank, world_size, argv):
     code = generate.main(argv)
     out = Path(argv[argv.index("--output") + 1])
     return {"code": code, "text": out.read_text(encoding="utf-8") if rank == 0 else None}
+
+
+def run_pretrain_keeping_shards(rank, world_size, argv):
+    """train_workers.run_pretrain of `argv`, then this rank's trained parameters as the
+    training module holds them (not read back from the checkpoint): {name: (shard,
+    partition dim or None, partition stride)}."""
+    from train_workers import built_steps, run_pretrain
+
+    with built_steps() as built:
+        run_pretrain(rank, world_size, [argv])
+    module = built[-1].reporting_module()
+    return {name: (p.detach().clone().float(),
+                   p.partition_dim if getattr(p, "tensor_model_parallel", False) else None,
+                   getattr(p, "partition_stride", 1))
+            for name, p in module.named_parameters()}
+
+
+def run_pretrain_keeping_whole_model(rank, world_size, argv):
+    """The entry point's pretrain of `argv`, then the trained module as one whole T5Model's
+    state dict (training/whole_model.py: a pipeline's stages joined on its first stage; None
+    on the other ranks), taken before the process groups go (not read back from the
+    checkpoint)."""
+    import os
+
+    from train_workers import built_steps
+
+    from megatron import parallel_state
+    from megatron.arguments import parse_args
+    from megatron.initialize import initialize_distributed
+    from megatron.pretrain_t5 import pretrain
+    from megatron.training.whole_model import whole_model
+
+    config = parse_args(argv, env=os.environ)
+    initialize_distributed(config.runtime, config.parallel)
+    try:
+        with built_steps() as built:
+            pretrain(config)
+        with whole_model(built[-1].reporting_module(), config.model.make_vocab_size_divisible_by,
+                         config.model.attention_backend) as copy:
+            return None if copy is None else {k: v.detach().clone().float()
+                                              for k, v in copy.state_dict().items()}
+    finally:
+        parallel_state.destroy_model_parallel()

@@ -6,7 +6,8 @@ import torch
 
 def decode_pipeline(rank, world_size, cases, ids, mask, beam_flags):
     """For each case (config name, full state dict, stage boundaries or None, split rank):
-    greedy, sampled and beam-search ids of a pipeline of world_size stages."""
+    greedy, sampled and beam-search ids of a pipeline of world_size stages, this rank's stage
+    and the names of the parameters it holds (not on the meta device)."""
     from generation_models import CONFIGS, EOS, PAD
 
     from megatron import parallel_state
@@ -29,8 +30,8 @@ def decode_pipeline(rank, world_size, cases, ids, mask, beam_flags):
                            backend="auto", tp=TensorParallel.of_this_process(),
                            ep=ExpertParallel.of_this_process(), device="cpu",
                            dtype=torch.float32, ranks=ranks, group=group)
-        meta = sum(p.is_meta for p in held.model.parameters())
-        found = {"blocks": cut.blocks, "meta": meta}
+        found = {"blocks": cut.blocks, "stage": stage,
+                 "held": sorted(n for n, p in held.model.named_parameters() if not p.is_meta)}
         found["greedy"] = [h.ids for h in greedy(PipelineDecoder(held, ids, mask), ids.shape[0],
                                                  PAD, EOS, PAD, 12)]
         found["sample"] = [h.ids for h in greedy(PipelineDecoder(held, ids, mask), ids.shape[0],

@@ -167,8 +167,6 @@ def test_torchrun_at_expert_parallel_2(switch, train_data, tmp_path):
     import sys
     from pathlib import Path
 
-    from harness import free_port
-
     ckpt, export, tokenizer = switch
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in TEXTS),
@@ -176,7 +174,7 @@ def test_torchrun_at_expert_parallel_2(switch, train_data, tmp_path):
     out = tmp_path / "out.jsonl"
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), "-m", "megatron.generate", "--load", str(ckpt),
+         "--standalone", "-m", "megatron.generate", "--load", str(ckpt),  # its own port
          "--tokenizer-model", train_data.spm, "--input", str(inp), "--output", str(out),
          "--max-new-tokens", "8", "--micro-batch-size", str(MICRO_BATCH),
          "--expert-model-parallel-size", "2"],

@@ -13,11 +13,12 @@ from megatron.model.moe_cpm2 import cpm2_layers, greedy_routing
 
 @pytest.mark.parametrize("name", ["v1_0", "v1_1"])
 def test_cached_steps_give_the_full_forward_logits(name):
+    """40 steps: the self-attention cache grows past its first 32 positions."""
     model = our_model(name)
     ids, mask = padded_batch()
     decoder = Decoder(model, ids, mask)
     g = torch.Generator().manual_seed(1)
-    targets = torch.randint(2, VOCAB, (ids.shape[0], 8), generator=g)
+    targets = torch.randint(2, VOCAB, (ids.shape[0], 40), generator=g)
     dec = torch.cat([torch.full((ids.shape[0], 1), PAD), targets], dim=1)
     with torch.no_grad():
         full = model(ids, dec, mask).logits[..., :VOCAB]

@@ -4,12 +4,12 @@ SIGTERM, so a loader nobody shut down held its rank in multiprocessing's exit ha
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import torch
 
@@ -39,15 +39,21 @@ def test_close_ends_workers_that_ignore_sigterm():
     workers = list(it._workers)
     for w in workers:  # what multiprocessing's exit handler sends: ignored
         os.kill(w.pid, signal.SIGTERM)
-    time.sleep(0.5)
+    # Batches 0-5 were asked for before the signals (the loader keeps prefetch_factor = 2
+    # batches a worker in flight), batches 6 and 7 (one a worker) after them: each worker
+    # served a request it received after its signal.
+    assert [next(it).tolist()[0] for _ in range(6)] == [8, 12, 16, 20, 24, 28]
     assert all(w.is_alive() for w in workers)
     data.close()  # the iterator is still held here, as a traceback or an engine would
     assert not any(w.is_alive() for w in workers)
     assert all(w.exitcode is not None for w in workers)  # reaped
 
 
-def _slow_init(worker_id: int, rank_pid: int) -> None:
-    time.sleep(1.5)  # torch's own SIGTERM handler is in place from before this call
+def _init_when_told(worker_id: int, rank_pid: int, started, go) -> None:
+    """data_worker_init once `go` is set; `started` gets the worker id first. Torch's own
+    SIGTERM handler is in place from before this call."""
+    started.put(worker_id)
+    assert go.wait(timeout=120), "the test never said go"
     data_worker_init(worker_id, rank_pid)
 
 
@@ -55,14 +61,17 @@ def test_a_sigterm_while_the_workers_start_is_the_ranks():
     """The launcher's SIGTERM to the process group can reach a worker that has started but not
     yet run data_worker_init (an evaluation loader's first iter()): it must not end the worker
     (torch's handler would), and the rank's own signal mask is left as it was."""
+    started, go = multiprocessing.Queue(), multiprocessing.Event()
     data = StoppableLoader(Numbers(), batch_size=4, num_workers=2,
-                           worker_init_fn=functools.partial(_slow_init, rank_pid=os.getpid()))
+                           worker_init_fn=functools.partial(_init_when_told, rank_pid=os.getpid(),
+                                                            started=started, go=go))
     it = iter(data)
     assert not set(signal.pthread_sigmask(signal.SIG_BLOCK, [])) & {signal.SIGTERM,
                                                                     signal.SIGUSR1}
-    time.sleep(0.5)
+    assert sorted(started.get(timeout=120) for _ in it._workers) == [0, 1]  # both in their init
     for w in it._workers:
         os.kill(w.pid, signal.SIGTERM)
+    go.set()
     assert [b.tolist()[0] for b in it] == list(range(0, 64, 4))  # every batch, no worker lost
     data.close()
 
