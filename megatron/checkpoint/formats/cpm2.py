@@ -89,7 +89,7 @@ def read_cpm2_checkpoint(root: PathLike, model_config: PathLike,
     notes += moe.notes()
     source.update(model_parallel_size=moe.model_parallel_size, cpm2_layout=moe.layout,
                   num_experts=moe.num_experts, model_config=str(Path(model_config).resolve()))
-    return (moe.config(config, str(model_config)), moe.tensors(config), source, notes)
+    return moe.sparse_config(config, str(model_config)), moe.tensors(config), source, notes
 
 
 # The config --------------------------------------------------------------------------------------

@@ -187,7 +187,7 @@ class CPM2MoECheckpoint:
                               f"{self.num_experts} experts (one per data-parallel rank) "
                               f"routed by CPM-2's BASE layer (router_type 'cpm2')")
 
-    def config(self, dense: T5Config, source: str) -> T5Config:
+    def sparse_config(self, dense: T5Config, source: str) -> T5Config:
         """The Mixture-of-Experts model's config: `dense` with the checkpoint's experts."""
         return moe_config(dense, self.num_experts, source)
 
