@@ -2,7 +2,8 @@
 window N+1 ... M of iterations, also on a resumed run; a real run writes, on the chosen ranks
 only, a Chrome trace (the file name and JSON of torch's tensorboard_trace_handler) that holds
 one ProfilerStep#<iteration> per profiled step and the named ranges of the step, the loop and
-the pipeline schedule, as many as the steps in the window ran."""
+the pipeline schedule, as many as the steps in the window ran; a run's timing listeners are its
+own."""
 
 import json
 import re
