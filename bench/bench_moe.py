@@ -189,7 +189,6 @@ def worker(argv: Sequence[str]) -> int:
     """The entry point with a timing listener (`_worker_listener`): one JSON line per step in
     $BENCH_MOE_TIMES/rank<R>.jsonl."""
     from megatron.pretrain_t5 import main as entry_point
-    from megatron.training import timing
 
     offset = int(os.environ.get(INIT_OFFSET_ENV, "0"))
     if offset:  # other initial weights, the same data order (no flag for that: see the docstring)
@@ -200,8 +199,8 @@ def worker(argv: Sequence[str]) -> int:
     flag = "--expert-model-parallel-size"
     ep = int(argv[list(argv).index(flag) + 1]) if flag in argv else 1
     out = Path(os.environ[TIMES_ENV]) / f"rank{os.environ['RANK']}.jsonl"
-    timing.add_listener(_worker_listener(out, int(os.environ["WORLD_SIZE"]) // ep))
-    return entry_point(list(argv))
+    listener = _worker_listener(out, int(os.environ["WORLD_SIZE"]) // ep)
+    return entry_point(list(argv), listeners=[listener])
 
 
 def read_steps(folder: Path, rank: int) -> List[dict]:

@@ -136,8 +136,7 @@ def worker(argv: Sequence[str]) -> int:
                 if kind == "ReduceTiedGrads":
                     self.window = clock() - self.start
 
-    timing.add_listener(Instructions())
-    return entry_point(list(argv))
+    return entry_point(list(argv), listeners=[Instructions()])
 
 
 def read_times(folder: Path, rank: int) -> List[dict]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from data_tools.train_tokenizer import Corpus, InputError, _remove, check_readable
+from data_tools.tokenizer_corpus import Corpus, InputError, check_readable, remove
 from megatron.data.preprocess.jsonl import expand_inputs
 from megatron.data.tokenizers import extend as ext
 from megatron.data.tokenizers.cpm2_tokenizer import CPM2Tokenizer, load_vocabulary
@@ -91,7 +91,7 @@ def _extend_sentencepiece(args, corpus, prefix: str) -> int:
         os.replace(tmp + ".vocab", prefix + ".vocab")
         os.replace(tmp + ".model", prefix + ".model")
     finally:
-        _remove([tmp + ".model", tmp + ".vocab"])
+        remove([tmp + ".model", tmp + ".vocab"])
     print(f"added {len(added)} of the {len(trained)} pieces trained ({len(trained) - len(added)} "
           f"were in {args.extend} already): {old.sp_vocab_size} + {len(added)} = "
           f"{new.sp_vocab_size} pieces + {new.extra_ids} sentinels = {new.vocab_size} ids; the "
@@ -119,7 +119,7 @@ def _extend_cpm2(args, corpus, vocab_path: str, prefix: str) -> int:
         load_vocabulary(str(tmp))  # every line once, CPM-2's special pieces there
         os.replace(tmp, out / "vocab.txt")
     finally:
-        _remove([str(tmp)])
+        remove([str(tmp)])
     sentinels = sum(1 for p in lines if p.startswith("<s_"))
     # --add-pieces N trains N pieces: the count is of those, and the few without a CPM-2 form
     # (the bare word start, a piece with whitespace, a repeat once written CPM-2's way) are named

@@ -32,32 +32,25 @@ than the corpus allows; its message says the largest possible size).
 from __future__ import annotations
 
 import argparse
-import gzip
 import os
 import sys
 import time
-from typing import Iterator, List, Optional, Sequence
+from typing import Optional, Sequence
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sentencepiece as spm
 
+from data_tools.extend_tokenizer import extend
+from data_tools.tokenizer_corpus import Corpus, InputError, check_readable, remove
 from megatron.cli import CommandLineParser
-from megatron.data.preprocess.jsonl import JSONL_SUFFIXES, BadLine, expand_inputs, parse_line, read_chunks
-from megatron.data.tokenizers.tokenizer import T5Tokenizer, available_cpus
 from megatron.data.datasets.ul2 import DEFAULT_MODE_TOKENS
+from megatron.data.preprocess.jsonl import expand_inputs
+from megatron.data.tokenizers.tokenizer import T5Tokenizer, available_cpus
 
-
-TEXT_SUFFIXES = (".txt", ".txt.gz")
 # UL2's mode tokens (megatron/data/datasets/ul2.py's defaults), as SentencePiece user-defined symbols.
 UL2_MODE_TOKENS = tuple(DEFAULT_MODE_TOKENS[kind] for kind in "RXS")  # [NLU], [NLG], [S2S]
-# Preferred places to cut an over-long line: after a space, or after a CJK sentence end.
-_CUT_AFTER = (b" ", "。".encode(), "！".encode(), "？".encode(), "；".encode(), "，".encode())
-
-
-class InputError(Exception):
-    """Unusable input; str() names the file (and line) and says what is wrong."""
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -137,133 +130,6 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def input_format(path: str, forced: str) -> str:
-    """'jsonl' or 'text' for `path`."""
-    if forced != "auto":
-        return forced
-    if path.endswith(JSONL_SUFFIXES):
-        return "jsonl"
-    if path.endswith(TEXT_SUFFIXES):
-        return "text"
-    raise InputError(f"{path}: cannot tell the format from the name (expected one of "
-                     f"{', '.join(JSONL_SUFFIXES + TEXT_SUFFIXES)}); use --input-format")
-
-
-def check_readable(path: str) -> None:
-    """Fail now, not after minutes of training, on a file that cannot be opened or decompressed."""
-    try:
-        with open(path, "rb") as f:
-            if path.endswith(".gz"):
-                with gzip.GzipFile(fileobj=f) as g:
-                    g.read(1)
-            else:
-                f.read(1)
-    except (OSError, EOFError) as e:
-        raise InputError(f"{path}: cannot read: {e}") from None
-
-
-def cut_line(line: str, max_bytes: int) -> Iterator[str]:
-    """`line` in pieces of at most `max_bytes` UTF-8 bytes, cut after a space or CJK punctuation
-    where one falls in the second half of the window, else at a character boundary."""
-    data = line.encode("utf-8")
-    while len(data) > max_bytes:
-        cut = 0
-        for sep in _CUT_AFTER:
-            k = data.rfind(sep, max_bytes // 2, max_bytes - len(sep) + 1)
-            if k >= 0:
-                cut = max(cut, k + len(sep))
-        if not cut:
-            cut = max_bytes
-            while data[cut] & 0xC0 == 0x80:  # back off to the start of a UTF-8 character
-                cut -= 1
-        piece = data[:cut].decode("utf-8").strip()
-        if piece:
-            yield piece
-        data = data[cut:]
-    piece = data.decode("utf-8").strip()
-    if piece:
-        yield piece
-
-
-class Corpus:
-    """Iterates the training sentences of `paths` and counts what it saw."""
-
-    def __init__(self, paths: List[str], args: argparse.Namespace):
-        self.paths = paths
-        self.formats = [input_format(p, args.input_format) for p in paths]
-        self.keys = list(args.json_keys)
-        self.max_docs = args.max_docs
-        self.max_bytes = args.max_sentence_length
-        self.skip_bad = args.skip_bad_lines
-        self.docs = self.sentences = self.cut = self.bad = self.boms = 0
-        self.bad_examples: List[str] = []
-        self.error: Optional[InputError] = None  # set when the iteration stopped on bad input
-
-    def _texts(self, line: bytes, fmt: str) -> List[str]:
-        if fmt == "text":
-            try:
-                return [line.decode("utf-8")]
-            except UnicodeDecodeError as e:
-                raise ValueError(f"invalid UTF-8 at byte {e.start}") from None
-        try:
-            return parse_line(line, self.keys, allow_empty=True)
-        except BadLine as e:
-            raise ValueError(str(e)) from None
-
-    def __iter__(self) -> Iterator[str]:
-        try:
-            yield from self._sentences()
-        except InputError as e:
-            # SentencePiece turns an exception in its iterator into a RuntimeError with the
-            # traceback in the message; keep ours to report it cleanly.
-            self.error = e
-            raise
-
-    def _sentences(self) -> Iterator[str]:
-        try:
-            for chunk in read_chunks(self.paths):
-                path, fmt = self.paths[chunk.file_index], self.formats[chunk.file_index]
-                self.boms += chunk.bom
-                for k, line in enumerate(chunk.lines):
-                    if self.max_docs and self.docs >= self.max_docs:
-                        return
-                    try:
-                        texts = self._texts(line, fmt)
-                    except ValueError as e:
-                        where = f"{path}:{chunk.first_line + k}: {e}"
-                        if not self.skip_bad:
-                            raise InputError(where + " (--skip-bad-lines to skip such lines)")
-                        self.bad += 1
-                        if len(self.bad_examples) < 5:
-                            self.bad_examples.append(where)
-                        continue
-                    if not any(t.strip() for t in texts):
-                        continue  # blank line or empty document: nothing to learn from
-                    self.docs += 1
-                    for text in texts:
-                        for sent in text.splitlines():
-                            if len(sent) * 4 > self.max_bytes and \
-                                    len(sent.encode("utf-8")) > self.max_bytes:
-                                self.cut += 1
-                                pieces = cut_line(sent, self.max_bytes)
-                            else:
-                                sent = sent.strip()
-                                pieces = (sent,) if sent else ()
-                            for piece in pieces:
-                                self.sentences += 1
-                                yield piece
-        except OSError as e:  # a read error mid-file (e.g. truncated gzip); the message names it
-            raise InputError(str(e)) from None
-
-
-def _remove(paths: Sequence[str]) -> None:
-    for path in paths:
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
-
-
 def train(args: argparse.Namespace) -> int:
     """Train and write the model; returns the exit code."""
     start = time.perf_counter()
@@ -321,7 +187,7 @@ def train(args: argparse.Namespace) -> int:
         os.replace(tmp + ".vocab", prefix + ".vocab")
         os.replace(tmp + ".model", prefix + ".model")
     finally:
-        _remove(temporaries)
+        remove(temporaries)
     elapsed = time.perf_counter() - start
     print(f"inputs: {len(paths)} file(s), {corpus.docs} documents, {corpus.sentences} lines given "
           f"to SentencePiece ({corpus.cut} over-long lines cut; it samples at most "
@@ -346,8 +212,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Command line entry point; returns the exit code."""
     args = get_args(argv)
     if args.extend is not None:
-        from data_tools.extend_tokenizer import extend
-
         return extend(args)
     return train(args)
 

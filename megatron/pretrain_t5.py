@@ -91,12 +91,14 @@ def step_cost(config: RunConfig):
                                        config.logging.peak_tflops))
 
 
-def pretrain(config: RunConfig, signals=None, watchdog=None):
+def pretrain(config: RunConfig, signals=None, watchdog=None, listeners: Sequence = ()):
     """Train with a validated config on an initialized process group; returns the TrainState.
 
     signals: a StopSignals already installed by the caller (main installs one before anything
     slow starts, so that a signal during start-up stops the run at its first step boundary).
     watchdog: the caller's (main starts one before the process group); else one of its own.
+    listeners: timing listeners of the step's named ranges (megatron/training/timing.py), given
+    to this run's profiler.
 
     First, before anything costly or visible, rank 0 takes --save's writer lock and every rank
     learns the verdict; only then does DeepSpeed start (it builds or loads a compiled op). A
@@ -123,7 +125,7 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
                             "the file behind and every later start waits here: remove it)",
                             60 * runtime.distributed_timeout_minutes + 300):
             join_deepspeed()
-        state = _pretrain(config, signals, watchdog, lock)
+        state = _pretrain(config, signals, watchdog, lock, listeners)
         finished = True
         return state
     except RunFailure as e:
@@ -140,7 +142,7 @@ def pretrain(config: RunConfig, signals=None, watchdog=None):
             watchdog.close()
 
 
-def _pretrain(config: RunConfig, signals, watchdog, lock):
+def _pretrain(config: RunConfig, signals, watchdog, lock, listeners: Sequence = ()):
     """pretrain's body, holding --save's lock (None without --save, or on ranks other than 0)."""
     rank, runtime, ckpt = dist.get_rank(), config.runtime, config.checkpoint
     writer = MetricsWriter(config.logging.log_file, config.logging.tensorboard_dir,
@@ -148,7 +150,7 @@ def _pretrain(config: RunConfig, signals, watchdog, lock):
     watchdog.place = _place(config)
     saver = loaders = None
     profiler = StepProfiler(config.profile, rank, runtime.device_type,
-                            writer.write_text if rank == 0 else print)
+                            writer.write_text if rank == 0 else print, listeners)
     try:
         _log_start(config, writer, lock)
         set_seeds(runtime.seed, runtime.device_type)
@@ -399,7 +401,9 @@ def _take_save_lock(save: str, device):
     return lock
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, listeners: Sequence = ()) -> int:
+    """The command line's run; `listeners`: timing listeners of its named ranges (a tool that
+    starts the trainer in its own process, megatron/training/timing.py). The exit status."""
     # Before anything slow: a stop signal during start-up ends the run at its first step.
     with StopSignals() as signals:
         try:
@@ -418,10 +422,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         if config.dry_run:
             return print_dry_run(config)
-        return run(config, signals)
+        return run(config, signals, listeners)
 
 
-def run(config: RunConfig, signals) -> int:
+def run(config: RunConfig, signals, listeners: Sequence = ()) -> int:
     """Join the job, train, leave the process group (without it, gloo jobs abort at interpreter
     exit now and then)."""
     runtime = config.runtime
@@ -438,7 +442,7 @@ def run(config: RunConfig, signals) -> int:
         except PortInUse as e:  # only the rank that binds it (0) finds it; its peers time out
             print(f"error: {e}", file=sys.stderr, flush=True)
             return 2
-        return _train(config, signals, watchdog, created)
+        return _train(config, signals, watchdog, created, listeners)
     finally:
         reap_daemonic_children()  # a data worker that nobody closed (training/data_workers.py)
         watchdog.close()
@@ -455,9 +459,9 @@ def peer_gone(error: BaseException) -> bool:
                                                 or "Connection reset by peer" in text)
 
 
-def _train(config: RunConfig, signals, watchdog, created: bool) -> int:
+def _train(config: RunConfig, signals, watchdog, created: bool, listeners: Sequence) -> int:
     try:
-        pretrain(config, signals, watchdog)  # ends with a barrier when it finished
+        pretrain(config, signals, watchdog, listeners)  # ends with a barrier when it finished
     except RunFailure:  # pretrain reported it
         return 1
     except Exception as e:  # noqa: BLE001 - a bug keeps its traceback (re-raised below)

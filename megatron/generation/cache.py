@@ -4,8 +4,9 @@ The encoder runs once; each decoder block's cross-attention keys and values of i
 computed once (`T5Model.cross_key_values`); each step runs the decoder on the newest position
 only, appending its self-attention keys and values to the block's `LayerCache`
 (`T5Model.decode_step`). Rows are hypotheses: a batch, or a batch x beams; beam search reorders
-them (`Decoder.reorder`). CPM-2-MoE's BASE layers (router 'cpm2') route greedily while decoding,
-as at test time in the BASE layers paper (megatron/model/moe_cpm2.py's `greedy_routing`).
+them (`Decoder.reorder`). The model runs with `test_time_routing`: CPM-2-MoE's BASE layers
+(router 'cpm2') route greedily while decoding, as at test time in the BASE layers paper
+(megatron/model/moe_cpm2.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megatron.model.moe_cpm2 import cpm2_layers, greedy_routing
 from megatron.model.t5 import T5Model
 from megatron.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
@@ -86,9 +86,9 @@ class Decoder:
                  encoder_attention_mask: torch.Tensor, expand: int = 1) -> None:
         self.model = model
         self.vocab_size = model.config.vocab_size
-        self.routed = cpm2_layers(model)
-        with torch.no_grad(), greedy_routing(self.routed):
-            encoder_output, mask = model.encode(encoder_input_ids, encoder_attention_mask)
+        with torch.no_grad():
+            encoder_output, mask = model.encode(encoder_input_ids, encoder_attention_mask,
+                                                test_time_routing=True)
             if expand > 1:
                 encoder_output = encoder_output.repeat_interleave(expand, dim=0)
                 mask = mask.repeat_interleave(expand, dim=0)
@@ -100,9 +100,9 @@ class Decoder:
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab_size] (float32, padding of the vocabulary cut) of the token
         after `ids` [rows], the decoder input at the next position."""
-        with torch.no_grad(), greedy_routing(self.routed):
+        with torch.no_grad():
             logits = self.model.decode_step(ids[:, None], self.position, self.encoder_mask,
-                                            self.layers)
+                                            self.layers, test_time_routing=True)
             logits = gather_from_tensor_model_parallel_region(logits,
                                                               self.model.tensor_parallel)
         self.position += 1

@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from megatron.generation.cache import Decoder, LayerCache
 from megatron.generation.stage import PipelineStage
-from megatron.model.moe_cpm2 import cpm2_layers, greedy_routing
 from megatron.model.transformer import stack_position_bias
 from megatron.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
@@ -74,8 +73,7 @@ class PipelineDecoder:
         self.vocab_size = self.model.config.vocab_size
         # the activations' dtype: the parameters' (of any part this stage holds)
         self.dtype = next(p.dtype for p in self.model.parameters() if not p.is_meta)
-        self.routed = cpm2_layers(self.model)
-        with torch.no_grad(), greedy_routing(self.routed):
+        with torch.no_grad():
             encoder_output, mask = self._encode(encoder_input_ids, encoder_attention_mask)
             if expand > 1:
                 mask = mask.repeat_interleave(expand, dim=0)
@@ -94,7 +92,7 @@ class PipelineDecoder:
         [batch, 1, 1, enc_len])."""
         stage, model = self.stage, self.model
         enc, dec = stage.encoder_blocks, stage.decoder_blocks
-        carry = model.initial_carry(ids, ids[:, :1], attention_mask)
+        carry = model.initial_carry(ids, ids[:, :1], attention_mask, test_time_routing=True)
         if len(enc):
             if enc.start == 0:
                 carry = model.embed_encoder(carry)
@@ -126,7 +124,7 @@ class PipelineDecoder:
         stage, model = self.stage, self.model
         dec = stage.decoder_blocks
         rows = ids.shape[0]
-        with torch.no_grad(), greedy_routing(self.routed):
+        with torch.no_grad():
             logits = None
             if len(dec):
                 if dec.start == 0:
@@ -136,7 +134,7 @@ class PipelineDecoder:
                                          device=stage.device)
                     dist.recv(hidden, stage.ranks[stage.stage - 1])
                 hidden = model.decode_blocks(hidden, self.position, self.encoder_mask,
-                                             self.layers, dec)
+                                             self.layers, dec, test_time_routing=True)
                 if stage.is_last:
                     logits = gather_from_tensor_model_parallel_region(
                         model.step_logits(hidden, self.encoder_mask), model.tensor_parallel)

@@ -292,8 +292,10 @@ class MoEStats:
 
 
 class SparseMLP(nn.Module):
-    """The Mixture-of-Experts feed-forward (module docstring): forward(hidden) -> (output, the
-    weighted balancing losses of this call, or None)."""
+    """The Mixture-of-Experts feed-forward (module docstring): forward(hidden, test_time_routing)
+    -> (output, the weighted balancing losses of this call, or None). These routers route in
+    evaluation as at test time already, so `test_time_routing` changes nothing here (router
+    'cpm2' differs: moe_cpm2.py)."""
 
     ranges = staticmethod(_no_range)
     """ranges(name, nbytes): the step's named ranges around the all-to-all (the profiler and
@@ -340,7 +342,7 @@ class SparseMLP(nn.Module):
         per_token = 2 * experts.d_model * experts.d_ff * (3 if experts.gated else 2)
         return tokens * (2 * experts.d_model * self.num_experts + self.k * per_token)
 
-    def forward(self, hidden: torch.Tensor):
+    def forward(self, hidden: torch.Tensor, test_time_routing: bool = False):
         batch, length, width = hidden.shape
         logits = self.router(hidden)
         routing = route(logits, self.router_type, self.k, self.capacity(length), self.training,

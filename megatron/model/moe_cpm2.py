@@ -13,8 +13,8 @@ data-parallel ranks with one expert each, every feed-forward sublayer replaced:
    (where tied scores make the auction list a token twice, `repair_assignment` differs from
    CPM-2, which would return uninitialised rows);
 5. all of it in evaluation too (their `is_training` is always true).
-Decoding (megatron/generation) routes greedily instead (`greedy_routing`): each token to the
-expert of its best score, no shuffle and no balancing, as the BASE layers paper does at test time
+Decoding (megatron/generation) asks for test-time routing instead (`test_time_routing=True` in
+the forward, in evaluation mode): each token to the expert of its best score, no shuffle and no balancing, as the BASE layers paper does at test time
 and as fairseq's BaseLayer (`greedy_assignment` when not training, the code CPM-2 started from,
 kept but unused in CPM-2's branch) computes it: a decoding step has batch x 1 tokens, no multiple
 of E x E / EP, and an input's output must not depend on the other inputs of its batch.
@@ -38,8 +38,7 @@ E x E / EP: each virtual rank's tokens split into E shuffle chunks.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator, List
+from typing import List
 
 import torch
 from torch import nn
@@ -104,11 +103,9 @@ def repair_assignment(order: torch.Tensor) -> torch.Tensor:
 
 class CPM2SparseMLP(SparseMLP):
     """The Mixture-of-Experts feed-forward of router type 'cpm2' (module docstring); the experts,
-    statistics and named ranges are SparseMLP's. forward(normalised hidden) -> (FFN output, None)."""
-
-    greedy = False
-    """Test-time routing (module docstring; `greedy_routing` sets it): each token to its
-    best-scoring expert, in evaluation mode only."""
+    statistics and named ranges are SparseMLP's. forward(normalised hidden, test_time_routing)
+    -> (FFN output, None); with test_time_routing, in evaluation mode only, each token goes to
+    its best-scoring expert (module docstring)."""
 
     def make_router(self, config, init, device, dtype) -> nn.Module:
         return CentroidRouter(config, device, dtype)
@@ -121,8 +118,8 @@ class CPM2SparseMLP(SparseMLP):
         per_token = 2 * experts.d_model * experts.d_ff * (3 if experts.gated else 2)
         return tokens * (2 * experts.d_model * self.num_experts + per_token)
 
-    def forward(self, hidden: torch.Tensor):
-        if self.greedy and not self.training:
+    def forward(self, hidden: torch.Tensor, test_time_routing: bool = False):
+        if test_time_routing and not self.training:
             return self._greedy(hidden), None
         batch, length, width = hidden.shape
         tokens = copy_to_tensor_model_parallel_region(hidden.reshape(-1, width), self.tp)
@@ -189,21 +186,3 @@ class CPM2SparseMLP(SparseMLP):
             return rows
         parts: List[int] = [rows.shape[0] // self.ep.size] * self.ep.size
         return _AllToAll.apply(rows, parts, parts, self.ep.group, self.ranges)
-
-
-def cpm2_layers(model: nn.Module) -> List[CPM2SparseMLP]:
-    return [m for m in model.modules() if isinstance(m, CPM2SparseMLP)]
-
-
-@contextmanager
-def greedy_routing(layers: List["CPM2SparseMLP"]) -> Iterator[None]:
-    """Within it, `layers` (`cpm2_layers` of a model) route greedily (module docstring) when in
-    evaluation mode; other routers are unchanged (BASE already routes greedily in evaluation)."""
-    before = [layer.greedy for layer in layers]
-    for layer in layers:
-        layer.greedy = True
-    try:
-        yield
-    finally:
-        for layer, was in zip(layers, before):
-            layer.greedy = was

@@ -193,8 +193,10 @@ class T5Model(nn.Module):
     @staticmethod
     def initial_carry(encoder_input_ids: torch.Tensor, decoder_input_ids: torch.Tensor,
                       encoder_attention_mask: Optional[torch.Tensor] = None,
-                      decoder_attention_mask: Optional[torch.Tensor] = None) -> Carry:
-        """The carry entering the first layer: ids and additive masks (float32)."""
+                      decoder_attention_mask: Optional[torch.Tensor] = None,
+                      test_time_routing: bool = False) -> Carry:
+        """The carry entering the first layer: ids and additive masks (float32), and whether
+        the sparse blocks route as at test time (Carry)."""
         device = encoder_input_ids.device
         batch, enc_len = encoder_input_ids.shape
         dec_len = decoder_input_ids.shape[1]
@@ -204,7 +206,7 @@ class T5Model(nn.Module):
         decoder_mask = additive_decoder_mask(decoder_attention_mask, batch, dec_len, device)
         return Carry(hidden=encoder_input_ids, encoder_output=None, encoder_mask=encoder_mask,
                      decoder_mask=decoder_mask, position_bias=None,
-                     decoder_input_ids=decoder_input_ids)
+                     decoder_input_ids=decoder_input_ids, test_time_routing=test_time_routing)
 
     def run_layers(self, carry: Carry, layers=None) -> Carry:
         """Run layers (default: all) on a carry, checkpointing blocks when configured."""
@@ -228,9 +230,10 @@ class T5Model(nn.Module):
     def forward(self, encoder_input_ids: torch.Tensor, decoder_input_ids: torch.Tensor,
                 encoder_attention_mask: Optional[torch.Tensor] = None,
                 decoder_attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> T5Output:
+                labels: Optional[torch.Tensor] = None,
+                test_time_routing: bool = False) -> T5Output:
         carry = self.initial_carry(encoder_input_ids, decoder_input_ids, encoder_attention_mask,
-                                   decoder_attention_mask)
+                                   decoder_attention_mask, test_time_routing)
         carry = self.run_layers(carry)
         logits = self.lm_logits(carry.hidden)
         if labels is None:
@@ -241,11 +244,12 @@ class T5Model(nn.Module):
 
     # Incremental decoding (megatron/generation/) ----------------------------------------------
     def encode(self, encoder_input_ids: torch.Tensor,
-               encoder_attention_mask: Optional[torch.Tensor] = None):
+               encoder_attention_mask: Optional[torch.Tensor] = None,
+               test_time_routing: bool = False):
         """(encoder output [batch, enc_len, d_model], additive encoder mask [batch, 1, 1,
         enc_len]): the encoder's layers of `forward`, run once before decoding."""
         carry = self.initial_carry(encoder_input_ids, encoder_input_ids[:, :1],
-                                   encoder_attention_mask)
+                                   encoder_attention_mask, test_time_routing=test_time_routing)
         carry = self.run_layers(carry, self.layers()[:len(self.encoder.block) + 2])
         return carry.encoder_output, carry.encoder_mask
 
@@ -257,13 +261,15 @@ class T5Model(nn.Module):
                 for i in blocks]
 
     def decode_step(self, decoder_input_ids: torch.Tensor, position: int, encoder_mask,
-                    layer_caches) -> torch.Tensor:
+                    layer_caches, test_time_routing: bool = False) -> torch.Tensor:
         """Logits [batch, 1, padded vocab / TP] of the next token after `decoder_input_ids`
         [batch, 1], the token at decoder position `position`; `layer_caches` (one per decoder
         block, megatron/generation/cache.py) hold the earlier positions' keys and values and
-        take this one's. The relative position bias is computed for this position only."""
+        take this one's. The relative position bias is computed for this position only;
+        `test_time_routing`: the sparse blocks' routing (Carry)."""
         hidden = self.embed_step(decoder_input_ids)
-        hidden = self.decode_blocks(hidden, position, encoder_mask, layer_caches)
+        hidden = self.decode_blocks(hidden, position, encoder_mask, layer_caches,
+                                    test_time_routing=test_time_routing)
         return self.step_logits(hidden, encoder_mask)
 
     # decode_step's three parts, which pipeline stages run apart (megatron/generation/pipeline.py)
@@ -272,7 +278,8 @@ class T5Model(nn.Module):
         return self.dropout(self.shared(decoder_input_ids))
 
     def decode_blocks(self, hidden: torch.Tensor, position: int, encoder_mask, layer_caches,
-                      blocks: Optional[range] = None) -> torch.Tensor:
+                      blocks: Optional[range] = None,
+                      test_time_routing: bool = False) -> torch.Tensor:
         """Decoder blocks `blocks` (default all; one cache each) on one position's hidden
         [batch, 1, d_model]; the bias comes from block 0's table (a pipeline stage holding
         later blocks holds that table too)."""
@@ -283,7 +290,8 @@ class T5Model(nn.Module):
         if dtype in (torch.float16, torch.bfloat16):
             bias = bias.to(dtype)
         for index, cache in zip(blocks, layer_caches):
-            hidden = self.decoder.block[index].decode_step(hidden, bias, encoder_mask, cache)
+            hidden = self.decoder.block[index].decode_step(hidden, bias, encoder_mask, cache,
+                                                           test_time_routing)
         return hidden
 
     def step_logits(self, hidden: torch.Tensor, encoder_mask=None) -> torch.Tensor:

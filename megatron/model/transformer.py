@@ -54,6 +54,8 @@ class Carry(NamedTuple):
     decoder_input_ids: [batch, dec_len], read by the decoder's embedding step.
     aux_loss: the weighted balancing losses of the sparse blocks run so far (a float32 scalar;
         None in a dense model, in evaluation, and before the first sparse block).
+    test_time_routing: the sparse blocks route as at test time (set by a caller that decodes,
+        megatron/generation/; only router 'cpm2' routes otherwise in evaluation).
     """
 
     hidden: Optional[torch.Tensor]
@@ -63,6 +65,7 @@ class Carry(NamedTuple):
     position_bias: Optional[torch.Tensor]
     decoder_input_ids: torch.Tensor
     aux_loss: Optional[torch.Tensor] = None
+    test_time_routing: bool = False
 
 
 # Standard deviation of a unit normal truncated to [-2, 2]: a truncated draw is scaled by its
@@ -434,7 +437,8 @@ class T5LayerCrossAttention(nn.Module):
 class T5LayerFF(nn.Module):
     """The feed-forward sublayer: dense (`DenseReluDense`), or with `sparse_layers` (the count
     of sparse blocks in its stack) a Mixture-of-Experts (`mlp`, model/moe.py). forward returns
-    (hidden, the sparse layer's weighted balancing losses or None)."""
+    (hidden, the sparse layer's weighted balancing losses or None); `test_time_routing` goes to
+    the Mixture-of-Experts layer (a dense one has no routing)."""
 
     def __init__(self, config, init, *, tp, ep=NO_EXPERT_PARALLEL, sparse_layers: int = 0,
                  device=None, dtype=None):
@@ -453,10 +457,10 @@ class T5LayerFF(nn.Module):
     def feed_forward(self):
         return getattr(self, "mlp", None) or self.DenseReluDense
 
-    def forward(self, hidden):
+    def forward(self, hidden, test_time_routing: bool = False):
         normed = self.layer_norm(hidden)
         if hasattr(self, "mlp"):
-            out, aux = self.mlp(normed)
+            out, aux = self.mlp(normed, test_time_routing)
         else:
             out, aux = self.DenseReluDense(normed), None
         return hidden + self.dropout(out), aux
@@ -534,7 +538,8 @@ class T5Block(nn.Module):
         return flops + self.layer[-1].feed_forward.forward_flops(length)
 
     def decode_step(self, hidden: torch.Tensor, self_bias: torch.Tensor,
-                    cross_bias: torch.Tensor, cache) -> torch.Tensor:
+                    cross_bias: torch.Tensor, cache, test_time_routing: bool = False
+                    ) -> torch.Tensor:
         """A decoder block on the newest position only: hidden [batch, 1, d_model].
 
         self_bias: [1 or batch, heads per rank, 1, positions so far] (relative bias; every
@@ -543,6 +548,7 @@ class T5Block(nn.Module):
             (megatron/generation/cache.py): `append(key, value)` adds the new position's
             self-attention keys and values and returns all of them; `cross` holds the
             cross-attention (key, value) of the encoder output, computed once.
+        test_time_routing: the feed-forward's routing (T5LayerFF).
         """
         sub = self.layer[0]
         normed = sub.layer_norm(hidden)
@@ -551,7 +557,7 @@ class T5Block(nn.Module):
         sub = self.layer[1]
         hidden = _clamp_fp16(hidden + sub.EncDecAttention.attend(sub.layer_norm(hidden),
                                                                  cross_bias, *cache.cross))
-        hidden, _ = self.layer[-1](hidden)
+        hidden, _ = self.layer[-1](hidden, test_time_routing)
         return _clamp_fp16(hidden)
 
     def forward(self, carry: Carry) -> Carry:
@@ -576,7 +582,7 @@ class T5Block(nn.Module):
         hidden = _clamp_fp16(self.layer[0](hidden, position_bias))
         if self.is_decoder:
             hidden = _clamp_fp16(self.layer[1](hidden, carry.encoder_output, carry.encoder_mask))
-        hidden, aux = self.layer[-1](hidden)
+        hidden, aux = self.layer[-1](hidden, carry.test_time_routing)
         hidden = _clamp_fp16(hidden)
         aux_loss = carry.aux_loss
         if aux is not None:

@@ -34,7 +34,7 @@ profiler off, or outside the window, `ranges(name)` is a shared null context:
                           the counts' exchange, the rows there and back, forward and backward
 
 A call site may give a range its bytes, `ranges(name, nbytes)`: the profiler ignores them, the
-timing listeners (megatron/training/timing.py) get them. With listeners registered, every rank
+timing listeners (megatron/training/timing.py) get them. Given listeners, every rank
 times its ranges (the profiler's recording still only in the window of a profiled rank).
 
 DeepSpeed is reached without patching its classes: the engine's `allreduce_gradients` and the
@@ -169,18 +169,18 @@ class StepProfiler:
         rank: this process's global rank.
         device_type: 'cuda' adds CUDA activity to the CPU's.
         log: where a line about the trace goes (rank 0's writer; print elsewhere).
-        listeners: the range timers (megatron/training/timing.py); None: those registered
-            there now.
+        listeners: the range timers (megatron/training/timing.py) of this run; none by
+            default.
     """
 
     def __init__(self, config: Optional[ProfileConfig] = None, rank: int = 0,
                  device_type: str = "cpu", log: Callable[[str], None] = print,
-                 listeners: Optional[Sequence[timing.RangeListener]] = None) -> None:
+                 listeners: Sequence[timing.RangeListener] = ()) -> None:
         config = config or ProfileConfig()
         self.config = config
         self.enabled = config.enabled and rank in config.ranks
         self.rank, self.device_type, self.log = rank, device_type, log
-        self.listeners = timing.listeners() if listeners is None else tuple(listeners)
+        self.listeners = tuple(listeners)
         self.path: Optional[Path] = None
         """The trace written (None until then)."""
         self._profiler = None

@@ -2,8 +2,7 @@
 
 The ranges are the profiler's (megatron/training/profiling.py lists them: forward, backward,
 optimizer-step, comm:grad-reduce, the pipeline engine's instructions, ...). A tool that wants
-their times registers a listener before the run builds its step, i.e. before calling
-`megatron.pretrain_t5.main` in its own process:
+their times hands its listeners to the run it starts in its own process:
 
     from megatron.training import timing
 
@@ -11,12 +10,10 @@ their times registers a listener before the run builds its step, i.e. before cal
         def closed(self, name, seconds, nbytes):
             ...
 
-    timing.add_listener(Times())
-    pretrain_t5.main(argv)
+    pretrain_t5.main(argv, listeners=[Times()])
 
-The run's StepProfiler takes the listeners registered when it is built (so nothing reads this
-registry while the run goes on) and then times every range on every rank, inside or outside a
---profile window: `attach(step)` is told the TrainStep once (its engine and model, e.g. to read
+The run's StepProfiler owns them (nothing here is kept for the process: a run started without
+listeners has none) and times every range on every rank, inside or outside a --profile window: `attach(step)` is told the TrainStep once (its engine and model, e.g. to read
 the MoE layers' statistics), `opened(name)` and `closed(name, seconds, nbytes)` each range as it
 starts and ends (nbytes: what the call site says the range moved, e.g. the all-to-all's input;
 0 elsewhere). Without listeners the ranges stay the shared null context: no cost.
@@ -25,7 +22,7 @@ starts and ends (nbytes: what the call site says the range moved, e.g. the all-t
 from __future__ import annotations
 
 import time
-from typing import Callable, ContextManager, List, Sequence, Tuple
+from typing import Callable, ContextManager, Sequence
 
 
 class RangeListener:
@@ -40,25 +37,6 @@ class RangeListener:
 
     def closed(self, name: str, seconds: float, nbytes: int) -> None:
         """The range `name` ended after `seconds` of wall time."""
-
-
-_listeners: List[RangeListener] = []
-"""Registered by tools before a run; read once by each StepProfiler built afterwards."""
-
-
-def add_listener(listener: RangeListener) -> None:
-    """Time the ranges of the runs started from now on in this process with `listener`."""
-    _listeners.append(listener)
-
-
-def remove_listener(listener: RangeListener) -> None:
-    """Stop giving `listener` to the runs started from now on."""
-    _listeners.remove(listener)
-
-
-def listeners() -> Tuple[RangeListener, ...]:
-    """The listeners registered now."""
-    return tuple(_listeners)
 
 
 class _TimedRange:

@@ -9,7 +9,6 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from megatron.model import T5Config, T5Model  # noqa: E402
-from megatron.model.moe_cpm2 import cpm2_layers, greedy_routing  # noqa: E402
 from megatron.model.state_dict import gather_full_state_dict, to_hf_state_dict  # noqa: E402
 
 VOCAB = 300
@@ -42,8 +41,9 @@ def sharpen(model: T5Model) -> None:
             ids, mask = padded_batch(seed=9)
             dec = torch.randint(2, VOCAB, (3, 6), generator=torch.Generator().manual_seed(9))
             was = model.training
-            with greedy_routing(cpm2_layers(model.eval())):  # any token count (router cpm2)
-                hidden = model.run_layers(model.initial_carry(ids, dec, mask)).hidden
+            carry = model.eval().initial_carry(ids, dec, mask,  # any token count (router cpm2)
+                                               test_time_routing=True)
+            hidden = model.run_layers(carry).hidden
             model.train(was)
             mean = hidden.reshape(-1, hidden.shape[-1]).mean(0)
             head = model.lm_head.weight

@@ -8,7 +8,6 @@ from generation_models import EOS, PAD, VOCAB, hf_of, hf_rows, our_model, padded
 
 from megatron.generation import Decoder, beam_search, greedy
 from megatron.generation.search import ban_repeated_ngrams, warp
-from megatron.model.moe_cpm2 import cpm2_layers, greedy_routing
 
 
 @pytest.mark.parametrize("name", ["v1_0", "v1_1"])
@@ -112,8 +111,8 @@ def test_cached_steps_of_a_mixture_of_experts_model(router):
     ids, mask = padded_batch()
     decoder = Decoder(model, ids, mask)
     dec = torch.cat([torch.full((3, 1), PAD), torch.randint(2, VOCAB, (3, 6))], dim=1)
-    with torch.no_grad(), greedy_routing(cpm2_layers(model)):  # (cpm2: test-time routing)
-        full = model(ids, dec, mask).logits[..., :VOCAB]
+    with torch.no_grad():  # (cpm2: test-time routing)
+        full = model(ids, dec, mask, test_time_routing=True).logits[..., :VOCAB]
     for t in range(dec.shape[1]):
         torch.testing.assert_close(decoder.step(dec[:, t]), full[:, t], rtol=1e-5, atol=1e-5)
 
@@ -121,21 +120,24 @@ def test_cached_steps_of_a_mixture_of_experts_model(router):
 def test_cpm2_layers_route_each_token_to_its_best_centroid_while_decoding():
     """CPM-2-MoE's BASE layers at test time (BASE layers paper; fairseq's greedy_assignment):
     each token through the expert of its largest layer_norm(x) . centroid score, unscaled, by
-    hand token by token; the cpm2 routing is back after, and training's auction is untouched."""
+    hand token by token; only when asked: without the argument the layer runs CPM-2's auction
+    (which needs a multiple of 4 x 4 tokens)."""
     from generation_models import CONFIGS
 
     from megatron.model import T5Config, T5Model
+    from megatron.model.moe_cpm2 import CPM2SparseMLP
 
     torch.manual_seed(6)
     config = T5Config(**CONFIGS["v1_1"], num_experts=4, encoder_sparse_step=2,
                       decoder_sparse_step=2, router_type="cpm2", router_centroid_gain=1.0)
     model = T5Model(config).eval()
-    layer = cpm2_layers(model)[0]
+    layer = next(m for m in model.modules() if isinstance(m, CPM2SparseMLP))
     hidden = torch.randn(3, 5, config.d_model)  # 15 tokens: no multiple of 4 x 4
     with torch.no_grad():
-        with greedy_routing([layer]):
-            got, aux = layer(hidden)
-        assert aux is None and layer.greedy is False
+        got, aux = layer(hidden, test_time_routing=True)
+        assert aux is None
+        with pytest.raises(ValueError, match="not a multiple of experts x local experts"):
+            layer(hidden)
         tokens = hidden.reshape(-1, config.d_model)
         best = (tokens @ layer.router.expert_centroids.T).argmax(dim=-1)
         assert len(set(best.tolist())) > 1  # the test routes to several experts

@@ -2,7 +2,8 @@
 window N+1 ... M of iterations, also on a resumed run; a real run writes, on the chosen ranks
 only, a Chrome trace (the file name and JSON of torch's tensorboard_trace_handler) that holds
 one ProfilerStep#<iteration> per profiled step and the named ranges of the step, the loop and
-the pipeline schedule, as many as the steps in the window ran."""
+the pipeline schedule, as many as the steps in the window ran; a run's timing listeners are its
+own."""
 
 import json
 import re
@@ -17,7 +18,7 @@ from megatron.arguments import ArgumentsError, parse_args
 from megatron.pretrain_t5 import main
 from megatron.config.training import ProfileConfig
 from megatron.training.profiling import StepProfiler
-from train_workers import base_argv, run_pretrain
+from train_workers import base_argv, run_pretrain, run_timed_then_not
 
 # What torch.profiler.tensorboard_trace_handler names a file, and what TensorBoard's profiler
 # plugin looks for: <worker>.<time in ns>.pt.trace.json
@@ -163,6 +164,19 @@ def test_a_profiled_run_traces_its_window(train_data, tmp_path):
     for e in data["traceEvents"]:
         if e.get("name") in ("forward", "checkpoint-save", "comm:stop-all-reduce"):
             assert any(a <= e["ts"] and e["ts"] + e["dur"] <= b for a, b in spans), e
+
+
+@pytest.mark.slow
+def test_a_runs_timing_listener_is_its_own(train_data):
+    """A listener handed to a run is attached to its step and told every range of its 4 steps
+    of 2 micro-batches; a later run of the process, handed none, tells it nothing."""
+    argv = base_argv(train_data)
+    timed, after = run_workers(1, run_timed_then_not, [argv, argv], timeout=600)[0]
+    micro = 2
+    assert timed["attached"] == 1
+    assert timed["closed"]["forward"] == timed["closed"]["backward"] == 4 * micro
+    assert timed["closed"]["optimizer-step"] == 4
+    assert after == timed
 
 
 @pytest.mark.slow

@@ -98,6 +98,89 @@ def test_no_import_cycles_and_no_reaching_up():
     assert users == ["megatron.plan.search", "megatron.pretrain_t5"]
 
 
+SCANNED = ("megatron", "data_tools", "bench")
+"""The folders whose files may not import each other in a circle."""
+
+
+def _file_of(module: str):
+    """The repository file of a dotted module name (a module or a package's __init__.py)."""
+    base = REPO.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imported_files(path: Path):
+    """The repository files `path` imports: at module level or inside a function, relative
+    imports resolved, `from package import module` taken as the module's file;
+    `if TYPE_CHECKING:` blocks import nothing at run time."""
+    tree = ast.parse(path.read_text())
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+               and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    package = path.relative_to(REPO).parent.parts
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found = (_file_of(alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else ()
+            module = ".".join((*base, *(node.module or "").split("."))).strip(".")
+            found = [_file_of(f"{module}.{alias.name}") or _file_of(module)
+                     for alias in node.names]
+        else:
+            continue
+        yield from (f for f in found if f is not None and f != path)
+
+
+def _circles(graph):
+    """The strongly connected components of more than one file (Tarjan's algorithm)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for dep in graph.get(node, ()):
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in on_stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_no_import_circle_between_files():
+    """No two files of megatron/, data_tools/ or bench/ import each other, directly or through
+    others (an import inside a function counts: it runs too)."""
+    graph = {}
+    for folder in SCANNED:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            graph[str(path.relative_to(REPO))] = {
+                str(f.relative_to(REPO)) for f in _imported_files(path)}
+    circles = _circles(graph)
+    assert not circles, "import circles between files:\n" + "\n".join(
+        " <-> ".join(c) for c in circles)
+
+
+def test_a_circle_is_found_and_named():
+    graph = {"a.py": {"b.py"}, "b.py": {"c.py"}, "c.py": {"a.py"}, "d.py": {"a.py"},
+             "e.py": set()}
+    assert _circles(graph) == [["a.py", "b.py", "c.py"]]
+
+
 def test_the_loop_loads_no_deepspeed():
     code = ("import sys, megatron.training.loop; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'deepspeed'))")

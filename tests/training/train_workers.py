@@ -31,6 +31,37 @@ def run_pretrain(rank, world_size, argvs):
     return out
 
 
+def run_timed_then_not(rank, world_size, argvs):
+    """Two runs in this process: the first handed a timing listener (megatron/training/timing.py),
+    the second none. Returns what the listener was told after each: {'attached': steps it was
+    attached to, 'closed': {range name: count}}."""
+    from megatron.arguments import parse_args
+    from megatron.initialize import initialize_distributed
+    from megatron.pretrain_t5 import pretrain
+    from megatron.training.timing import RangeListener
+
+    class Counting(RangeListener):
+        def __init__(self):
+            self.attached, self.counts = 0, {}
+
+        def attach(self, step):
+            self.attached += 1
+
+        def closed(self, name, seconds, nbytes):
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+    listener, out = Counting(), []
+    for argv, listeners in zip(argvs, ([listener], [])):
+        config = parse_args(argv, env=os.environ)
+        initialize_distributed(config.runtime, config.parallel)
+        try:
+            pretrain(config, listeners=listeners)
+        finally:
+            parallel_state.destroy_model_parallel()
+        out.append({"attached": listener.attached, "closed": dict(listener.counts)})
+    return out
+
+
 def run_keeping_model(rank, world_size, argvs):
     """As run_pretrain; each result also holds the model's state after the run ('state', CPU
     tensors) and its trainable parameters' names ('trainable')."""

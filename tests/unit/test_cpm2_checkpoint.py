@@ -22,7 +22,7 @@ import safetensors.torch
 import torch
 
 from data_tools import convert_checkpoint
-from megatron.checkpoint.formats import cpm2
+from megatron.checkpoint.formats import cpm2, cpm2_shards
 from megatron.model import T5Config, T5Model
 from megatron.model.config import ConfigError
 from megatron.model.state_dict import gather_full_state_dict, load_full_state_dict
@@ -291,11 +291,11 @@ def test_their_checkpoint_in_transformers_gives_their_logits(tmp_path):
 def test_their_fixture_tells_a_wrong_unstriding_apart():
     """Joining the fused q/k/v as one contiguous split (not stride 3) gives other logits: the
     fixture checks the layout, not only the names."""
-    checkpoint = cpm2.CPM2Checkpoint(FIXTURE / "mp2")
+    checkpoint = cpm2_shards.CPM2Checkpoint.open(FIXTURE / "mp2")
     config, _ = cpm2.read_config(FIXTURE / "config.json", checkpoint.vocab_rows())
     full = dict(checkpoint.tensors(config))
     for name in [n for n in full if n.endswith("SelfAttention.q.weight")]:
-        theirs = cpm2.source_table(config)[name][0]
+        theirs = cpm2_shards.source_table(config)[name][0]
         q, k, v = torch.cat([m[theirs] for m in checkpoint.modules]).chunk(3)
         stem = name[:-len("q.weight")]
         full.update({stem + "q.weight": q, stem + "k.weight": k, stem + "v.weight": v})

@@ -1,6 +1,7 @@
-"""Range timing (megatron/training/timing.py): a listener registered before a run is told the
+"""Range timing (megatron/training/timing.py): a listener handed to a run's profiler is told the
 step, every range's wall time and bytes, on an unprofiled rank too; the model's modules that
-declare `ranges` get the step's; without listeners the ranges stay the shared null context."""
+declare `ranges` get the step's; without listeners the ranges stay the shared null context, and a
+profiler built without listeners has none, whatever other runs of the process were given."""
 
 import time
 
@@ -45,14 +46,10 @@ class Step:
         self.engine = Engine()
 
 
-def test_registered_listener_times_every_range_of_the_run():
+def test_a_runs_listener_times_every_range_of_the_run():
     record = Record()
-    timing.add_listener(record)
-    try:
-        profiler = StepProfiler()  # --profile off: the listeners alone
-    finally:
-        timing.remove_listener(record)
-    assert timing.listeners() == () and profiler.listeners == (record,)
+    profiler = StepProfiler(listeners=[record])  # --profile off: the listeners alone
+    assert profiler.listeners == (record,) and StepProfiler().listeners == ()
     step = Step()
     profiler.instrument(step)
     assert record.steps == [step]
@@ -71,7 +68,8 @@ def test_registered_listener_times_every_range_of_the_run():
 
 
 def test_without_listeners_an_unprofiled_step_is_untouched():
-    profiler = StepProfiler(listeners=())
+    StepProfiler(listeners=[Record()])  # another run's: not this one's
+    profiler = StepProfiler()
     step = Step()
     profiler.instrument(step)
     assert profiler.ranges("forward") is NO_RANGE and profiler.ranges("a", 8) is NO_RANGE

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from data_tools import train_tokenizer
+from data_tools import tokenizer_corpus, train_tokenizer
 from megatron.data.tokenizers.tokenizer import SentencePieceTokenizer, T5Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -312,7 +312,7 @@ def test_bpe_text_gzip_and_globs(tmp_path, small_jsonl, capsys):
 
 def test_long_lines_are_cut(tmp_path, corpora_dir, capsys):
     for line in (("word " * 3000).strip(), "汉字" * 5000, "x" * 9000):
-        pieces = list(train_tokenizer.cut_line(line, 1000))
+        pieces = list(tokenizer_corpus.cut_line(line, 1000))
         assert all(0 < len(p.encode("utf-8")) <= 1000 for p in pieces)
         assert "".join(pieces).replace(" ", "") == line.replace(" ", "")
     long_doc = " ".join(read_docs(corpora_dir / "en_wikitext2.jsonl", 3)).replace("\n", " ")
@@ -332,7 +332,7 @@ def test_a_leading_bom_is_removed_and_counted(tmp_path, small_jsonl, capsys):
 
     def sentences(*paths):  # what SentencePiece is given (training is not bit-reproducible)
         args = train_tokenizer.get_args(["--input", *map(str, paths), "--output-prefix", "x"])
-        return list(train_tokenizer.Corpus(list(map(str, paths)), args))
+        return list(tokenizer_corpus.Corpus(list(map(str, paths)), args))
 
     assert sentences(tmp_path / "bom.jsonl", tmp_path / "bom.txt") == \
         sentences(small_jsonl, tmp_path / "plain.txt")

@@ -10,7 +10,9 @@ One intermediate: full, unpadded tensors under our names (Hugging Face T5's), on
   Mixture-of-Experts model's (SwitchTransformers) folder holds and cannot hold.
 - upcycle.py makes a dense model's tensors a Mixture-of-Experts model's (experts copied).
 - cpm2.py reads CPM-2-Pretrain / -Finetune checkpoints (any model-parallel size; the fused
-  projections un-strided), and gives a Hugging Face export CPM-2's vocab.txt and a README.
+  projections un-strided) and CPM-2-MoE's, and gives a Hugging Face export CPM-2's vocab.txt and
+  a README; cpm2_shards.py holds their files and the dense tensors' table, cpm2_moe.py the
+  experts (and writes CPM-2-MoE checkpoints).
 - weights.py writes a checkpoint of full tensors that the trainer loads in any layout: weights
   (--finetune), or with the optimizer states a resume (megatron/checkpoint/io/optimizer_state.py puts
   them into DeepSpeed's optimizer).

@@ -3,7 +3,7 @@ back (`convert_checkpoint.py --from cpm2 DIR` / `--to cpm2 OUT`).
 
 CPM-2-MoE makes every block's feed-forward a BASE layer (their src/mpu/baselayer.py): one expert
 per data-parallel rank, so E = the data-parallel size, each expert split over the model-parallel
-ranks as the dense feed-forward is (cpm2.py's table). A block's `ff` holds
+ranks as the dense feed-forward is (cpm2_shards.py's table). A block's `ff` holds
 
     ff.expert_centroids                             [E, d_model]  routing: the same on every rank
                                                     (drawn with the same seed; computed under
@@ -35,50 +35,45 @@ data rank e), the buffer `{ff}.mlp.router.expert_centroids` [E, d_model].
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint.formats import cpm2
+from megatron.checkpoint.formats.cpm2_shards import (MOE_SHARD, TIED_COPIES, CPM2Checkpoint,
+                                                     few, load_shard, module_state_dict,
+                                                     shard_files, source_table)
 from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError
 from megatron.checkpoint.layout import TRACKER
 from megatron.model.config import ConfigError, T5Config
 from megatron.model.state_dict import feed_forward_prefix
 
-SAVE_SHARD = re.compile(r"mp_rank_(\d+)_(\d+)_model_states\.pt")
 EXPERT = ".ff.expert_network."
 CENTROIDS = ".ff.expert_centroids"
 LAYOUTS = ("save", "init")
-PathLike = Union[str, Path]
 
 
 # Reading -----------------------------------------------------------------------------------------
 def is_cpm2_moe(folder: Path) -> bool:
     """Whether an iteration folder holds a CPM-2-MoE checkpoint (either layout)."""
-    if any(SAVE_SHARD.fullmatch(p.name) for p in folder.iterdir()):
+    if any(MOE_SHARD.fullmatch(p.name) for p in folder.iterdir()):
         return True
     first = folder / "mp_rank_00_model_states.pt"
     if not first.is_file():
         return False
-    loaded = cpm2._load(first)
+    loaded = load_shard(first)
     model = loaded.get("model") if isinstance(loaded, dict) else None
     return isinstance(model, dict) and any(CENTROIDS in k or EXPERT in k for k in model)
 
 
-class _DenseView(cpm2.CPM2Checkpoint):
+def _dense_view(folder: Path, files: List[Path], modules: List[Dict[str, torch.Tensor]],
+                iteration: int) -> CPM2Checkpoint:
     """One data rank's model-parallel files seen as a dense CPM-2 checkpoint (the expert network
     as the feed-forward, the centroids set aside), so that the dense reader's checks and merge
     of the model-parallel shards apply unchanged."""
-
-    def __init__(self, folder: Path, files: List[Path], modules: List[Dict[str, torch.Tensor]],
-                 iteration: int) -> None:  # pylint: disable=super-init-not-called
-        self.folder, self.files, self.size, self.iteration = folder, files, len(files), iteration
-        self.modules = [{k.replace(EXPERT, ".ff."): v for k, v in m.items() if CENTROIDS not in k}
-                        for m in modules]
-        self.centroids = [{k: v for k, v in m.items() if CENTROIDS in k} for m in modules]
+    return CPM2Checkpoint(folder, files, [{k.replace(EXPERT, ".ff."): v for k, v in m.items()
+                                           if CENTROIDS not in k} for m in modules], iteration)
 
 
 class CPM2MoECheckpoint:
@@ -94,7 +89,7 @@ class CPM2MoECheckpoint:
         self.folder = folder
         self.iteration = int(folder.name) if folder.name.isdigit() else 0
         found = {(int(m.group(1)), int(m.group(2))): p for p in folder.iterdir()
-                 if (m := SAVE_SHARD.fullmatch(p.name))}
+                 if (m := MOE_SHARD.fullmatch(p.name))}
         if found:
             self.layout = "save"
             dp = max(d for d, _ in found) + 1
@@ -103,7 +98,7 @@ class CPM2MoECheckpoint:
                      for d in range(dp)]
         else:
             self.layout = "init"
-            files = [cpm2.shard_files(folder)]
+            files = [shard_files(folder)]
         missing = [f for row in files for f in row if not f.is_file()]
         if missing:
             raise CheckpointReadError(
@@ -111,18 +106,21 @@ class CPM2MoECheckpoint:
                 f"{len(files) - 1} and model ranks up to {len(files[0]) - 1} "
                 f"(mp_rank_DATA_MODEL_model_states.pt): the checkpoint is incomplete")
         modules = [[_model(f) for f in row] for row in files]
-        self.views = [_DenseView(folder, row, mods, self.iteration)
+        self.views = [_dense_view(folder, row, mods, self.iteration)
                       for row, mods in zip(files, modules)]
+        self.centroids = [[{k: v for k, v in m.items() if CENTROIDS in k} for m in mods]
+                          for mods in modules]
+        """[data rank][model rank] {their name: [E, d_model]}."""
         self.files = files
         self.model_parallel_size = len(files[0])
-        centroids = self.views[0].centroids[0]
+        centroids = self.centroids[0][0]
         if not centroids:
             raise CheckpointReadError(f"{files[0][0]}: no *{CENTROIDS}: not a CPM-2-MoE "
                                       f"checkpoint")
         rows = {tuple(t.shape)[0] for t in centroids.values()}
         self.num_experts = len(files) if self.layout == "save" else min(rows)
-        for d, view in enumerate(self.views):
-            for m, found_centroids in enumerate(view.centroids):
+        for d, row in enumerate(self.centroids):
+            for m, found_centroids in enumerate(row):
                 bad = {k: tuple(t.shape) for k, t in found_centroids.items()
                        if t.dim() != 2 or t.shape[0] != self.num_experts}
                 if bad:
@@ -137,18 +135,18 @@ class CPM2MoECheckpoint:
         return self.views[0].vocab_rows()
 
     def check(self, config: T5Config, source: str) -> None:
-        """Every file's names and shapes against the dense form of `config` (cpm2.py's check),
+        """Every file's names and shapes against the dense form of `config` (CPM2Checkpoint.check),
         and the centroids: one [E, d_model] per block."""
         for view in self.views:
             view.check(config, source)
         want = {_their_prefix(config, stack, i) + CENTROIDS
                 for stack in ("encoder", "decoder") for i in range(_layers(config, stack))}
-        for d, view in enumerate(self.views):
-            for m, found in enumerate(view.centroids):
+        for d, row in enumerate(self.centroids):
+            for m, found in enumerate(row):
                 missing = sorted(want - set(found))
                 if missing:
                     raise CheckpointReadError(f"{self.files[d][m]}: missing tensors: "
-                                              f"{cpm2._few(missing)}")
+                                              f"{few(missing)}")
 
     def differences(self) -> List[str]:
         """Notes on the shared tensors (all but the experts) where a data rank's differ from
@@ -165,14 +163,41 @@ class CPM2MoECheckpoint:
                     if diff > worst:
                         theirs = name.replace(".ff.", EXPERT)  # the name in their file
                         worst, where = diff, f"{theirs} of {self.files[d][m].name}"
-                for name, t in view.centroids[m].items():
-                    diff = _max_difference(t, self.views[0].centroids[m][name])
+                for name, t in self.centroids[d][m].items():
+                    diff = _max_difference(t, self.centroids[0][m][name])
                     if diff > worst:
                         worst, where = diff, f"{name} of {self.files[d][m].name}"
             if worst > 0:
                 notes.append(f"{self.folder}: data rank {d}'s shared tensors differ from data "
                              f"rank 0's (largest difference {worst:.3g}, {where}); data rank 0's "
                              f"are taken")
+        return notes
+
+    def check_config(self, config: T5Config, source: str) -> None:
+        """A model config of ours that has experts must have the checkpoint's, routed 'cpm2'
+        (CPM-2's own config has none: the checkpoint's are taken).
+
+        Raises:
+            ConfigError: naming the config and what the checkpoint has.
+        """
+        if config.is_moe and (config.num_experts != self.num_experts
+                              or config.router_type != "cpm2"):
+            raise ConfigError(f"--model-config {source}: num_experts {config.num_experts} "
+                              f"with router_type {config.router_type!r}; the checkpoint has "
+                              f"{self.num_experts} experts (one per data-parallel rank) "
+                              f"routed by CPM-2's BASE layer (router_type 'cpm2')")
+
+    def sparse_config(self, dense: T5Config, source: str) -> T5Config:
+        """The Mixture-of-Experts model's config: `dense` with the checkpoint's experts."""
+        return moe_config(dense, self.num_experts, source)
+
+    def notes(self) -> List[str]:
+        """What is worth a warning: shared tensors that differ between data ranks; the 'init'
+        layout's one expert network, copied to every expert."""
+        notes = self.differences()
+        if self.layout == "init":
+            notes.append(f"{self.folder}: one expert network per model rank (init_ckpt.py's "
+                         f"layout): each of the {self.num_experts} experts is a copy of it")
         return notes
 
     def tensors(self, dense: T5Config) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -195,7 +220,7 @@ class CPM2MoECheckpoint:
                 stack, i = prefix.split(".")[0], int(prefix.split(".")[2])
                 theirs = _their_prefix(dense, stack, i) + CENTROIDS
                 yield f"{prefix}.mlp.router.expert_centroids", \
-                    self.views[0].centroids[0][theirs].clone()
+                    self.centroids[0][0][theirs].clone()
 
 
 def _more(missing: List[Path]) -> str:
@@ -211,10 +236,10 @@ def _max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 def _model(path: Path) -> Dict[str, torch.Tensor]:
     """The 'model' state dict of a CPM-2-MoE file (their non-DeepSpeed save and init_ckpt.py both
     write 'model'; a 'module' is taken too), any 'module.' prefix removed."""
-    loaded = cpm2._load(path)
+    loaded = load_shard(path)
     if isinstance(loaded, dict) and "model" in loaded and "module" not in loaded:
         loaded = {**loaded, "module": loaded["model"]}
-    return cpm2._module(path, loaded)
+    return module_state_dict(path, loaded)
 
 
 def _layers(config: T5Config, stack: str) -> int:
@@ -242,42 +267,6 @@ def moe_config(dense: T5Config, num_experts: int, source: str) -> T5Config:
     except (ConfigError, TypeError) as e:
         raise ConfigError(f"{source}: a CPM-2-MoE model with {num_experts} experts: {e}") \
             from None
-
-
-def read_cpm2_moe_checkpoint(folder: Path, model_config: PathLike,
-                             vocab: Optional[PathLike] = None
-                             ) -> Tuple[T5Config, Iterator[Tuple[str, torch.Tensor]],
-                                        Dict[str, Any], List[str]]:
-    """A CPM-2-MoE iteration folder as cpm2.read_cpm2_checkpoint returns a dense one: (config,
-    (our name, full tensor) iterator, source description, notes). Everything is checked first.
-
-    Raises:
-        CheckpointReadError, ConfigError: one message naming the file, tensor or flag.
-    """
-    checkpoint = CPM2MoECheckpoint(folder)
-    config, notes = cpm2.read_config(model_config, checkpoint.vocab_rows())
-    if config.is_moe and (config.num_experts != checkpoint.num_experts
-                          or config.router_type != "cpm2"):
-        raise ConfigError(f"--model-config {model_config}: num_experts {config.num_experts} "
-                          f"with router_type {config.router_type!r}; the checkpoint has "
-                          f"{checkpoint.num_experts} experts (one per data-parallel rank) "
-                          f"routed by CPM-2's BASE layer (router_type 'cpm2')")
-    dense = dense_config(config)
-    if vocab is not None:
-        path = cpm2.vocab_file(vocab)
-        dense = cpm2.with_special_ids(dense, cpm2.read_vocab(path), path)
-    checkpoint.check(dense, str(model_config))
-    notes += checkpoint.differences()
-    if checkpoint.layout == "init":
-        notes.append(f"{folder}: one expert network per model rank (init_ckpt.py's layout): "
-                     f"each of the {checkpoint.num_experts} experts is a copy of it")
-    source = {"format": "cpm2", "path": str(folder.resolve()),
-              "iteration": checkpoint.iteration,
-              "model_parallel_size": checkpoint.model_parallel_size,
-              "cpm2_layout": checkpoint.layout, "num_experts": checkpoint.num_experts,
-              "model_config": str(Path(model_config).resolve())}
-    return (moe_config(dense, checkpoint.num_experts, str(model_config)),
-            checkpoint.tensors(dense), source, notes)
 
 
 # Writing -----------------------------------------------------------------------------------------
@@ -359,7 +348,7 @@ def write_cpm2_moe_checkpoint(out: Path, tensors: Iterable[Tuple[str, torch.Tens
     full = dict(tensors)
     if dtype is not None:
         full = {k: v.to(dtype) for k, v in full.items()}
-    table = cpm2.source_table(dense)
+    table = source_table(dense)
     experts = config.num_experts
     ff = {}  # our dense name of a feed-forward weight -> (stacked name, centroids name)
     for stack in ("encoder", "decoder"):
@@ -374,8 +363,8 @@ def write_cpm2_moe_checkpoint(out: Path, tensors: Iterable[Tuple[str, torch.Tens
     missing, extra = sorted(wanted - set(full)), sorted(set(full) - wanted)
     if missing or extra:
         raise ValueError(f"--to cpm2: the model's tensors do not make a CPM-2-MoE model: "
-                         f"missing {cpm2._few(missing) or 'none'}; unknown "
-                         f"{cpm2._few(extra) or 'none'}")
+                         f"missing {few(missing) or 'none'}; unknown "
+                         f"{few(extra) or 'none'}")
     if layout == "init":
         for ours, stacked in ff.items():
             t = full[stacked]
@@ -419,6 +408,6 @@ def _rank_state_dict(full: Dict[str, torch.Tensor], table, ff, dense: T5Config, 
     for ours, stacked in ff.items():
         if ours.endswith(CENTROIDS):
             pieces[ours] = full[stacked].clone()
-    for copy in cpm2.TIED_COPIES:
+    for copy in TIED_COPIES:
         pieces[copy] = pieces["word_embeds.weight"]
     return OrderedDict((name, pieces[name]) for name in their_order(dense, layout))
