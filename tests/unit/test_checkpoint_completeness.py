@@ -23,18 +23,6 @@ LAYOUT = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1,
           "data_parallel_size": 1, "zero_stage": 0}
 
 
-@pytest.fixture
-def one_process_group(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class TwoTensorRanksStep:
     """What the Saver needs of a TrainStep: DeepSpeed's file names of two tensor ranks (ZeRO-0)
     and an optimizer file, written by this one process."""

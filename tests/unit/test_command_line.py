@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import re
 import threading
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -86,21 +85,11 @@ def test_a_malformed_value_is_one_line_beside_the_unknown_flags(module, capsys):
     assert f"argument {flag}: invalid int value: 'x'" in err[1], err
 
 
-def test_only_the_speaking_rank_prints(capsys):
+def test_only_the_speaking_rank_prints(capsys, agent_store):
     """Rank 1 of a torchrun job prints nothing and leaves once rank 0 has said it printed
-    (through the launcher's store, as tests/unit/test_startup.py's agent store stands for it);
+    (through the launcher's store, which tests/unit/conftest.py's agent_store stands for);
     the first rank of another node names its node."""
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30),
-                          wait_for_workers=False)
-    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "WORLD_SIZE": "4", "TORCHELASTIC_RESTART_COUNT": "0"}
+    store, env = agent_store(4)
     silent_left = []
 
     def silent():
@@ -120,7 +109,6 @@ def test_only_the_speaking_rank_prints(capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "error: unknown flag --x" and len(err) == 2, err
     assert err[1].startswith("error (node 1, ") and err[1].endswith("): unknown flag --x")
-    del store
 
 
 def test_a_tool_speaks_for_itself_whatever_its_rank(capsys, monkeypatch):

@@ -9,18 +9,6 @@ import pytest
 import torch
 
 
-@pytest.fixture
-def one_process_group(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class FilesStep:
     """What the Saver needs of a TrainStep: the files of a save."""
 

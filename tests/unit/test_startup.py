@@ -60,31 +60,13 @@ def test_a_stage_that_reads_no_batch_gets_as_many_empty_ones():
     assert list(unread) == [{}, {}, {}] and list(unread) == [{}, {}, {}]  # every epoch anew
 
 
-def _agent_store():
-    """A real TCPStore standing for torchrun's agent store, and the environment torchrun gives
-    its ranks."""
-    import socket
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30),
-                          wait_for_workers=False)
-    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "0"}
-    return store, env
-
-
-def test_a_silent_rank_leaves_once_the_speaker_has_printed():
+def test_a_silent_rank_leaves_once_the_speaker_has_printed(agent_store):
     import threading
     import time
 
     from megatron.cli import announce_refusal, await_refusal
 
-    store, env = _agent_store()
+    store, env = agent_store(2)
     speaker = {**env, "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0"}
     silent = {**env, "RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0"}
     left = []
