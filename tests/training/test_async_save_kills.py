@@ -21,7 +21,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness import free_port
 from train_workers import base_argv
 
 from megatron.checkpoint.io.checkpointing import damaged_file, read_tracker, tag_for
@@ -67,8 +66,8 @@ def test_kills_during_async_saves_never_lose_the_tracked_checkpoint(train_data, 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WORLD_SIZE", "RANK"))}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MEGATRON_CHECKPOINT_TEST_PAUSE_S="0.2")
     first = subprocess.run(  # a first checkpoint, so that every round has one to lose
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-         str(free_port()), "-m", "megatron.pretrain_t5", *flags, "--exit-interval", "1"],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+         "-m", "megatron.pretrain_t5", *flags, "--exit-interval", "1"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0 and read_tracker(ckpt) == 1, first.stderr[-3000:]
     seed = int(os.environ.get("T5_KILL_SEED", random.SystemRandom().randrange(2**32)))
@@ -78,7 +77,7 @@ def test_kills_during_async_saves_never_lose_the_tracked_checkpoint(train_data, 
     for moment in moments:
         before = log.read_text().count("saving checkpoint") if log.exists() else 0
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(free_port()), "-m", "megatron.pretrain_t5", *flags]
+               "--standalone", "-m", "megatron.pretrain_t5", *flags]
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
@@ -98,8 +97,8 @@ def test_kills_during_async_saves_never_lose_the_tracked_checkpoint(train_data, 
     assert seen == sorted(seen) and seen[-1] > seen[0], (seen, f"T5_KILL_SEED={seed}")
     # the last tracked checkpoint resumes (a launch that ends by itself)
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-         str(free_port()), "-m", "megatron.pretrain_t5", *flags, "--exit-interval", str(seen[-1] + 1)],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+         "-m", "megatron.pretrain_t5", *flags, "--exit-interval", str(seen[-1] + 1)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from {ckpt} at iteration {seen[-1]}" in log.read_text()

@@ -162,7 +162,7 @@ def _rank_of(pid: int) -> int:
 
 def torchrun(flags):
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "--master_port", str(free_port()), "-m", "megatron.pretrain_t5", *flags]
+            "--standalone", "-m", "megatron.pretrain_t5", *flags]  # its own free port
 
 
 def signal_rank1_at_iteration_2(flags, cwd, sig, timeout):
