@@ -43,6 +43,8 @@ from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
 from megatron.config.divergence_args import (add_divergence_args, divergence_config,
                                              divergence_problems)
+from megatron.config.flag_checks import command_line_problems, defaults_of
+from megatron.config.given_flags import GIVEN, given_dests, record_given
 from megatron.config.prompt_args import add_prompt_args, prompt_problems, resumes_prompt_run
 from megatron.training.ds_config import OPTIMIZER_DEFAULTS
 from megatron.training.profiling import add_profile_args, profile_config, profile_problems
@@ -75,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_logging_args(parser)
     add_prompt_args(parser)
     add_profile_args(parser)
+    record_given(parser)  # which flags were given, and as which alias: validate() reads it
     return parser
 
 
@@ -330,6 +333,8 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     by the module it configures; this function only collects."""
     problems: List[str] = []
     values = dict(vars(args))
+    given = given_dests(values, defaults_of(_shared_parser()))
+    values.pop(GIVEN, None)
     parallel = resolve_parallel(values, env, problems)
     if values["data_path"] is None and values["finetune_data"] is None:
         problems.append("--data-path is required (or --finetune-data, for fine-tuning)")
@@ -343,6 +348,7 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     values.update(world_size=parallel.world_size, data_parallel_size=parallel.data_parallel_size,
                   device_type=device_type, distributed_backend=backend, warnings=warnings)
     problems += layout_problems
+    problems += command_line_problems(vars(args), given, model.t5 if model else None)
     if resolved.optimizer.lr is None:  # only now: the JSON's optimizer.params.lr may supply it
         problems.append("--lr is required (or optimizer.params.lr in the DeepSpeed JSON)")
 
@@ -372,14 +378,10 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     problems += loop_problems(values)
     problems += checkpoint_flag_problems(values)
     problems += divergence_problems(values)
-    problems += prompt_problems(values)
+    problems += prompt_problems(values, given)
     if not values["plots"] and values["save"] is None:
         problems.append("--no-plots needs --save (the figures go to SAVE/plots/)")
     problems += profile_problems(values, parallel.world_size)
-    if values["dry_run_device"] != "auto" and not values["dry_run"]:
-        problems.append("--dry-run-device has effect only with --dry-run")
-    if values["peak_tflops"] is not None and values["peak_tflops"] <= 0:
-        problems.append("--peak-tflops must be positive")
     if values["save"] is not None and not values["dry_run"]:
         problems += lock_problems(values["save"])
     if not problems:
@@ -494,6 +496,7 @@ def layout_from_flags(argv: Sequence[str], world_size: int, device_type: str = "
     to the memory estimate that `--dry-run` prints for the same flags. Returns (the layout or
     None, the problems)."""
     values = dict(vars(_shared_parser().parse_args(list(argv))))
+    values.pop(GIVEN, None)
     problems: List[str] = []
     parallel = resolve_parallel(values, {"WORLD_SIZE": str(world_size)}, problems)
     resolved, values, model, more = resolve_layout(values, parallel, device_type)
@@ -542,7 +545,8 @@ def resolve_parallel(values: Dict[str, object], env: Mapping[str, str],
 
 
 def loop_problems(values: Mapping[str, object]) -> List[str]:
-    """The loop's intervals, evaluation samples, exit conditions, deadlines and log folder."""
+    """The loop's intervals, evaluation samples, exit conditions, deadlines, log folder, the
+    dry run's device and the peak TFLOP/s."""
     problems = []
     if values["eval_log_samples"] < 0:
         problems.append("--eval-log-samples must be 0 or more")
@@ -557,6 +561,10 @@ def loop_problems(values: Mapping[str, object]) -> List[str]:
             problems.append(f"--{flag.replace('_', '-')} must be positive")
     if values["tensorboard_dir"] is not None and Path(values["tensorboard_dir"]).is_file():
         problems.append(f"--tensorboard-dir {values['tensorboard_dir']} is a file")
+    if values["dry_run_device"] != "auto" and not values["dry_run"]:
+        problems.append("--dry-run-device has effect only with --dry-run")
+    if values["peak_tflops"] is not None and values["peak_tflops"] <= 0:
+        problems.append("--peak-tflops must be positive")
     return problems
 
 

@@ -6,7 +6,7 @@ becomes flags here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Tuple
+from typing import List, Mapping, Optional, Set, Tuple
 
 from megatron.model.prompt import PromptLayout, layout_problems
 
@@ -139,9 +139,11 @@ def resumes_prompt_run(values: Mapping[str, object]) -> Optional[dict]:
     return prompt_checkpoint(save)
 
 
-def prompt_problems(values: Mapping[str, object]) -> List[str]:
+def prompt_problems(values: Mapping[str, object],
+                    given: Optional[Set[str]] = None) -> List[str]:
     """The prompt flags (`vars(namespace)`): ranges and combinations; a --load that holds a
-    prompt alone; a --save to resume from that holds the other stage's checkpoint."""
+    prompt alone; a --save to resume from that holds the other stage's checkpoint. `given`:
+    the flags the command line set (None: those that differ from their defaults)."""
     base = prompt_only_checkpoint(values.get("load"))
     if base is not None:
         return [f"--load {values['load']} holds a prompt alone (a --prompt-tune run's "
@@ -157,11 +159,10 @@ def prompt_problems(values: Mapping[str, object]) -> List[str]:
                 f"{kind[bool(values['prompt_train_model'])]} and would resume from it: give "
                 f"another --save"]
     if not values["prompt_tune"]:
-        given = [f for f, default in (("prompt_length", 100), ("prompt_positions", "1"),
-                                      ("prompt_init_token", None), ("prompt_load", None),
-                                      ("prompt_train_model", False))
-                 if values[f] != default]
-        return [f"--{f.replace('_', '-')} has effect only with --prompt-tune" for f in given]
+        flags = (("prompt_length", 100), ("prompt_positions", "1"), ("prompt_init_token", None),
+                 ("prompt_load", None), ("prompt_train_model", False))
+        return [f"--{f.replace('_', '-')} has effect only with --prompt-tune" for f, default
+                in flags if (f in given if given is not None else values[f] != default)]
     shares, problems = _shares(str(values["prompt_positions"]))
     if not problems:
         problems += layout_problems(int(values["prompt_length"]), shares)

@@ -119,10 +119,10 @@ CASES = {
         extra=["--tokenizer-model", "<tmp>/missing.model"],
         expect=[("--tokenizer-model", "<tmp>/missing.model", "no such file")]),
     "tokenizer_folder_empty": Case(
-        extra=["--tokenizer-path", "<tmp>/spm"], files={"spm/": None},
+        extra=["--tokenizer-path", "<tmp>/spm"], drop=["--tokenizer-model"], files={"spm/": None},
         expect=[("--tokenizer-path", "<tmp>/spm", "found 0")]),
     "tokenizer_folder_with_two_models": Case(
-        extra=["--tokenizer-path", "<tmp>/spm"],
+        extra=["--tokenizer-path", "<tmp>/spm"], drop=["--tokenizer-model"],
         files={"spm/a.model": COPY_TOKENIZER, "spm/b.model": COPY_TOKENIZER},
         expect=[("--tokenizer-path", "<tmp>/spm", "found 2")]),
     "tokenizer_larger_than_vocab": Case(
@@ -258,6 +258,59 @@ CASES = {
     "load_is_a_file": Case(
         extra=["--load", "<tmp>/ckpt"], files={"ckpt": "not a folder"},
         expect=[("--load", "<tmp>/ckpt", "is a file")]),
+    "finetune_from_a_missing_folder": Case(
+        extra=["--load", "<tmp>/absent", "--finetune"],
+        expect=[("--load <tmp>/absent", "no such folder", "--finetune")]),
+    "finetune_from_a_folder_without_checkpoint": Case(
+        extra=["--load", "<tmp>/empty", "--finetune"], files={"empty/": None},
+        expect=[("--load <tmp>/empty", "holds no checkpoint", "--finetune")]),
+    "prompt_tune_on_a_folder_without_checkpoint": Case(
+        extra=["--load", "<tmp>/empty", "--prompt-tune"], files={"empty/": None},
+        expect=[("--load <tmp>/empty", "holds no checkpoint", "--prompt-tune")]),
+    # Paths with a URL scheme are not local paths (only --data-path reads s3://).
+    "save_and_load_on_s3": Case(
+        extra=["--save", "s3://ckpt/run", "--load", "s3://ckpt/run"],
+        expect=[("--save s3://ckpt/run", "not a s3:// URL", "'s3:/ckpt/run'"),
+                ("--load s3://ckpt/run", "not a s3:// URL")]),
+    "log_paths_with_a_scheme": Case(
+        extra=["--tensorboard-dir", "gs://b/tb", "--log-file", "s3://b/log.txt",
+               "--data-cache-path", "s3://b/cache"],
+        expect=[("--tensorboard-dir gs://b/tb", "not a gs:// URL"),
+                ("--log-file s3://b/log.txt",), ("--data-cache-path s3://b/cache",)]),
+    # Aliases that contradict each other (argparse would keep the last silently).
+    "batch_size_aliases_disagree": Case(
+        extra=["--batch-size", "4"],
+        expect=[("--micro-batch-size 2", "--batch-size 4", "give one of them")]),
+    "tensor_parallel_aliases_disagree": Case(
+        extra=["--model-parallel-size", "2", "--tensor-model-parallel-size", "1"],
+        env={"WORLD_SIZE": "2"},
+        expect=[("--model-parallel-size 2", "--tensor-model-parallel-size 1")]),
+    "seq_length_aliases_disagree": Case(
+        extra=["--seq-length", "128"],
+        expect=[("--encoder-seq-length 64", "--seq-length 128")]),
+    # Flags that would change nothing in this combination.
+    "ul2_flags_under_span_corruption": Case(
+        extra=["--ul2-denoisers", "upalm", "--ul2-s-prefix", "t5", "--max-ngram", "10",
+               "--short-seq-prob", "0.1"],
+        expect=[("--ul2-denoisers", "only with --t5-objective ul2", "span-corruption"),
+                ("--ul2-s-prefix", "only with --t5-objective ul2"),
+                ("--max-ngram", "only with --t5-objective megatron"),
+                ("--short-seq-prob", "only with --t5-objective megatron")]),
+    "mode_token_without_mode_tokens": Case(
+        extra=["--t5-objective", "ul2", "--ul2-denoisers", '[{"kind": "R", "mean_span": 3, '
+               '"rate": 0.15, "weight": 1}]', "--ul2-no-mode-tokens", "--ul2-r-denoiser-token",
+               "[NLU]"],
+        expect=[("--ul2-r-denoiser-token", "no effect with --ul2-no-mode-tokens")]),
+    "moe_flags_on_a_dense_model": Case(
+        extra=["--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"],
+        expect=[("--moe-router-topk", "Mixture-of-Experts", "--num-experts"),
+                ("--moe-aux-loss-coeff", "Mixture-of-Experts")]),
+    "topk_with_the_switch_router": Case(
+        extra=["--num-experts", "2", "--moe-router-type", "switch", "--moe-router-topk", "2"],
+        expect=[("--moe-router-topk 2", "only with --moe-router-type topk", "switch")]),
+    "object_storage_flags_with_local_data": Case(
+        extra=["--object-storage-reader", "sigv4"],
+        expect=[("--object-storage-reader", "only with s3:// data")]),
     # Schedule.
     "train_iters_and_train_samples": Case(
         extra=["--train-samples", "16"],
@@ -436,7 +489,8 @@ def test_tokenizer_folder_with_one_model_is_used(train_data, tmp_path):
     folder = tmp_path / "spm"
     folder.mkdir()
     shutil.copy(train_data.spm, folder / "t5.model")
-    config = parse_args(base_argv(train_data, "--tokenizer-path", str(folder)), env={})
+    argv = without(base_argv(train_data), ["--tokenizer-model"])
+    config = parse_args(argv + ["--tokenizer-path", str(folder)], env={})
     assert config.data.tokenizer_model == str(folder / "t5.model")
 
 
