@@ -45,7 +45,8 @@ from megatron.config.divergence_args import (add_divergence_args, divergence_con
                                              divergence_problems)
 from megatron.config.flag_checks import command_line_problems, defaults_of
 from megatron.config.given_flags import GIVEN, given_dests, record_given
-from megatron.config.prompt_args import add_prompt_args, prompt_problems, resumes_prompt_run
+from megatron.config.prompt_args import add_prompt_args, prompt_layout_from_checkpoints, \
+    prompt_problems, resumes_prompt_run
 from megatron.training.ds_config import OPTIMIZER_DEFAULTS
 from megatron.training.profiling import add_profile_args, profile_config, profile_problems
 
@@ -378,7 +379,9 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     problems += loop_problems(values)
     problems += checkpoint_flag_problems(values)
     problems += divergence_problems(values)
-    problems += prompt_problems(values, given)
+    prompt_taken, more = prompt_layout_from_checkpoints(values, given)
+    problems += prompt_problems({**values, **prompt_taken}, given) + more
+    values.update(prompt_taken)
     if not values["plots"] and values["save"] is None:
         problems.append("--no-plots needs --save (the figures go to SAVE/plots/)")
     problems += profile_problems(values, parallel.world_size)

@@ -16,7 +16,8 @@ from typing import Dict, List, Mapping, Optional, Set, Tuple
 
 GIVEN = "given_flags"
 """The namespace attribute: a tuple of (dest, option string, value after the action, the
-value as written), in command-line order (a tuple, so that the parser's default is never shared mutable state)."""
+value as written), in command-line order (a tuple, so that the parser's default is never
+shared mutable state)."""
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,10 +21,12 @@ from megatron.data.datasets.builder import (
     OBJECTIVES,
     DataConfig,
     data_file_problems,
+    data_kind_problems,
     eod_problems,
     split_sample_counts,
 )
-from megatron.data.storage.data_meta import APPEND_EOD_MODES, SAMPLE_DOCUMENTS
+from megatron.data.storage.data_meta import APPEND_EOD_MODES, SAMPLE_DOCUMENTS, \
+    tokenizer_digest
 from megatron.data.storage.indexed_dataset import IMPLS
 from megatron.data.storage.object_storage import ObjectStorage, StorageSettings
 from megatron.data.datasets.seq2seq import Seq2SeqConfig, source_problems
@@ -425,6 +427,13 @@ def tokenizer_problems(spec: TokenizerSpec, extra_ids: int, vocab_size: int,
             "--vocab-extra-ids"]
 
 
+def _run_tokenizer(spec: TokenizerSpec, args: argparse.Namespace) -> dict:
+    """The run's tokenizer as a sidecar's is compared with it (data_meta.tokenizer_mismatch)."""
+    return {"type": spec.tokenizer_type, "path": spec.path, "flag": tokenizer_flag(args),
+            "vocab_size": _mode_tokenizer(spec, args.vocab_extra_ids).vocab_size,
+            "sha256": tokenizer_digest(spec.path)}
+
+
 def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
                  schedule: Optional[Tuple[int, int]], too_few_samples: bool
                  ) -> Tuple[Optional[DataSettings], List[str]]:
@@ -470,6 +479,11 @@ def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
     if not finetune:  # seq2seq: the flag's (required)
         t5 = dataclasses.replace(t5, decoder_seq_length=t5.lengths()[2])
     dataset = dataclasses.replace(data_config_from_args(view), t5=t5)
+    if not finetune:  # the sidecars' tokenizer, the sentences Megatron's rows need
+        sentences = dataset.objective == "megatron" or (
+            dataset.objective == "ul2" and dataset.ul2_layout == "megatron")
+        problems += data_kind_problems(dataset.data_path, _run_tokenizer(tokenizer, view),
+                                       sentences, dataset.data_impl, store)
     if dataset.packs_documents() and not problems:
         # Before the model is built: whether documents end with EOD (data_meta.decide_eod).
         eos_id = _mode_tokenizer(tokenizer, flags["vocab_extra_ids"]).eos_id

@@ -511,3 +511,52 @@ def test_cpm2_command_line(train_data, tmp_path):
     assert (config.data.encoder_seq_length, config.data.decoder_seq_length) == (64, 32)
     assert config.data.tokenizer_model == str(folder / "vocab.model")
     assert not dist.is_initialized()
+
+
+def _model_with_vocab(data, tmp_path, vocab_size):
+    tiny = json.loads(Path(data.tiny).read_text(encoding="utf-8"))
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({**tiny, "vocab_size": vocab_size}))
+    return str(path)
+
+
+def test_data_made_with_another_tokenizer_is_refused(train_data, tmp_path):
+    """The data's sidecar names the session's tokenizer (4,000 pieces + 100 sentinels); a
+    4,101-id tokenizer (one piece more) would read its ids as other pieces: refused, naming the
+    sidecar and both tokenizers. The same tokenizer with another --vocab-extra-ids is no
+    mismatch (its file's SHA-256 is the sidecar's)."""
+    from megatron.data.tokenizers.extend import extend_model_proto, load_model_proto
+
+    proto, added = extend_model_proto(load_model_proto(train_data.spm), [("▁zzqxj", -30.0)])
+    assert added == ["▁zzqxj"]
+    other = tmp_path / "other.model"
+    other.write_bytes(proto.SerializeToString())
+    model = _model_with_vocab(train_data, tmp_path, 4224)
+    argv = base_argv(train_data, "--model-config", model, "--tokenizer-model", str(other))
+    problems = problems_of(argv, {})
+    assert len(problems) == 1, problems
+    for wanted in (f"--data-path {train_data.prefix}", f"{train_data.prefix}.meta.json",
+                   "4100 ids", f"--tokenizer-model {other}", "4101 ids"):
+        assert wanted in problems[0], (wanted, problems)
+    parse_args(base_argv(train_data, "--model-config", model, "--vocab-extra-ids", "101"),
+               env={})
+
+
+def test_megatron_objective_on_document_data_is_refused(train_data, tmp_path):
+    """Megatron's T5 rows are made of sentences: on _text_document data (one sequence per
+    document) each row would be one document cut short. Refused, naming the prefix; the same
+    documents split into sentences are accepted."""
+    from data_tools import preprocess_data
+
+    megatron = ["--t5-objective", "megatron", "--decoder-seq-length", "32"]
+    problems = problems_of(base_argv(train_data, *megatron), {})
+    assert len(problems) == 1 and f"--data-path {train_data.prefix}" in problems[0] \
+        and "one sequence per document" in problems[0] and "--split-sentences" in problems[0], \
+        problems
+    sample = Path(train_data.root) / "corpus.jsonl"
+    assert preprocess_data.main(["--input", str(sample), "--output-prefix",
+                                 str(tmp_path / "mix"), "--tokenizer-model", train_data.spm,
+                                 "--split-sentences", "--append-eod", "--workers", "1",
+                                 "--no-progress"]) == 0
+    parse_args(base_argv(train_data, *megatron, "--data-path",
+                         str(tmp_path / "mix_text_sentence")), env={})

@@ -5,7 +5,8 @@ sidecar `PREFIX.meta.json` (moved into place after the `.bin` and before the `.i
 in that order to s3://):
 
     {"format": "t5-pretrain-dataset-meta", "version": 1,
-     "tokenizer": {"type": "SentencePieceTokenizer", "model": "t5.model", "vocab_size": 32100},
+     "tokenizer": {"type": "SentencePieceTokenizer", "model": "t5.model", "vocab_size": 32100,
+                   "sha256": "..."},
      "eod_id": 1, "eod_appended": true, "dtype": "uint16",
      "documents": 1000, "sequences": 1000, "tokens": 250000}
 
@@ -21,6 +22,10 @@ the data (`decide_eod`):
 - `auto` without a sidecar (Megatron-LM's preprocess, older outputs): the same sample decides;
   one whose documents both do and do not end with EOD is refused, naming the flag.
 
+Training refuses data whose sidecar names another tokenizer than the run's
+(`tokenizer_mismatch`: the file's SHA-256, or for sidecars written before it was recorded, the
+type and vocabulary size).
+
 So opening a prefix reads its `.idx`, its sidecar and at most SAMPLE_DOCUMENTS tokens of its
 `.bin` (one ranged read each on object storage, one `pread` each on a file system), however
 large the corpus. This module does not import torch.
@@ -28,6 +33,7 @@ large the corpus. This module does not import torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -117,6 +123,38 @@ def read_meta(path_prefix: str,
         except FileNotFoundError:
             return None
     return DatasetMeta.from_json(text, path)
+
+
+def tokenizer_digest(path: str) -> str:
+    """SHA-256 of a tokenizer's file (a SentencePiece .model, a CPM-2 vocab.txt): the sidecar's
+    `tokenizer.sha256`, what tells two tokenizers of one size apart."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenizer_mismatch(meta: DatasetMeta, where: str, tokenizer: dict) -> Optional[str]:
+    """Why data whose sidecar (at `where`) is `meta` was not made with `tokenizer` (the run's:
+    {"type", "vocab_size", "sha256", "flag", "path"}), or None. The file's SHA-256 decides
+    where the sidecar has one (older ones do not): then a vocabulary size that differs only by
+    --vocab-extra-ids is no mismatch; without it, the type and the vocabulary size."""
+    said = meta.tokenizer
+    if said.get("sha256"):
+        same = said["sha256"] == tokenizer["sha256"]
+    else:
+        same = (said.get("type"), said.get("vocab_size")) == \
+            (tokenizer["type"], tokenizer["vocab_size"])
+    if same:
+        return None
+    digest = f", SHA-256 {said['sha256'][:12]}" if said.get("sha256") else ""
+    return (f"{where} says the data was tokenized with {said.get('model')} "
+            f"({said.get('type')}, {said.get('vocab_size')} ids{digest}) but {tokenizer['flag']} "
+            f"{tokenizer['path']} is another tokenizer ({tokenizer['type']}, "
+            f"{tokenizer['vocab_size']} ids, SHA-256 {tokenizer['sha256'][:12]}): its ids would "
+            f"mean other pieces. Give the tokenizer the data was made with, or preprocess the "
+            f"data again with this one")
 
 
 @dataclass(frozen=True)
