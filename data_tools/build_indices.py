@@ -22,6 +22,7 @@ if __package__ in (None, ""):
 
 from megatron.data.datasets.builder import build_datasets
 from megatron.data.data_args import (
+    DATA_PATH_FLAGS,
     add_data_args,
     check_data_args,
     data_config_from_args,
@@ -30,6 +31,7 @@ from megatron.data.data_args import (
     tokenizer_spec_from_args,
 )
 from megatron.data.storage.object_storage import ObjectStorage
+from megatron.data.storage.paths import path_flag_problems
 from megatron.data.datasets.t5_dataset import T5SpecialTokens
 from megatron.data.tokenizers.tokenizer import build_tokenizer
 
@@ -40,7 +42,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         print(f"note: ignoring flags that do not concern the data: {' '.join(unknown)}",
               file=sys.stderr)
-    problems = check_data_args(args)
+    problems = check_data_args(args) + path_flag_problems(vars(args), DATA_PATH_FLAGS)
     try:
         spec = tokenizer_spec_from_args(args)
     except ValueError as e:

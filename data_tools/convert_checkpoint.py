@@ -68,6 +68,7 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
+from megatron.data.storage.paths import path_flag_problems, scheme_problems  # noqa: E402
 from megatron.stdout import logs_to_stderr  # noqa: E402 - after the path is set
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -163,8 +164,19 @@ class CommandLineError(ValueError):
     pass
 
 
+PATH_FLAGS = {"load": ("--load", ()), "inspect": ("--inspect", ()), "source_dir": ("DIR", ()),
+              "model_config": ("--model-config", ()), "vocab": ("--tokenizer-path", ()),
+              "tokenizer_model": ("--tokenizer-model", ()),
+              "extend_vocab": ("--extend-vocab", ())}
+"""Every path flag: local paths only (megatron/data/storage/paths.py)."""
+
+
 def check(args) -> List[str]:
-    problems = []
+    problems = path_flag_problems(vars(args), PATH_FLAGS)
+    if args.to is not None:
+        problems += scheme_problems(f"--to {args.to[0]}", args.to[1])
+    if problems:  # (a URL would be taken for a local path)
+        return problems
     if args.inspect is not None:
         if args.to is not None:
             problems.append("--inspect stops after describing; --to has no effect with it")

@@ -44,6 +44,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import numpy as np
 
+from megatron.data.storage.paths import path_flag_problems
 from megatron.data.storage.data_meta import DatasetMeta, meta_file_path, tokenizer_digest
 from megatron.data.storage.indexed_dataset import (
     IndexedDatasetBuilder,
@@ -143,6 +144,10 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                            args.vocab_file)
     except ValueError as e:
         problems.append(str(e))
+    problems += path_flag_problems(vars(args), {  # s3:// for the output only
+        "input": ("--input", ()), "punkt_params": ("--punkt-params", ()),
+        "tokenizer_model": ("--tokenizer-model", ()), "vocab_file": ("--vocab-file", ()),
+        "output_prefix": ("--output-prefix", ("s3",)), "staging_dir": ("--staging-dir", ())})
     if args.punkt_params and not os.path.isfile(args.punkt_params):
         problems.append(f"--punkt-params {args.punkt_params}: no such file")
     if problems:

@@ -11,21 +11,14 @@ from __future__ import annotations
 from typing import Iterable, List, Mapping, Optional, Set
 
 from megatron.config.given_flags import alias_problems, spellings
+from megatron.data.data_args import DATA_PATH_FLAGS
 from megatron.data.datasets.ul2 import DEFAULT_MODE_TOKENS
 from megatron.data.storage.paths import path_flag_problems
 from megatron.model.settings import MOE_FLAGS
 
 LOCAL = ()
-S3 = ("s3",)
 PATH_FLAGS = {
-    "data_path": ("--data-path", S3),
-    "data_cache_path": ("--data-cache-path", LOCAL),
-    "object_storage_cache_path": ("--object-storage-cache-path", LOCAL),
-    "tokenizer_model": ("--tokenizer-model", LOCAL),
-    "vocab_file": ("--vocab-file", LOCAL),
-    "finetune_data": ("--finetune-data", LOCAL),
-    "finetune_valid_data": ("--finetune-valid-data", LOCAL),
-    "ul2_denoisers": ("--ul2-denoisers", LOCAL),
+    **DATA_PATH_FLAGS,
     "model_config": ("--model-config", LOCAL),
     "deepspeed_config": ("--deepspeed_config", LOCAL),
     "nvme_path": ("--nvme-path", LOCAL),

@@ -43,6 +43,20 @@ from megatron.data.tokenizers.tokenizer import TOKENIZER_TYPES, TokenizerSpec, b
     resolve_tokenizer
 
 
+DATA_PATH_FLAGS = {
+    "data_path": ("--data-path", ("s3",)),
+    "data_cache_path": ("--data-cache-path", ()),
+    "object_storage_cache_path": ("--object-storage-cache-path", ()),
+    "tokenizer_model": ("--tokenizer-model", ()),
+    "vocab_file": ("--vocab-file", ()),
+    "finetune_data": ("--finetune-data", ()),
+    "finetune_valid_data": ("--finetune-valid-data", ()),
+    "ul2_denoisers": ("--ul2-denoisers", ()),
+}
+"""The path flags of `add_data_args`: dest -> (flag, the URL schemes it reads; only data
+prefixes are read from s3://), for megatron.data.storage.paths.path_flag_problems."""
+
+
 @dataclass(frozen=True)
 class DataSettings:
     """The datasets (`DataConfig`, with the resolved sequence lengths) and how they are read."""
