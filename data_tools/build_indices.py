@@ -30,6 +30,8 @@ from megatron.data.data_args import (
     storage_settings_from_args,
     tokenizer_spec_from_args,
 )
+from megatron.config.flag_checks import objective_flag_problems
+from megatron.config.given_flags import given_dests, record_given
 from megatron.data.storage.object_storage import ObjectStorage
 from megatron.data.storage.paths import path_flag_problems
 from megatron.data.datasets.t5_dataset import T5SpecialTokens
@@ -38,11 +40,13 @@ from megatron.data.tokenizers.tokenizer import build_tokenizer
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = add_data_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    record_given(parser)  # a flag of another objective is refused, as the trainer does
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         print(f"note: ignoring flags that do not concern the data: {' '.join(unknown)}",
               file=sys.stderr)
-    problems = check_data_args(args) + path_flag_problems(vars(args), DATA_PATH_FLAGS)
+    problems = check_data_args(args) + path_flag_problems(vars(args), DATA_PATH_FLAGS) + \
+        objective_flag_problems(vars(args), given_dests(vars(args), {}))
     try:
         spec = tokenizer_spec_from_args(args)
     except ValueError as e:

@@ -32,6 +32,8 @@ PATH_FLAGS = {
 
 UL2_ONLY = ("ul2_denoisers", "ul2_s_prefix", "ul2_sample_layout", "ul2_no_mode_tokens") + \
     tuple(f"ul2_{kind.lower()}_denoiser_token" for kind in DEFAULT_MODE_TOKENS)
+SPAN_NOISE = ("noise_density", "mean_noise_span_length", "whole_word_masking")
+"""Span corruption's noise: UL2's denoisers set their own."""
 OBJECT_STORAGE = ("object_storage_cache_path", "object_storage_read_ahead",
                   "object_storage_block_cache_mib", "object_storage_max_connections",
                   "object_storage_retries", "object_storage_timeout", "object_storage_reader")
@@ -52,17 +54,23 @@ def command_line_problems(values: Mapping[str, object], given: Set[str], t5=None
     return problems
 
 
-def objective_flag_problems(values: Mapping[str, object], given: Set[str], flag) -> List[str]:
-    """The data flags of one objective given with another."""
+def objective_flag_problems(values: Mapping[str, object], given: Set[str],
+                            flag=None) -> List[str]:
+    """The data flags of one objective given with another (also data_tools/build_indices.py's).
+    `flag`: dest -> the spelling to name (default: the dest's)."""
+    flag = flag or (lambda dest: spellings(values).get(dest, "--" + dest.replace("_", "-")))
     objective = "seq2seq" if values.get("finetune_data") is not None \
         else values.get("t5_objective")
     out = []
     if objective != "ul2":
         out += _only(given, UL2_ONLY, flag, f"with --t5-objective ul2 (this run's objective is "
                                             f"{objective})")
-    elif values.get("ul2_no_mode_tokens"):
-        out += [f"{flag(d)} has no effect with --ul2-no-mode-tokens (no mode token is "
-                f"prepended)" for d in UL2_ONLY[4:] if d in given]
+    else:
+        out += [f"{flag(d)} has no effect with --t5-objective ul2: its denoisers set the "
+                f"noise (--ul2-denoisers)" for d in SPAN_NOISE if d in given]
+        if values.get("ul2_no_mode_tokens"):
+            out += [f"{flag(d)} has no effect with --ul2-no-mode-tokens (no mode token is "
+                    f"prepended)" for d in UL2_ONLY[4:] if d in given]
     if objective != "megatron" and "max_ngram" in given:
         out.append(f"--max-ngram has effect only with --t5-objective megatron (this run's "
                    f"objective is {objective})")

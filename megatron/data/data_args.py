@@ -333,13 +333,6 @@ def check_data_args(args: argparse.Namespace) -> List[str]:
         problems.append("--t5-objective megatron needs --decoder-seq-length")
     if args.t5_objective == "seq2seq" and getattr(args, "finetune_data", None) is None:
         problems.append("--t5-objective seq2seq needs --finetune-data")
-    if args.t5_objective == "ul2":
-        defaults = {"noise_density": 0.15, "mean_noise_span_length": 3.0,
-                    "whole_word_masking": False}
-        for name, default in defaults.items():
-            if getattr(args, name) != default:
-                problems.append(f"--{name.replace('_', '-')} has no effect with --t5-objective "
-                                f"ul2: its denoisers set the noise (--ul2-denoisers)")
     if not problems and objective_of(args) in ("span-corruption", "ul2"):
         try:
             t5_config_from_args(args).lengths()

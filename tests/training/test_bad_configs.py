@@ -296,6 +296,10 @@ CASES = {
                 ("--ul2-s-prefix", "only with --t5-objective ul2"),
                 ("--max-ngram", "only with --t5-objective megatron"),
                 ("--short-seq-prob", "only with --t5-objective megatron")]),
+    "span_noise_under_ul2": Case(
+        extra=["--t5-objective", "ul2", "--ul2-denoisers", '[{"kind": "R", "mean_span": 3, '
+               '"rate": 0.15, "weight": 1}]', "--mask-prob", "0.15"],
+        expect=[("--mask-prob", "no effect with --t5-objective ul2", "--ul2-denoisers")]),
     "mode_token_without_mode_tokens": Case(
         extra=["--t5-objective", "ul2", "--ul2-denoisers", '[{"kind": "R", "mean_span": 3, '
                '"rate": 0.15, "weight": 1}]', "--ul2-no-mode-tokens", "--ul2-r-denoiser-token",
