@@ -92,18 +92,24 @@ def object_storage_flag_problems(values: Mapping[str, object], given: Set[str],
 
 
 def moe_flag_problems(t5, values: Mapping[str, object], given: Set[str], flag) -> List[str]:
-    """MoE flags on a dense model, and the top-k router's k with another router."""
+    """MoE flags on a dense model, and the top-k router's k with another router. The flags
+    given decide over `t5` (the model config, which keeps its own values where the flags
+    make it invalid: that is reported by the model's checks)."""
     moe = tuple(MOE_FLAGS) + ("moe_router_bias_update_rate",)
-    if not t5.is_moe:
+    experts = values.get("num_experts") if "num_experts" in given else t5.num_experts
+    if not experts:
         return _only(given, [d for d in moe if d != "num_experts"], flag,
                      "on a Mixture-of-Experts model (num_experts is 0: set --num-experts or "
                      "num_experts in --model-config)")
+    router = values.get("moe_router_type") or (
+        "topk" if "moe_router_topk" in given else t5.router_type)
     out = []
-    if "moe_router_topk" in given and t5.router_type != "topk":
+    if "moe_router_topk" in given and router != "topk":
         out.append(f"--moe-router-topk {values['moe_router_topk']} has effect only with "
-                   f"--moe-router-type topk (the {t5.router_type} router sends each token to "
-                   f"one expert)")
-    if "moe_router_bias_update_rate" in given and not t5.moe_expert_bias:
+                   f"--moe-router-type topk (the {router} router sends each token to one "
+                   f"expert)")
+    if "moe_router_bias_update_rate" in given and not (
+            values.get("moe_router_enable_expert_bias") or t5.moe_expert_bias):
         out.append("--moe-router-bias-update-rate has effect only with "
                    "--moe-router-enable-expert-bias")
     return out
