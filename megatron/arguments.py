@@ -236,7 +236,8 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save-interval", type=int, default=None,
                    help="save every this many steps (and always at the end)")
     g.add_argument("--load", default=None, help="checkpoint folder to resume from (a folder "
-                   "with no checkpoint yet starts from scratch)")
+                   "with no checkpoint yet starts from scratch; not with --finetune or "
+                   "--prompt-tune, which need its weights)")
     g.add_argument("--no-load-optim", action="store_true",
                    help="on --load, do not restore optimizer states")
     g.add_argument("--no-load-rng", action="store_true",

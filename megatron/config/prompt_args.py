@@ -39,12 +39,14 @@ def add_prompt_args(parser) -> None:
                         "every model parameter frozen (no gradients, no optimizer states); "
                         "load the base model with --load BASE --finetune")
     g.add_argument("--prompt-length", type=int, default=100, metavar="N",
-                   help="prompt vectors (default 100, CPM-2-Finetune's prompt_len)")
+                   help="prompt vectors (default 100, CPM-2-Finetune's prompt_len; with "
+                        "--prompt-load or on a resume, the checkpoint's)")
     g.add_argument("--prompt-positions", default="1", metavar="SHARES",
                    help="the share of the prompt at each slot, comma-separated, slots spread "
                         "evenly from the text's front to its back (CPM-2-Finetune's "
                         "ratio_list): 1 (default: all in front), 0.5,0.5 (front, back), "
-                        "0.33,0.34,0.33 (front, middle, back)")
+                        "0.33,0.34,0.33 (front, middle, back); with --prompt-load or on a "
+                        "resume, default: the checkpoint's")
     g.add_argument("--prompt-init-token", default=None, metavar="PIECE",
                    help="start every vector at this piece's embedding in the loaded model, or "
                         "'random' (default: <mask> where the vocabulary has it, as CPM-2, "

@@ -44,6 +44,7 @@ CASES = [
     ("data_tools.train_punkt", ["--input", "c.jsonl", "--output", "s3://b/punkt.json"],
      ["--output s3://"]),
     ("data_tools.make_demo_corpus", ["--output", "s3://b/demo.jsonl"], ["--output s3://"]),
+    ("data_tools.make_flags_doc", ["--output", "s3://b/flags.md"], ["--output s3://b/flags.md"]),
     ("data_tools.build_indices", ["--data-path", "data/x", "--tokenizer-model", "t5.model",
                                   "--data-cache-path", "s3://b/cache", "--train-iters", "1",
                                   "--global-batch-size", "1"], ["--data-cache-path s3://"]),
