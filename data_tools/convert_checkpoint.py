@@ -276,15 +276,9 @@ def vocab_extended(args, model_meta: dict, tensors, source: dict):
     seed = DEFAULT_SEED if args.extend_vocab_seed is None else args.extend_vocab_seed
     plan = row_sources(build_tokenizer(old_spec), build_tokenizer(new_spec), seed,
                        old_name=old_spec.path, new_name=new_spec.path)
-    if plan.new_size == plan.old_size:  # every old piece is in the new: the same set
-        # Refused, not warned: growing the vocabulary is the flag's only purpose, so this is
-        # the wrong file (most often the old tokenizer itself), and a checkpoint marked
-        # "vocab_extended" that adds nothing would hide it until the next stage's loss.
-        raise CommandLineError(
-            f"--extend-vocab {new_spec.path} adds no piece to the checkpoint's tokenizer "
-            f"{old_spec.path} (both have the same {plan.old_size} pieces): give the extended "
-            f"vocabulary (data_tools/train_tokenizer.py --extend), or leave --extend-vocab out "
-            f"to convert the checkpoint as it is")
+    refused = ve.adds_nothing(plan, new_spec.path, old_spec.path)
+    if refused is not None:
+        raise CommandLineError(refused)
     config = ve.extended_config(model_meta["config"], plan)
     counts = ve.summary(plan)
     print(f"vocabulary: {plan.old_size} ids ({old_spec.path}) -> {plan.new_size} "
