@@ -434,11 +434,15 @@ def tokenizer_problems(spec: TokenizerSpec, extra_ids: int, vocab_size: int,
             "--vocab-extra-ids"]
 
 
-def _run_tokenizer(spec: TokenizerSpec, args: argparse.Namespace) -> dict:
-    """The run's tokenizer as a sidecar's is compared with it (data_meta.tokenizer_mismatch)."""
-    return {"type": spec.tokenizer_type, "path": spec.path, "flag": tokenizer_flag(args),
-            "vocab_size": _mode_tokenizer(spec, args.vocab_extra_ids).vocab_size,
-            "sha256": tokenizer_digest(spec.path)}
+def _run_tokenizer(spec: TokenizerSpec, args: argparse.Namespace) -> Optional[dict]:
+    """The run's tokenizer as a sidecar's is compared with it (data_meta.tokenizer_mismatch);
+    None when it cannot be loaded (tokenizer_problems says why)."""
+    try:
+        size = _mode_tokenizer(spec, args.vocab_extra_ids).vocab_size
+        return {"type": spec.tokenizer_type, "path": spec.path, "flag": tokenizer_flag(args),
+                "vocab_size": size, "sha256": tokenizer_digest(spec.path)}
+    except Exception:  # noqa: BLE001 - sentencepiece raises plain RuntimeErrors
+        return None
 
 
 def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
