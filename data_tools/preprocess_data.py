@@ -45,7 +45,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import numpy as np
 
 from megatron.data.storage.paths import path_flag_problems
-from megatron.data.storage.data_meta import DatasetMeta, meta_file_path, tokenizer_digest
+from megatron.data.storage.data_meta import DatasetMeta, meta_file_path, tokenizer_identity
 from megatron.data.storage.indexed_dataset import (
     IndexedDatasetBuilder,
     data_file_path,
@@ -452,7 +452,7 @@ def run(args: argparse.Namespace) -> int:
             tokenizer={"type": args.tokenizer.tokenizer_type,
                        "model": os.path.basename(args.tokenizer.path),
                        "vocab_size": int(tokenizer.vocab_size),
-                       "sha256": tokenizer_digest(args.tokenizer.path)},
+                       **tokenizer_identity(tokenizer)},
             eod_id=int(tokenizer.eod), eod_appended=bool(args.append_eod), dtype=str(dtype),
             documents=0, sequences=0, tokens=0)  # the builder sets dtype and counts
         for builder, prefix in zip(builders, prefixes):

@@ -25,8 +25,7 @@ from megatron.data.datasets.builder import (
     eod_problems,
     split_sample_counts,
 )
-from megatron.data.storage.data_meta import APPEND_EOD_MODES, SAMPLE_DOCUMENTS, \
-    tokenizer_digest
+from megatron.data.storage.data_meta import APPEND_EOD_MODES, SAMPLE_DOCUMENTS
 from megatron.data.storage.indexed_dataset import IMPLS
 from megatron.data.storage.object_storage import ObjectStorage, StorageSettings
 from megatron.data.datasets.seq2seq import Seq2SeqConfig, source_problems
@@ -434,15 +433,14 @@ def tokenizer_problems(spec: TokenizerSpec, extra_ids: int, vocab_size: int,
             "--vocab-extra-ids"]
 
 
-def _run_tokenizer(spec: TokenizerSpec, args: argparse.Namespace) -> Optional[dict]:
-    """The run's tokenizer as a sidecar's is compared with it (data_meta.tokenizer_mismatch);
-    None when it cannot be loaded (tokenizer_problems says why)."""
+def _run_tokenizer(spec: TokenizerSpec, args: argparse.Namespace) -> Optional[tuple]:
+    """(the run's tokenizer, its type, its flag and path) as data_kind_problems compares the
+    sidecars' with it; None when it cannot be loaded (tokenizer_problems says why)."""
     try:
-        size = _mode_tokenizer(spec, args.vocab_extra_ids).vocab_size
-        return {"type": spec.tokenizer_type, "path": spec.path, "flag": tokenizer_flag(args),
-                "vocab_size": size, "sha256": tokenizer_digest(spec.path)}
+        tokenizer = _mode_tokenizer(spec, args.vocab_extra_ids)
     except Exception:  # noqa: BLE001 - sentencepiece raises plain RuntimeErrors
         return None
+    return tokenizer, spec.tokenizer_type, f"{tokenizer_flag(args)} {spec.path}"
 
 
 def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],

@@ -525,25 +525,35 @@ def _model_with_vocab(data, tmp_path, vocab_size):
 
 
 def test_data_made_with_another_tokenizer_is_refused(train_data, tmp_path):
-    """The data's sidecar names the session's tokenizer (4,000 pieces + 100 sentinels); a
-    4,101-id tokenizer (one piece more) would read its ids as other pieces: refused, naming the
-    sidecar and both tokenizers. The same tokenizer with another --vocab-extra-ids is no
-    mismatch (its file's SHA-256 is the sidecar's)."""
+    """The data's sidecar names the session's tokenizer (4,000 pieces + 100 sentinels). A
+    4,101-id tokenizer whose pieces have other ids (two swapped, one added) would read the
+    data's ids as other pieces: refused, naming the sidecar and both tokenizers. An extension
+    (the same 4,000 pieces first, one added: train_tokenizer.py --extend) and the same
+    tokenizer with another --vocab-extra-ids read it as it was made: accepted."""
     from megatron.data.tokenizers.extend import extend_model_proto, load_model_proto
 
-    proto, added = extend_model_proto(load_model_proto(train_data.spm), [("▁zzqxj", -30.0)])
+    base = load_model_proto(train_data.spm)
+    extended, added = extend_model_proto(base, [("▁zzqxj", -30.0)])
     assert added == ["▁zzqxj"]
-    other = tmp_path / "other.model"
-    other.write_bytes(proto.SerializeToString())
+    swapped = type(extended)()
+    swapped.CopyFrom(extended)
+    a, b = swapped.pieces[600], swapped.pieces[601]
+    a.piece, b.piece = b.piece, a.piece
+    paths = {}
+    for name, proto in (("extended", extended), ("other", swapped)):
+        paths[name] = tmp_path / f"{name}.model"
+        paths[name].write_bytes(proto.SerializeToString())
     model = _model_with_vocab(train_data, tmp_path, 4224)
-    argv = base_argv(train_data, "--model-config", model, "--tokenizer-model", str(other))
+    argv = base_argv(train_data, "--model-config", model, "--tokenizer-model",
+                     str(paths["other"]))
     problems = problems_of(argv, {})
     assert len(problems) == 1, problems
     for wanted in (f"--data-path {train_data.prefix}", f"{train_data.prefix}.meta.json",
-                   "4100 ids", f"--tokenizer-model {other}", "4101 ids"):
+                   "4100 ids", f"--tokenizer-model {paths['other']}", "4101 ids",
+                   "first 4000 pieces"):
         assert wanted in problems[0], (wanted, problems)
-    parse_args(base_argv(train_data, "--model-config", model, "--vocab-extra-ids", "101"),
-               env={})
+    for extra in (["--tokenizer-model", str(paths["extended"])], ["--vocab-extra-ids", "101"]):
+        parse_args(base_argv(train_data, "--model-config", model, *extra), env={})
 
 
 def test_megatron_objective_on_document_data_is_refused(train_data, tmp_path):

@@ -156,13 +156,14 @@ def eod_problems(data_path: Sequence[str], eos_id: int, append_eod: str = "auto"
     return problems
 
 
-def data_kind_problems(data_path: Sequence[str], tokenizer: Optional[dict],
+def data_kind_problems(data_path: Sequence[str], tokenizer: Optional[tuple],
                        needs_sentences: bool, impl: str = "infer",
                        storage: Optional[ObjectStorage] = None) -> List[str]:
     """For every token dataset of `--data-path` (CPM-2 three-file data left out): a sidecar
-    that names another tokenizer than `tokenizer` (data_meta.tokenizer_mismatch; None: not
-    checked), and, when the objective reads sentences (`needs_sentences`: Megatron's rows),
-    data with one sequence per document. Reads each index and sidecar."""
+    that names another tokenizer than the run's (`tokenizer`: (the tokenizer, its type, its
+    flag and path), data_meta.tokenizer_mismatch's arguments; None: not checked), and, when the
+    objective reads sentences (`needs_sentences`: Megatron's rows), data with one sequence per
+    document. Reads each index and sidecar."""
     storage = storage if storage is not None else ObjectStorage()
     try:
         prefixes, _ = parse_data_path(data_path, storage)
@@ -174,7 +175,7 @@ def data_kind_problems(data_path: Sequence[str], tokenizer: Optional[dict],
             if is_cpm2_prefix(prefix, storage) and not dataset_exists(prefix, storage):
                 continue
             meta = read_meta(prefix, storage) if tokenizer is not None else None
-            wrong = tokenizer_mismatch(meta, meta_file_path(prefix), tokenizer) \
+            wrong = tokenizer_mismatch(meta, meta_file_path(prefix), *tokenizer) \
                 if meta is not None else None
             if wrong is not None:
                 problems.append(f"--data-path {prefix}: {wrong}")

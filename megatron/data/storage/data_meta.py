@@ -6,7 +6,7 @@ in that order to s3://):
 
     {"format": "t5-pretrain-dataset-meta", "version": 1,
      "tokenizer": {"type": "SentencePieceTokenizer", "model": "t5.model", "vocab_size": 32100,
-                   "sha256": "..."},
+                   "pieces": 32000, "pieces_sha256": "..."},
      "eod_id": 1, "eod_appended": true, "dtype": "uint16",
      "documents": 1000, "sequences": 1000, "tokens": 250000}
 
@@ -23,8 +23,9 @@ the data (`decide_eod`):
   one whose documents both do and do not end with EOD is refused, naming the flag.
 
 Training refuses data whose sidecar names another tokenizer than the run's
-(`tokenizer_mismatch`: the file's SHA-256, or for sidecars written before it was recorded, the
-type and vocabulary size).
+(`tokenizer_mismatch`: the run's first pieces must be the data's, as the SHA-256 of their text
+says, so an extension of the data's tokenizer reads it; sidecars written before that was
+recorded are held to their tokenizer type only).
 
 So opening a prefix reads its `.idx`, its sidecar and at most SAMPLE_DOCUMENTS tokens of its
 `.bin` (one ranged read each on object storage, one `pread` each on a file system), however
@@ -125,36 +126,45 @@ def read_meta(path_prefix: str,
     return DatasetMeta.from_json(text, path)
 
 
-def tokenizer_digest(path: str) -> str:
-    """SHA-256 of a tokenizer's file (a SentencePiece .model, a CPM-2 vocab.txt): the sidecar's
-    `tokenizer.sha256`, what tells two tokenizers of one size apart."""
+def tokenizer_identity(tokenizer) -> dict:
+    """What the sidecar records of the tokenizer besides its type, file name and size: its
+    ordinary pieces (every id below the first sentinel: T5's sentinels follow the SentencePiece
+    pieces, CPM-2's `<s_N>` close its vocabulary), their count and the SHA-256 of their text in
+    id order. Data made with it reads the same under any tokenizer whose first `pieces` ids
+    are the same pieces: itself with another --vocab-extra-ids, or an extension of it
+    (data_tools/train_tokenizer.py --extend), and no other."""
+    count = min(tokenizer.sentinel_ids, default=tokenizer.vocab_size)
+    return {"pieces": int(count), "pieces_sha256": _pieces_digest(tokenizer, count)}
+
+
+def _pieces_digest(tokenizer, count: int) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    for i in range(count):
+        digest.update(tokenizer.id_to_piece(i).encode("utf-8") + b"\n")
     return digest.hexdigest()
 
 
-def tokenizer_mismatch(meta: DatasetMeta, where: str, tokenizer: dict) -> Optional[str]:
-    """Why data whose sidecar (at `where`) is `meta` was not made with `tokenizer` (the run's:
-    {"type", "vocab_size", "sha256", "flag", "path"}), or None. The file's SHA-256 decides
-    where the sidecar has one (older ones do not): then a vocabulary size that differs only by
-    --vocab-extra-ids is no mismatch; without it, the type and the vocabulary size."""
+def tokenizer_mismatch(meta: DatasetMeta, where: str, tokenizer, tokenizer_type: str,
+                       named: str) -> Optional[str]:
+    """Why data whose sidecar (at `where`) is `meta` cannot be read with `tokenizer` (the run's,
+    of `tokenizer_type`, `named` as its flag and path), or None. Where the sidecar records the
+    pieces (tokenizer_identity), the run's first pieces must be those; an older sidecar is only
+    held to its tokenizer type (its size alone cannot tell an extension from another one)."""
     said = meta.tokenizer
-    if said.get("sha256"):
-        same = said["sha256"] == tokenizer["sha256"]
-    else:
-        same = (said.get("type"), said.get("vocab_size")) == \
-            (tokenizer["type"], tokenizer["vocab_size"])
-    if same:
+    count = said.get("pieces")
+    if said.get("pieces_sha256") is None or not isinstance(count, int):
+        if said.get("type") in (None, tokenizer_type):
+            return None
+    elif min(tokenizer.sentinel_ids, default=tokenizer.vocab_size) >= count and \
+            _pieces_digest(tokenizer, count) == said["pieces_sha256"]:
         return None
-    digest = f", SHA-256 {said['sha256'][:12]}" if said.get("sha256") else ""
+    what = f"its first {count} pieces" if isinstance(count, int) else "its pieces"
     return (f"{where} says the data was tokenized with {said.get('model')} "
-            f"({said.get('type')}, {said.get('vocab_size')} ids{digest}) but {tokenizer['flag']} "
-            f"{tokenizer['path']} is another tokenizer ({tokenizer['type']}, "
-            f"{tokenizer['vocab_size']} ids, SHA-256 {tokenizer['sha256'][:12]}): its ids would "
-            f"mean other pieces. Give the tokenizer the data was made with, or preprocess the "
-            f"data again with this one")
+            f"({said.get('type')}, {said.get('vocab_size')} ids) but {named} "
+            f"({tokenizer_type}, {tokenizer.vocab_size} ids) is another tokenizer: {what} do "
+            f"not have the same ids there, so the data's ids would mean other pieces. Give the "
+            f"tokenizer the data was made with (or an extension of it: train_tokenizer.py "
+            f"--extend), or preprocess the data again with this one")
 
 
 @dataclass(frozen=True)
