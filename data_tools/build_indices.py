@@ -23,6 +23,7 @@ from megatron.arguments import build_parser as training_parser
 from megatron.cli import CommandLineParser, refuse
 from megatron.data.datasets.builder import build_datasets, data_file_problems
 from megatron.data.data_args import (
+    DATA_PATH_FLAGS,
     add_data_args,
     check_data_args,
     data_config_from_args,
@@ -30,7 +31,10 @@ from megatron.data.data_args import (
     storage_settings_from_args,
     tokenizer_spec_from_args,
 )
+from megatron.config.flag_checks import objective_flag_problems
+from megatron.config.given_flags import given_dests, record_given
 from megatron.data.storage.object_storage import ObjectStorage
+from megatron.data.storage.paths import path_flag_problems
 from megatron.data.datasets.t5_dataset import T5SpecialTokens
 from megatron.data.tokenizers.tokenizer import build_tokenizer
 
@@ -39,6 +43,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit status: 0 built, 2 a command line or data that cannot run (every problem listed,
     one a line, before anything is built), 1 a failure while building."""
     parser = add_data_args(CommandLineParser(description=__doc__.split("\n\n")[0]))
+    record_given(parser)  # a flag of another objective is refused, as the trainer does
     args, unknown = parser.parse_known_args(argv)
     # the training command's other flags are welcome (and ignored); flags it would refuse too
     # are refused here, named as the trainer names them
@@ -46,7 +51,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown and not problems:
         print(f"note: ignoring flags that do not concern the data: {' '.join(unknown)}",
               file=sys.stderr)
-    problems += check_data_args(args)
+    problems += check_data_args(args) + path_flag_problems(vars(args), DATA_PATH_FLAGS) + \
+        objective_flag_problems(vars(args), given_dests(vars(args), {}))
     try:
         spec = tokenizer_spec_from_args(args)
     except ValueError as e:

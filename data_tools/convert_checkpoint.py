@@ -69,7 +69,8 @@ if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 from megatron.cli import CommandLineParser, folder_problems  # noqa: E402 - after the path is set
-from megatron.stdout import logs_to_stderr  # noqa: E402
+from megatron.data.storage.paths import path_flag_problems, scheme_problems  # noqa: E402
+from megatron.stdout import logs_to_stderr  # noqa: E402 - after the path is set
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -164,8 +165,19 @@ class CommandLineError(ValueError):
     pass
 
 
+PATH_FLAGS = {"load": ("--load", ()), "inspect": ("--inspect", ()), "source_dir": ("DIR", ()),
+              "model_config": ("--model-config", ()), "vocab": ("--tokenizer-path", ()),
+              "tokenizer_model": ("--tokenizer-model", ()),
+              "extend_vocab": ("--extend-vocab", ())}
+"""Every path flag: local paths only (megatron/data/storage/paths.py)."""
+
+
 def check(args) -> List[str]:
-    problems = []
+    problems = path_flag_problems(vars(args), PATH_FLAGS)
+    if args.to is not None:
+        problems += scheme_problems(f"--to {args.to[0]}", args.to[1])
+    if problems:  # (a URL would be taken for a local path)
+        return problems
     for flag, path in (("--load", args.load), ("--inspect", args.inspect),
                        (f"--from {args.from_format}", args.source_dir)):
         if path is not None:  # refused here, with the others: exit 2, not a read failure's 1
@@ -269,6 +281,9 @@ def vocab_extended(args, model_meta: dict, tensors, source: dict):
     seed = DEFAULT_SEED if args.extend_vocab_seed is None else args.extend_vocab_seed
     plan = row_sources(build_tokenizer(old_spec), build_tokenizer(new_spec), seed,
                        old_name=old_spec.path, new_name=new_spec.path)
+    refused = ve.adds_nothing(plan, new_spec.path, old_spec.path)
+    if refused is not None:
+        raise CommandLineError(refused)
     config = ve.extended_config(model_meta["config"], plan)
     counts = ve.summary(plan)
     print(f"vocabulary: {plan.old_size} ids ({old_spec.path}) -> {plan.new_size} "

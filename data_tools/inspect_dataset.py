@@ -32,6 +32,7 @@ if __package__ in (None, ""):
 import numpy as np
 
 from megatron.cli import CommandLineParser
+from megatron.data.storage.paths import path_flag_problems
 from megatron.data.storage.indexed_dataset import IMPLS, IndexedDataset
 
 
@@ -154,6 +155,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, rest = p.parse_known_args(argv)
     if rest and not args.samples:
         p.refuse_unknown(rest)
+    problems = path_flag_problems(vars(args), {"prefix": ("PREFIX", ("s3",)),
+                                               "tokenizer_model": ("--tokenizer-model", ())})
+    if problems:
+        p.error("; ".join(problems))
     if (args.document or args.samples) and not args.tokenizer_model:
         p.error("--document and --samples need --tokenizer-model")
     if args.samples:

@@ -17,6 +17,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.cli import CommandLineParser  # noqa: E402 - after the path is set
+from megatron.data.storage.paths import scheme_problems  # noqa: E402
 
 
 def demo_documents():
@@ -32,6 +33,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = CommandLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True, help="JSONL file to write")
     args = p.parse_args(argv)
+    if scheme_problems("--output", args.output):
+        p.error(scheme_problems("--output", args.output)[0])
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     tmp = f"{args.output}.tmp-{os.getpid()}"
     count = size = 0

@@ -20,6 +20,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.cli import CommandLineParser  # noqa: E402 - after the path is set
+from megatron.data.storage.paths import scheme_problems  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = REPO / "docs" / "flags.md"
@@ -131,12 +132,15 @@ def check(path: Path = DEFAULT_OUTPUT) -> List[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = CommandLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT,
+    parser.add_argument("--output", default=str(DEFAULT_OUTPUT),
                         help=f"the Markdown file (default: {DEFAULT_OUTPUT.relative_to(REPO)})")
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if the file differs from what would be "
                              "generated")
     args = parser.parse_args(argv)
+    if scheme_problems("--output", args.output):  # (Path would make s3:// a local s3:/)
+        parser.error(scheme_problems("--output", args.output)[0])
+    args.output = Path(args.output)
     if args.check:
         problems = check(args.output)
         for problem in problems:

@@ -18,6 +18,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.cli import CommandLineParser
+from megatron.data.storage.paths import scheme_problems
 from megatron.data.storage.indexed_dataset import IndexedDataset, dataset_exists, merge_datasets
 
 
@@ -44,6 +45,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--input", nargs="+", required=True, help="dataset prefixes or directories")
     p.add_argument("--output-prefix", required=True)
     args = p.parse_args(argv)
+    problems = scheme_problems("--input", args.input) + \
+        scheme_problems("--output-prefix", args.output_prefix)  # local files only
+    if problems:
+        p.error("; ".join(problems))
     try:
         prefixes = expand_prefixes(args.input)
         dtypes = {prefix: IndexedDataset(prefix, impl="infer").dtype for prefix in prefixes}

@@ -46,6 +46,8 @@ import numpy as np
 
 from megatron.cli import CommandLineParser
 from megatron.data.storage.data_meta import DatasetMeta, meta_file_path
+from megatron.data.storage.paths import path_flag_problems
+from megatron.data.storage.data_meta import DatasetMeta, meta_file_path, tokenizer_identity
 from megatron.data.storage.indexed_dataset import (
     IndexedDatasetBuilder,
     data_file_path,
@@ -144,6 +146,10 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                            args.vocab_file)
     except ValueError as e:
         problems.append(str(e))
+    problems += path_flag_problems(vars(args), {  # s3:// for the output only
+        "input": ("--input", ()), "punkt_params": ("--punkt-params", ()),
+        "tokenizer_model": ("--tokenizer-model", ()), "vocab_file": ("--vocab-file", ()),
+        "output_prefix": ("--output-prefix", ("s3",)), "staging_dir": ("--staging-dir", ())})
     if args.punkt_params and not os.path.isfile(args.punkt_params):
         problems.append(f"--punkt-params {args.punkt_params}: no such file")
     if problems:
@@ -447,7 +453,8 @@ def run(args: argparse.Namespace) -> int:
         meta = DatasetMeta(
             tokenizer={"type": args.tokenizer.tokenizer_type,
                        "model": os.path.basename(args.tokenizer.path),
-                       "vocab_size": int(tokenizer.vocab_size)},
+                       "vocab_size": int(tokenizer.vocab_size),
+                       **tokenizer_identity(tokenizer)},
             eod_id=int(tokenizer.eod), eod_appended=bool(args.append_eod), dtype=str(dtype),
             documents=0, sequences=0, tokens=0)  # the builder sets dtype and counts
         for builder, prefix in zip(builders, prefixes):

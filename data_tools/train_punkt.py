@@ -22,6 +22,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.cli import CommandLineParser
+from megatron.data.storage.paths import scheme_problems
 from megatron.data.preprocess.jsonl import BadLine, expand_inputs, iter_texts
 from megatron.data.preprocess.sentence_splitter import save_punkt_parameters, train_punkt_parameters
 
@@ -54,6 +55,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--max-mb", type=float, default=200.0, help="stop after this much text")
     p.add_argument("--output", required=True, help="JSON file to write")
     args = p.parse_args(argv)
+    problems = scheme_problems("--input", args.input) + scheme_problems("--output", args.output)
+    if problems:
+        p.error("; ".join(problems))
     if not args.input and not args.pydoc_topics:
         p.error("give --input and/or --pydoc-topics")
     try:

@@ -45,6 +45,9 @@ import sentencepiece as spm
 from data_tools.extend_tokenizer import extend
 from data_tools.tokenizer_corpus import Corpus, InputError, check_readable, remove
 from megatron.cli import CommandLineParser
+from megatron.data.storage.paths import path_flag_problems
+from megatron.data.preprocess.jsonl import JSONL_SUFFIXES, BadLine, expand_inputs, parse_line, read_chunks
+from megatron.data.tokenizers.tokenizer import T5Tokenizer, available_cpus
 from megatron.data.datasets.ul2 import DEFAULT_MODE_TOKENS
 from megatron.data.preprocess.jsonl import expand_inputs
 from megatron.data.tokenizers.tokenizer import T5Tokenizer, available_cpus
@@ -117,6 +120,8 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             problems.append(f"--{name.replace('_', '-')} must not be negative")
     if args.num_threads < 1:
         problems.append("--num-threads must be at least 1")
+    problems += path_flag_problems(vars(args), {"input": ("--input", ()), "output_prefix": (
+        "--output-prefix", ()), "extend": ("--extend", ())})
     if (args.extend is None) != (args.add_pieces is None):
         problems.append("--extend OLD and --add-pieces N go together")
     elif args.extend is not None:

@@ -44,7 +44,10 @@ from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
 from megatron.config.divergence_args import (add_divergence_args, divergence_config,
                                              divergence_problems)
-from megatron.config.prompt_args import add_prompt_args, prompt_problems, resumes_prompt_run
+from megatron.config.flag_checks import command_line_problems, defaults_of
+from megatron.config.given_flags import GIVEN, given_dests, record_given
+from megatron.config.prompt_args import add_prompt_args, prompt_layout_from_checkpoints, \
+    prompt_problems, resumes_prompt_run
 from megatron.training.ds_config import OPTIMIZER_DEFAULTS
 from megatron.training.profiling import add_profile_args, profile_config, profile_problems
 
@@ -79,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_logging_args(parser)
     add_prompt_args(parser)
     add_profile_args(parser)
+    record_given(parser)  # which flags were given, and as which alias: validate() reads it
     return parser
 
 
@@ -236,7 +240,8 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save-interval", type=int, default=None,
                    help="save every this many steps (and always at the end)")
     g.add_argument("--load", default=None, help="checkpoint folder to resume from (a folder "
-                   "with no checkpoint yet starts from scratch)")
+                   "with no checkpoint yet starts from scratch; not with --finetune or "
+                   "--prompt-tune, which need its weights)")
     g.add_argument("--ckpt-step", type=int, default=None, metavar="N",
                    help="on --load, load iteration N (folder iter_0000020 for 20) instead of "
                         "the one the tracker names; the tracker is not changed until this run "
@@ -343,6 +348,8 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     by the module it configures; this function only collects."""
     problems: List[str] = []
     values = dict(vars(args))
+    given = given_dests(values, defaults_of(_shared_parser()))
+    values.pop(GIVEN, None)
     parallel = resolve_parallel(values, env, problems)
     if values["data_path"] is None and values["finetune_data"] is None:
         problems.append("--data-path is required (or --finetune-data, for fine-tuning)")
@@ -356,6 +363,7 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     values.update(world_size=parallel.world_size, data_parallel_size=parallel.data_parallel_size,
                   device_type=device_type, distributed_backend=backend, warnings=warnings)
     problems += layout_problems
+    problems += command_line_problems(vars(args), given, model.t5 if model else None)
     if resolved.optimizer.lr is None:  # only now: the JSON's optimizer.params.lr may supply it
         problems.append("--lr is required (or optimizer.params.lr in the DeepSpeed JSON)")
 
@@ -385,12 +393,10 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     problems += loop_problems(values)
     problems += checkpoint_flag_problems(values)
     problems += divergence_problems(values)
-    problems += prompt_problems(values)
+    prompt_taken, more = prompt_layout_from_checkpoints(values, given)
+    problems += prompt_problems({**values, **prompt_taken}, given) + more
+    values.update(prompt_taken)
     problems += profile_problems(values, parallel.world_size)
-    if values["dry_run_device"] != "auto" and not values["dry_run"]:
-        problems.append("--dry-run-device has effect only with --dry-run")
-    if values["peak_tflops"] is not None and values["peak_tflops"] <= 0:
-        problems.append("--peak-tflops must be positive")
     if values["save"] is not None and not values["dry_run"]:
         problems += lock_problems(values["save"])
     if not problems:
@@ -505,6 +511,7 @@ def layout_from_flags(argv: Sequence[str], world_size: int, device_type: str = "
     to the memory estimate that `--dry-run` prints for the same flags. Returns (the layout or
     None, the problems)."""
     values = dict(vars(_shared_parser().parse_args(list(argv))))
+    values.pop(GIVEN, None)
     problems: List[str] = []
     parallel = resolve_parallel(values, {"WORLD_SIZE": str(world_size)}, problems)
     resolved, values, model, more = resolve_layout(values, parallel, device_type)
@@ -553,7 +560,8 @@ def resolve_parallel(values: Dict[str, object], env: Mapping[str, str],
 
 
 def loop_problems(values: Mapping[str, object]) -> List[str]:
-    """The loop's intervals, evaluation samples, exit conditions, deadlines and log folder."""
+    """The loop's intervals, evaluation samples, exit conditions, deadlines, log folder, the
+    dry run's device and the peak TFLOP/s."""
     problems = []
     if values["eval_log_samples"] < 0:
         problems.append("--eval-log-samples must be 0 or more")
@@ -568,6 +576,10 @@ def loop_problems(values: Mapping[str, object]) -> List[str]:
             problems.append(f"--{flag.replace('_', '-')} must be positive")
     if values["tensorboard_dir"] is not None and Path(values["tensorboard_dir"]).is_file():
         problems.append(f"--tensorboard-dir {values['tensorboard_dir']} is a file")
+    if values["dry_run_device"] != "auto" and not values["dry_run"]:
+        problems.append("--dry-run-device has effect only with --dry-run")
+    if values["peak_tflops"] is not None and values["peak_tflops"] <= 0:
+        problems.append("--peak-tflops must be positive")
     return problems
 
 

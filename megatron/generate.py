@@ -121,8 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def flag_problems(args, world_size: int) -> List[str]:
     """Every problem of the flags alone, all at once."""
+    from megatron.data.storage.paths import path_flag_problems
+
     out = [f"--{name} is required" for name in ("load", "input", "output")
            if getattr(args, name) is None]
+    out += path_flag_problems(vars(args), {  # all local (megatron/data/storage/paths.py)
+        "load": ("--load", ()), "tokenizer_model": ("--tokenizer-model", ()),
+        "input": ("--input", ()), "output": ("--output", ()),
+        "prompt_load": ("--prompt-load", ())})
     positive = ("micro_batch_size", "max_new_tokens", "num_beams")
     for name in positive:
         if getattr(args, name) < 1:

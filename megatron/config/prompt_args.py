@@ -6,7 +6,7 @@ becomes flags here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Set, Tuple
 
 from megatron.model.prompt import PromptLayout, layout_problems
 
@@ -39,12 +39,14 @@ def add_prompt_args(parser) -> None:
                         "every model parameter frozen (no gradients, no optimizer states); "
                         "load the base model with --load BASE --finetune")
     g.add_argument("--prompt-length", type=int, default=100, metavar="N",
-                   help="prompt vectors (default 100, CPM-2-Finetune's prompt_len)")
+                   help="prompt vectors (default 100, CPM-2-Finetune's prompt_len; with "
+                        "--prompt-load or on a resume, the checkpoint's)")
     g.add_argument("--prompt-positions", default="1", metavar="SHARES",
                    help="the share of the prompt at each slot, comma-separated, slots spread "
                         "evenly from the text's front to its back (CPM-2-Finetune's "
                         "ratio_list): 1 (default: all in front), 0.5,0.5 (front, back), "
-                        "0.33,0.34,0.33 (front, middle, back)")
+                        "0.33,0.34,0.33 (front, middle, back); with --prompt-load or on a "
+                        "resume, default: the checkpoint's")
     g.add_argument("--prompt-init-token", default=None, metavar="PIECE",
                    help="start every vector at this piece's embedding in the loaded model, or "
                         "'random' (default: <mask> where the vocabulary has it, as CPM-2, "
@@ -139,9 +141,11 @@ def resumes_prompt_run(values: Mapping[str, object]) -> Optional[dict]:
     return prompt_checkpoint(save)
 
 
-def prompt_problems(values: Mapping[str, object]) -> List[str]:
+def prompt_problems(values: Mapping[str, object],
+                    given: Optional[Set[str]] = None) -> List[str]:
     """The prompt flags (`vars(namespace)`): ranges and combinations; a --load that holds a
-    prompt alone; a --save to resume from that holds the other stage's checkpoint."""
+    prompt alone; a --save to resume from that holds the other stage's checkpoint. `given`:
+    the flags the command line set (None: those that differ from their defaults)."""
     base = prompt_only_checkpoint(values.get("load"))
     if base is not None:
         return [f"--load {values['load']} holds a prompt alone (a --prompt-tune run's "
@@ -157,11 +161,10 @@ def prompt_problems(values: Mapping[str, object]) -> List[str]:
                 f"{kind[bool(values['prompt_train_model'])]} and would resume from it: give "
                 f"another --save"]
     if not values["prompt_tune"]:
-        given = [f for f, default in (("prompt_length", 100), ("prompt_positions", "1"),
-                                      ("prompt_init_token", None), ("prompt_load", None),
-                                      ("prompt_train_model", False))
-                 if values[f] != default]
-        return [f"--{f.replace('_', '-')} has effect only with --prompt-tune" for f in given]
+        flags = (("prompt_length", 100), ("prompt_positions", "1"), ("prompt_init_token", None),
+                 ("prompt_load", None), ("prompt_train_model", False))
+        return [f"--{f.replace('_', '-')} has effect only with --prompt-tune" for f, default
+                in flags if (f in given if given is not None else values[f] != default)]
     shares, problems = _shares(str(values["prompt_positions"]))
     if not problems:
         problems += layout_problems(int(values["prompt_length"]), shares)
@@ -172,6 +175,60 @@ def prompt_problems(values: Mapping[str, object]) -> List[str]:
                         "no partitioning: use stage 1 or 2, which partition the prompt's "
                         "optimizer states)")
     return problems
+
+
+def _shown(ratios: Tuple[float, ...]) -> str:
+    return ",".join(f"{r:g}" for r in ratios)
+
+
+def prompt_layout_from_checkpoints(values: Mapping[str, object], given: Set[str]
+                                   ) -> Tuple[Dict[str, object], List[str]]:
+    """The prompt's layout where a checkpoint decides it, before start: (the flags' values it
+    sets, the problems). With --prompt-load, the loaded prompt's length (and, not given, its
+    positions) come from that checkpoint, as megatron.generate takes them; a --prompt-length
+    given otherwise is refused. A resume (a requeued job's --save, or a --load without
+    --finetune holding a prompt with its model) must go on with the saved length and positions:
+    not given, they are taken; given otherwise, refused, each naming the flag and the saved
+    value."""
+    if not values.get("prompt_tune"):
+        return {}, []
+    taken: Dict[str, object] = {}
+    problems: List[str] = []
+    source = values.get("prompt_load")
+    if source is not None and "://" not in str(source):  # (a URL: refused by its scheme)
+        meta = prompt_checkpoint(str(source))
+        if meta is None:
+            return {}, [f"--prompt-load {source} holds no prompt-tuning checkpoint: give the "
+                        f"--save of a --prompt-tune run"]
+        _take(saved_prompt_layout(meta), values, given, f"--prompt-load {source} holds a "
+              f"prompt tuned with", taken, problems, positions_fixed=False)
+    resumed, where = resumes_prompt_run(values), f"--save {values.get('save')}, requeued"
+    if resumed is None and values.get("load") is not None and not values.get("finetune"):
+        resumed, where = prompt_checkpoint(str(values["load"])), f"--load {values['load']}"
+        if resumed is not None and prompt_alone(resumed):
+            resumed = None  # refused as such by prompt_problems
+    if resumed is not None and saved_prompt_layout(resumed) is not None:
+        _take(saved_prompt_layout(resumed), values, given, f"the checkpoint this run resumes "
+              f"({where}) was tuned with", taken, problems, positions_fixed=True)
+    return taken, problems
+
+
+def _take(saved: PromptLayout, values: Mapping[str, object], given: Set[str], said: str,
+          taken: Dict[str, object], problems: List[str], positions_fixed: bool) -> None:
+    """Fill `taken` with the saved layout's values not given; a problem for each given value
+    that contradicts it (the positions only when `positions_fixed`)."""
+    if "prompt_length" not in given:
+        taken["prompt_length"] = saved.length
+    elif int(values["prompt_length"]) != saved.length:
+        problems.append(f"--prompt-length {values['prompt_length']}: {said} --prompt-length "
+                        f"{saved.length}: give {saved.length} (or leave the flag out)")
+    shares, _ = _shares(str(values["prompt_positions"]))
+    if "prompt_positions" not in given:
+        taken["prompt_positions"] = _shown(saved.ratios)
+    elif positions_fixed and shares and tuple(shares) != tuple(saved.ratios):
+        problems.append(f"--prompt-positions {values['prompt_positions']}: {said} "
+                        f"--prompt-positions {_shown(saved.ratios)}: give "
+                        f"{_shown(saved.ratios)} (or leave the flag out)")
 
 
 def prompt_settings(values: Mapping[str, object]) -> Optional[PromptSettings]:

@@ -21,6 +21,7 @@ from megatron.data.datasets.builder import (
     OBJECTIVES,
     DataConfig,
     data_file_problems,
+    data_kind_problems,
     eod_problems,
     split_sample_counts,
 )
@@ -39,6 +40,20 @@ from megatron.data.datasets.ul2 import (
 from megatron.data.datasets.t5_dataset import T5DatasetConfig
 from megatron.data.tokenizers.tokenizer import TOKENIZER_TYPES, TokenizerSpec, build_tokenizer, \
     resolve_tokenizer
+
+
+DATA_PATH_FLAGS = {
+    "data_path": ("--data-path", ("s3",)),
+    "data_cache_path": ("--data-cache-path", ()),
+    "object_storage_cache_path": ("--object-storage-cache-path", ()),
+    "tokenizer_model": ("--tokenizer-model", ()),
+    "vocab_file": ("--vocab-file", ()),
+    "finetune_data": ("--finetune-data", ()),
+    "finetune_valid_data": ("--finetune-valid-data", ()),
+    "ul2_denoisers": ("--ul2-denoisers", ()),
+}
+"""The path flags of `add_data_args`: dest -> (flag, the URL schemes it reads; only data
+prefixes are read from s3://), for megatron.data.storage.paths.path_flag_problems."""
 
 
 @dataclass(frozen=True)
@@ -317,13 +332,6 @@ def check_data_args(args: argparse.Namespace) -> List[str]:
         problems.append("--t5-objective megatron needs --decoder-seq-length")
     if args.t5_objective == "seq2seq" and getattr(args, "finetune_data", None) is None:
         problems.append("--t5-objective seq2seq needs --finetune-data")
-    if args.t5_objective == "ul2":
-        defaults = {"noise_density": 0.15, "mean_noise_span_length": 3.0,
-                    "whole_word_masking": False}
-        for name, default in defaults.items():
-            if getattr(args, name) != default:
-                problems.append(f"--{name.replace('_', '-')} has no effect with --t5-objective "
-                                f"ul2: its denoisers set the noise (--ul2-denoisers)")
     if not problems and objective_of(args) in ("span-corruption", "ul2"):
         try:
             t5_config_from_args(args).lengths()
@@ -425,6 +433,16 @@ def tokenizer_problems(spec: TokenizerSpec, extra_ids: int, vocab_size: int,
             "--vocab-extra-ids"]
 
 
+def _run_tokenizer(spec: TokenizerSpec, args: argparse.Namespace) -> Optional[tuple]:
+    """(the run's tokenizer, its type, its flag and path) as data_kind_problems compares the
+    sidecars' with it; None when it cannot be loaded (tokenizer_problems says why)."""
+    try:
+        tokenizer = _mode_tokenizer(spec, args.vocab_extra_ids)
+    except Exception:  # noqa: BLE001 - sentencepiece raises plain RuntimeErrors
+        return None
+    return tokenizer, spec.tokenizer_type, f"{tokenizer_flag(args)} {spec.path}"
+
+
 def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
                  schedule: Optional[Tuple[int, int]], too_few_samples: bool
                  ) -> Tuple[Optional[DataSettings], List[str]]:
@@ -470,6 +488,11 @@ def resolve_data(flags: Mapping[str, Any], vocab_size: Optional[int],
     if not finetune:  # seq2seq: the flag's (required)
         t5 = dataclasses.replace(t5, decoder_seq_length=t5.lengths()[2])
     dataset = dataclasses.replace(data_config_from_args(view), t5=t5)
+    if not finetune:  # the sidecars' tokenizer, the sentences Megatron's rows need
+        sentences = dataset.objective == "megatron" or (
+            dataset.objective == "ul2" and dataset.ul2_layout == "megatron")
+        problems += data_kind_problems(dataset.data_path, _run_tokenizer(tokenizer, view),
+                                       sentences, dataset.data_impl, store)
     if dataset.packs_documents() and not problems:
         # Before the model is built: whether documents end with EOD (data_meta.decide_eod).
         eos_id = _mode_tokenizer(tokenizer, flags["vocab_extra_ids"]).eos_id

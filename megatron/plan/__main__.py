@@ -19,6 +19,7 @@ import sys
 from typing import List, Optional, Sequence
 
 from megatron.cli import RENAMED_FLAGS, CommandLineParser
+from megatron.data.storage.paths import scheme_problems
 from megatron.model.config import ConfigError
 from megatron.plan.cluster import (
     DEVICES,
@@ -161,7 +162,7 @@ def cluster_from_args(args: argparse.Namespace, problems: List[str]) -> Optional
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the planner; the exit status (module docstring)."""
     args = build_parser().parse_args(argv)
-    problems: List[str] = []
+    problems: List[str] = scheme_problems("--model-config", args.model_config)
     cluster = cluster_from_args(args, problems)
     for flag in ("encoder_seq_length", "global_batch_size", "max_micro_batch", "top"):
         if getattr(args, flag) < 1:

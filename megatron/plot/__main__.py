@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from megatron.cli import CommandLineParser
+from megatron.data.storage.paths import scheme_problems
 from megatron.plot.find import RunNotFound, default_labels, load_run
 from megatron.plot.runs import Run
 
@@ -64,7 +65,11 @@ def default_output(run: str) -> Path:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    problems: List[str] = []
+    problems: List[str] = scheme_problems("RUN", args.runs) + scheme_problems("--output",
+                                                                            args.output)
+    if problems:  # (a URL would be read as a local path)
+        print("error: " + "\n       ".join(problems), file=sys.stderr)
+        return 2
     if not 0.0 <= args.smoothing < 1.0:
         problems.append(f"--smoothing {args.smoothing}: must be in [0, 1)")
     if args.labels is not None and len(args.labels) != len(args.runs):

@@ -3,6 +3,7 @@ sidecar preprocess writes, --data-append-eod auto|yes|no, the bounded sample of 
 (the same bytes for a small and a much larger corpus), Megatron-LM data without a sidecar, the
 refusals; and inspect_dataset leaving nothing beside the data."""
 
+import hashlib
 import json
 import os
 import warnings
@@ -77,9 +78,12 @@ def test_preprocess_writes_the_sidecar(data):
         assert (meta.eod_appended, meta.eod_id) == (appended, data["tok"].eos_id)
         assert (meta.documents, meta.sequences, meta.tokens, meta.dtype) == (
             ds.num_documents, len(ds), ds.num_tokens, str(ds.dtype))
+        # the pieces: every id below the first sentinel, their text's digest in id order
+        pieces = "".join(data["tok"].id_to_piece(i) + "\n" for i in range(4000))
         assert meta.tokenizer == {"type": "SentencePieceTokenizer",
                                   "model": os.path.basename(data["spm"]),
-                                  "vocab_size": data["tok"].vocab_size}
+                                  "vocab_size": data["tok"].vocab_size, "pieces": 4000,
+                                  "pieces_sha256": hashlib.sha256(pieces.encode()).hexdigest()}
     leftovers = [n for n in os.listdir(data["out"]) if ".tmp-" in n]
     assert leftovers == []
 

@@ -70,9 +70,17 @@ def test_gpu_examples_pass_the_dry_run(name, world_size, expect, tiny_data, tmp_
 
 
 def test_cpm2_example_takes_the_bpe_cn_folder(tiny_data, tmp_path):
-    """TOKENIZER=bpe_cn, CPM-2's folder with its vocab.txt: read with CPM-2's tokenizer."""
-    env = {"DATA": tiny_data.prefix, "OUT": str(tmp_path / "out"), "LAUNCHER": DRY_RUN,
-           "WORLD_SIZE": "64"}
+    """TOKENIZER=bpe_cn, CPM-2's folder with its vocab.txt: read with CPM-2's tokenizer (the
+    data made with it: data made with another tokenizer is refused)."""
+    from data_tools import preprocess_data
+
+    corpus = Path(tiny_data.prefix).parent / "corpus.jsonl"
+    assert preprocess_data.main(["--input", str(corpus), "--output-prefix",
+                                 str(tmp_path / "zh"), "--tokenizer-path",
+                                 str(REPO / "tests/data/cpm2/bpe_cn"), "--append-eod",
+                                 "--workers", "1", "--no-progress"]) == 0
+    env = {"DATA": str(tmp_path / "zh_text_document"), "OUT": str(tmp_path / "out"),
+           "LAUNCHER": DRY_RUN, "WORLD_SIZE": "64"}
     script = REPO / "launch/examples/cpm2_11b_fp32_zero3.sh"
     proc = bash(script, env={**env, "TOKENIZER": str(REPO / "tests/data/cpm2/bpe_cn")})
     assert proc.returncode == 0, proc.stdout + proc.stderr

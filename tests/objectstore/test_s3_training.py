@@ -26,9 +26,9 @@ def test_a_run_from_s3_has_the_losses_of_the_run_from_local_files(s3_server, s3_
     local_data = train_data
     remote_data = type(train_data)(**{**vars(train_data), "prefix": "s3://training/corpus/mix",
                                       "cache": str(tmp_path / "node")})
-    extra = ("--object-storage-read-ahead", "2")
+    extra = ("--object-storage-read-ahead", "2")  # (refused with local data: no effect there)
     local, remote = run_workers(2, run_pretrain, [
-        base_argv(local_data, *extra, "--data-cache-path", str(tmp_path / "local-cache")),
+        base_argv(local_data, "--data-cache-path", str(tmp_path / "local-cache")),
         base_argv(remote_data, *extra)], timeout=600)[0]
     assert sorted(remote["losses"]) == [1, 2, 3, 4]
     assert remote["losses"] == local["losses"]

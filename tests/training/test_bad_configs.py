@@ -119,10 +119,10 @@ CASES = {
         extra=["--tokenizer-model", "<tmp>/missing.model"],
         expect=[("--tokenizer-model", "<tmp>/missing.model", "no such file")]),
     "tokenizer_folder_empty": Case(
-        extra=["--tokenizer-path", "<tmp>/spm"], files={"spm/": None},
+        extra=["--tokenizer-path", "<tmp>/spm"], drop=["--tokenizer-model"], files={"spm/": None},
         expect=[("--tokenizer-path", "<tmp>/spm", "found 0")]),
     "tokenizer_folder_with_two_models": Case(
-        extra=["--tokenizer-path", "<tmp>/spm"],
+        extra=["--tokenizer-path", "<tmp>/spm"], drop=["--tokenizer-model"],
         files={"spm/a.model": COPY_TOKENIZER, "spm/b.model": COPY_TOKENIZER},
         expect=[("--tokenizer-path", "<tmp>/spm", "found 2")]),
     "tokenizer_larger_than_vocab": Case(
@@ -256,6 +256,63 @@ CASES = {
     "load_is_a_file": Case(
         extra=["--load", "<tmp>/ckpt"], files={"ckpt": "not a folder"},
         expect=[("--load", "<tmp>/ckpt", "is a file")]),
+    "finetune_from_a_missing_folder": Case(
+        extra=["--load", "<tmp>/absent", "--finetune"],
+        expect=[("--load <tmp>/absent", "no such folder", "--finetune")]),
+    "finetune_from_a_folder_without_checkpoint": Case(
+        extra=["--load", "<tmp>/empty", "--finetune"], files={"empty/": None},
+        expect=[("--load <tmp>/empty", "holds no checkpoint", "--finetune")]),
+    "prompt_tune_on_a_folder_without_checkpoint": Case(
+        extra=["--load", "<tmp>/empty", "--prompt-tune"], files={"empty/": None},
+        expect=[("--load <tmp>/empty", "holds no checkpoint", "--prompt-tune")]),
+    # Paths with a URL scheme are not local paths (only --data-path reads s3://).
+    "save_and_load_on_s3": Case(
+        extra=["--save", "s3://ckpt/run", "--load", "s3://ckpt/run"],
+        expect=[("--save s3://ckpt/run", "not a s3:// URL", "'s3:/ckpt/run'"),
+                ("--load s3://ckpt/run", "not a s3:// URL")]),
+    "log_paths_with_a_scheme": Case(
+        extra=["--tensorboard-dir", "gs://b/tb", "--log-file", "s3://b/log.txt",
+               "--data-cache-path", "s3://b/cache"],
+        expect=[("--tensorboard-dir gs://b/tb", "not a gs:// URL"),
+                ("--log-file s3://b/log.txt",), ("--data-cache-path s3://b/cache",)]),
+    # Aliases that contradict each other (argparse would keep the last silently).
+    "batch_size_aliases_disagree": Case(
+        extra=["--batch-size", "4"],
+        expect=[("--micro-batch-size 2", "--batch-size 4", "give one of them")]),
+    "tensor_parallel_aliases_disagree": Case(
+        extra=["--model-parallel-size", "2", "--tensor-model-parallel-size", "1"],
+        env={"WORLD_SIZE": "2"},
+        expect=[("--model-parallel-size 2", "--tensor-model-parallel-size 1")]),
+    "seq_length_aliases_disagree": Case(
+        extra=["--seq-length", "128"],
+        expect=[("--encoder-seq-length 64", "--seq-length 128")]),
+    # Flags that would change nothing in this combination.
+    "ul2_flags_under_span_corruption": Case(
+        extra=["--ul2-denoisers", "upalm", "--ul2-s-prefix", "t5", "--max-ngram", "10",
+               "--short-seq-prob", "0.1"],
+        expect=[("--ul2-denoisers", "only with --t5-objective ul2", "span-corruption"),
+                ("--ul2-s-prefix", "only with --t5-objective ul2"),
+                ("--max-ngram", "only with --t5-objective megatron"),
+                ("--short-seq-prob", "only with --t5-objective megatron")]),
+    "span_noise_under_ul2": Case(
+        extra=["--t5-objective", "ul2", "--ul2-denoisers", '[{"kind": "R", "mean_span": 3, '
+               '"rate": 0.15, "weight": 1}]', "--mask-prob", "0.15"],
+        expect=[("--mask-prob", "no effect with --t5-objective ul2", "--ul2-denoisers")]),
+    "mode_token_without_mode_tokens": Case(
+        extra=["--t5-objective", "ul2", "--ul2-denoisers", '[{"kind": "R", "mean_span": 3, '
+               '"rate": 0.15, "weight": 1}]', "--ul2-no-mode-tokens", "--ul2-r-denoiser-token",
+               "[NLU]"],
+        expect=[("--ul2-r-denoiser-token", "no effect with --ul2-no-mode-tokens")]),
+    "moe_flags_on_a_dense_model": Case(
+        extra=["--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"],
+        expect=[("--moe-router-topk", "Mixture-of-Experts", "--num-experts"),
+                ("--moe-aux-loss-coeff", "Mixture-of-Experts")]),
+    "topk_with_the_switch_router": Case(
+        extra=["--num-experts", "2", "--moe-router-type", "switch", "--moe-router-topk", "2"],
+        expect=[("--moe-router-topk 2", "only with --moe-router-type topk", "switch")]),
+    "object_storage_flags_with_local_data": Case(
+        extra=["--object-storage-reader", "sigv4"],
+        expect=[("--object-storage-reader", "only with s3:// data")]),
     # Schedule.
     "train_iters_and_train_samples": Case(
         extra=["--train-samples", "16"],
@@ -438,7 +495,8 @@ def test_tokenizer_folder_with_one_model_is_used(train_data, tmp_path):
     folder = tmp_path / "spm"
     folder.mkdir()
     shutil.copy(train_data.spm, folder / "t5.model")
-    config = parse_args(base_argv(train_data, "--tokenizer-path", str(folder)), env={})
+    argv = without(base_argv(train_data), ["--tokenizer-model"])
+    config = parse_args(argv + ["--tokenizer-path", str(folder)], env={})
     assert config.data.tokenizer_model == str(folder / "t5.model")
 
 
@@ -459,3 +517,62 @@ def test_cpm2_command_line(train_data, tmp_path):
     assert (config.data.encoder_seq_length, config.data.decoder_seq_length) == (64, 32)
     assert config.data.tokenizer_model == str(folder / "vocab.model")
     assert not dist.is_initialized()
+
+
+def _model_with_vocab(data, tmp_path, vocab_size):
+    tiny = json.loads(Path(data.tiny).read_text(encoding="utf-8"))
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({**tiny, "vocab_size": vocab_size}))
+    return str(path)
+
+
+def test_data_made_with_another_tokenizer_is_refused(train_data, tmp_path):
+    """The data's sidecar names the session's tokenizer (4,000 pieces + 100 sentinels). A
+    4,101-id tokenizer whose pieces have other ids (two swapped, one added) would read the
+    data's ids as other pieces: refused, naming the sidecar and both tokenizers. An extension
+    (the same 4,000 pieces first, one added: train_tokenizer.py --extend) and the same
+    tokenizer with another --vocab-extra-ids read it as it was made: accepted."""
+    from megatron.data.tokenizers.extend import extend_model_proto, load_model_proto
+
+    base = load_model_proto(train_data.spm)
+    extended, added = extend_model_proto(base, [("▁zzqxj", -30.0)])
+    assert added == ["▁zzqxj"]
+    swapped = type(extended)()
+    swapped.CopyFrom(extended)
+    a, b = swapped.pieces[600], swapped.pieces[601]
+    a.piece, b.piece = b.piece, a.piece
+    paths = {}
+    for name, proto in (("extended", extended), ("other", swapped)):
+        paths[name] = tmp_path / f"{name}.model"
+        paths[name].write_bytes(proto.SerializeToString())
+    model = _model_with_vocab(train_data, tmp_path, 4224)
+    argv = base_argv(train_data, "--model-config", model, "--tokenizer-model",
+                     str(paths["other"]))
+    problems = problems_of(argv, {})
+    assert len(problems) == 1, problems
+    for wanted in (f"--data-path {train_data.prefix}", f"{train_data.prefix}.meta.json",
+                   "4100 ids", f"--tokenizer-model {paths['other']}", "4101 ids",
+                   "first 4000 pieces"):
+        assert wanted in problems[0], (wanted, problems)
+    for extra in (["--tokenizer-model", str(paths["extended"])], ["--vocab-extra-ids", "101"]):
+        parse_args(base_argv(train_data, "--model-config", model, *extra), env={})
+
+
+def test_megatron_objective_on_document_data_is_refused(train_data, tmp_path):
+    """Megatron's T5 rows are made of sentences: on _text_document data (one sequence per
+    document) each row would be one document cut short. Refused, naming the prefix; the same
+    documents split into sentences are accepted."""
+    from data_tools import preprocess_data
+
+    megatron = ["--t5-objective", "megatron", "--decoder-seq-length", "32"]
+    problems = problems_of(base_argv(train_data, *megatron), {})
+    assert len(problems) == 1 and f"--data-path {train_data.prefix}" in problems[0] \
+        and "one sequence per document" in problems[0] and "--split-sentences" in problems[0], \
+        problems
+    sample = Path(train_data.root) / "corpus.jsonl"
+    assert preprocess_data.main(["--input", str(sample), "--output-prefix",
+                                 str(tmp_path / "mix"), "--tokenizer-model", train_data.spm,
+                                 "--split-sentences", "--append-eod", "--workers", "1",
+                                 "--no-progress"]) == 0
+    parse_args(base_argv(train_data, *megatron, "--data-path",
+                         str(tmp_path / "mix_text_sentence")), env={})

@@ -120,12 +120,38 @@ def test_requeued_prompt_tuning_resumes_exactly_on_two_ranks(train_data, tmp_pat
 def test_a_save_that_cannot_resume_is_refused(train_data, tmp_path):
     """Before anything starts: a second stage's --save that holds the first stage's checkpoint
     (a prompt alone) would resume into the wrong optimizer; a --save saved at another layout or
-    with another LR schedule is named as --save."""
-    base, prompt = str(tmp_path / "base"), str(tmp_path / "prompt")
+    with another LR schedule is named as --save; a resume with another prompt length or other
+    positions is refused naming the saved ones. A second stage without --prompt-length takes
+    the length (and positions) of --prompt-load's prompt and trains."""
+    base, prompt, stage2 = (str(tmp_path / n) for n in ("base", "prompt", "stage2"))
     run = lambda *extra: base_argv(train_data, "--zero-stage", "1", *extra, iters=1)  # noqa
-    run_workers(1, run_pretrain, [
+    results = run_workers(1, run_pretrain, [
         run("--save", base), run("--load", base, "--finetune", "--save", prompt, *PROMPT),
-    ], timeout=600)
+        run("--load", base, "--finetune", "--prompt-tune", "--prompt-load", prompt,
+            "--prompt-train-model", "--save", stage2),
+    ], timeout=600)[0]
+    assert "error" not in results[2] and sorted(results[2]["losses"]) == [1], results[2]
+    saved = read_meta(find_iteration(stage2))["model"]["prompt_layout"]
+    assert (saved["length"], saved["ratios"]) == (4, [0.5, 0.5])
+    for flags, message in [
+            (["--prompt-length", "8"], f"--prompt-length 8: --prompt-load {prompt} holds a "
+                                       f"prompt tuned with --prompt-length 4"),
+            (["--prompt-load", base], f"--prompt-load {base} holds no prompt-tuning")]:
+        with pytest.raises(ArgumentsError, match=message):
+            parse_args(run("--load", base, "--finetune", "--prompt-tune", "--prompt-load",
+                           prompt, "--prompt-train-model", *flags), env={})
+    resumed = f"the checkpoint this run resumes \\(--save {prompt}, requeued\\) was tuned with"
+    for flags, message in [(["--prompt-length", "6"], "--prompt-length 6: " + resumed
+                             + " --prompt-length 4"),
+                           (["--prompt-positions", "1"], "--prompt-positions 1: " + resumed
+                            + " --prompt-positions 0.5,0.5")]:
+        with pytest.raises(ArgumentsError, match=message):
+            parse_args(run("--load", base, "--finetune", "--save", prompt, *PROMPT, *flags),
+                       env={})
+    with pytest.raises(ArgumentsError, match=f"--prompt-length 5: the checkpoint this run "
+                                             f"resumes \\(--load {stage2}\\)"):
+        parse_args(run("--load", stage2, "--save", stage2, "--prompt-tune",
+                       "--prompt-train-model", "--prompt-length", "5"), env={})
     with pytest.raises(ArgumentsError, match=f"--save {prompt} holds a checkpoint of a "
                                              f"prompt alone"):
         parse_args(run("--load", base, "--finetune", *PROMPT, "--prompt-load", prompt,

@@ -128,6 +128,8 @@ def test_dry_run_counts_the_prompt_states_only(train_data, capsys):
 
 @pytest.mark.parametrize("extra,message", [
     (["--prompt-length", "4"], "--prompt-length has effect only with --prompt-tune"),
+    # given as its default: still no effect without --prompt-tune (the flag was given)
+    (["--prompt-length", "100"], "--prompt-length has effect only with --prompt-tune"),
     (PROMPT[:1] + ["--prompt-positions", "0.5,0.2"], "add up to 1"),
     (PROMPT[:1] + ["--prompt-positions", "front"], "comma-separated numbers"),
     (PROMPT + ["--zero-stage", "3"], "ZeRO stage 3"),

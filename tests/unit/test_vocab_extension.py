@@ -259,6 +259,21 @@ def test_cpm2_finetunes_bilingual_vocabulary_is_bpe_cn_plus_english():
     assert sum(p.isascii() for p in new) > 0.9 * len(new)
 
 
+def test_extending_to_the_same_vocabulary_is_refused(tmp_path, capsys):
+    """--extend-vocab with the checkpoint's own tokenizer would write an unchanged checkpoint
+    marked as extended: refused (exit 2) before anything is written, naming both files."""
+    fixture = Path(__file__).resolve().parents[1] / "data" / "cpm2_checkpoint"
+    vocab = str(fixture / "vocab.txt")
+    out = tmp_path / "grown"
+    assert convert_checkpoint.main(["--from", "cpm2", str(fixture / "mp1"), "--model-config",
+                                    str(fixture / "config.json"), "--tokenizer-path", vocab,
+                                    "--no-progress", "--to", "megatron", str(out),
+                                    "--extend-vocab", vocab]) == 2
+    err = capsys.readouterr().err
+    assert f"--extend-vocab {vocab} adds no piece to the checkpoint's tokenizer {vocab}" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
 def test_a_cpm2_checkpoint_is_grown_on_import(tmp_path):
     """`--from cpm2 DIR --tokenizer-path vocab.txt --to megatron OUT --extend-vocab NEW.txt`: the
     rows of the CPM-2 checkpoint (written by CPM-2's code) under our names, old tokens' rows

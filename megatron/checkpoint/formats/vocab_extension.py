@@ -19,7 +19,7 @@ second moment builds up.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, Iterator, Tuple
+from typing import Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 
@@ -84,6 +84,21 @@ def extended_config(config: Dict, plan: RowPlan) -> Dict:
         elif value in moved:
             out[field] = moved[value]
     return out
+
+
+def adds_nothing(plan: RowPlan, new_name: str = "", old_name: str = "") -> Optional[str]:
+    """Why extending with `plan` is refused: the new vocabulary adds no piece (row_sources has
+    checked that every old piece is in it, so one of the same size is the same set), as a
+    message naming both tokenizers; None when it adds pieces. Refused rather than warned:
+    growing the vocabulary is --extend-vocab's only purpose, so this is the wrong file (most
+    often the old tokenizer itself), and a checkpoint marked as extended that adds nothing
+    would hide that until the next stage's loss."""
+    if plan.new_size != plan.old_size:
+        return None
+    return (f"--extend-vocab {new_name} adds no piece to the checkpoint's tokenizer {old_name} "
+            f"(both have the same {plan.old_size} pieces): give the extended vocabulary "
+            f"(data_tools/train_tokenizer.py --extend), or leave --extend-vocab out to convert "
+            f"the checkpoint as it is")
 
 
 def summary(plan: RowPlan) -> Dict[str, int]:

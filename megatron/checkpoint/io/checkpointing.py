@@ -152,9 +152,30 @@ def checkpoint_flag_problems(values: Dict[str, Any]) -> List[str]:
     load, save = values["load"], values["save"]
     if load is not None and Path(load).exists() and not Path(load).is_dir():
         problems.append(f"--load {load} is a file; give the checkpoint folder")
+    elif load is not None and (values["finetune"] or values.get("prompt_tune")) \
+            and "://" not in load:  # (a URL is refused, by its scheme, with the path flags)
+        problems += _start_problems(load, values["finetune"])
     if save is not None and Path(save).exists() and not Path(save).is_dir():
         problems.append(f"--save {save} is a file; give a folder")
     return problems
+
+
+def _start_problems(load: str, finetune: bool) -> List[str]:
+    """--finetune (or --prompt-tune) starts from --load's weights: a folder that is missing or
+    holds no checkpoint would train from scratch (and tune a prompt on a random model)."""
+    why = "--finetune starts from its weights" if finetune else \
+        "--prompt-tune tunes a prompt for the model it holds"
+    root = Path(load)
+    if not root.exists():
+        return [f"--load {load}: no such folder; {why}: give the folder of the checkpoint to "
+                f"start from"]
+    try:
+        if read_tracker(root) is not None:
+            return []
+    except CheckpointError:
+        return []  # a damaged tracker: reported by the checks at --load
+    return [f"--load {load} holds no checkpoint ({folder_layout.TRACKER} is missing); "
+            f"{why}: give the folder of the checkpoint to start from"]
 
 
 def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool,

@@ -21,7 +21,8 @@ from megatron.data import _helpers
 from megatron.data.storage.index_cache import cached_arrays
 from megatron.data.datasets.cpm2_dataset import CPM2Dataset, cpm2_prefixes, is_cpm2_prefix
 from megatron.data.storage import object_storage
-from megatron.data.storage.data_meta import decide_eod
+from megatron.data.storage.data_meta import decide_eod, meta_file_path, read_meta, \
+    tokenizer_mismatch
 from megatron.data.storage.indexed_dataset import IndexedDataset, Read, dataset_exists
 from megatron.data.storage.object_storage import ObjectStorage
 from megatron.data.datasets.megatron_t5_dataset import MegatronT5Dataset, MegatronUL2Dataset
@@ -152,6 +153,44 @@ def eod_problems(data_path: Sequence[str], eos_id: int, append_eod: str = "auto"
             decide_eod(IndexedDataset(prefix, impl, storage=storage), eos_id, append_eod)
         except (OSError, ValueError) as e:
             problems.append(f"--data-path {prefix}: {e}")
+    return problems
+
+
+def data_kind_problems(data_path: Sequence[str], tokenizer: Optional[tuple],
+                       needs_sentences: bool, impl: str = "infer",
+                       storage: Optional[ObjectStorage] = None) -> List[str]:
+    """For every token dataset of `--data-path` (CPM-2 three-file data left out): a sidecar
+    that names another tokenizer than the run's (`tokenizer`: (the tokenizer, its type, its
+    flag and path), data_meta.tokenizer_mismatch's arguments; None: not checked), and, when the
+    objective reads sentences (`needs_sentences`: Megatron's rows), data with one sequence per
+    document. Reads each index and sidecar."""
+    storage = storage if storage is not None else ObjectStorage()
+    try:
+        prefixes, _ = parse_data_path(data_path, storage)
+    except (OSError, ValueError):
+        return []  # reported by data_file_problems
+    problems = []
+    for prefix in prefixes:
+        try:
+            if is_cpm2_prefix(prefix, storage) and not dataset_exists(prefix, storage):
+                continue
+            meta = read_meta(prefix, storage) if tokenizer is not None else None
+            wrong = tokenizer_mismatch(meta, meta_file_path(prefix), *tokenizer) \
+                if meta is not None else None
+            if wrong is not None:
+                problems.append(f"--data-path {prefix}: {wrong}")
+            if needs_sentences:
+                ds = IndexedDataset(prefix, impl, storage=storage)
+                if ds.num_documents and ds.num_documents == len(ds):
+                    problems.append(
+                        f"--data-path {prefix}: Megatron's T5 rows (--t5-objective megatron, "
+                        f"or ul2 with --ul2-sample-layout megatron) are made of sentences, "
+                        f"but this data has one sequence per document ({ds.num_documents}: "
+                        f"a _text_document dataset), so every row would be one document cut "
+                        f"to --encoder-seq-length; preprocess with --split-sentences (a "
+                        f"_text_sentence dataset), or use --t5-objective span-corruption")
+        except (OSError, ValueError):
+            continue  # reported by data_file_problems
     return problems
 
 

@@ -5,7 +5,8 @@ sidecar `PREFIX.meta.json` (moved into place after the `.bin` and before the `.i
 in that order to s3://):
 
     {"format": "t5-pretrain-dataset-meta", "version": 1,
-     "tokenizer": {"type": "SentencePieceTokenizer", "model": "t5.model", "vocab_size": 32100},
+     "tokenizer": {"type": "SentencePieceTokenizer", "model": "t5.model", "vocab_size": 32100,
+                   "pieces": 32000, "pieces_sha256": "..."},
      "eod_id": 1, "eod_appended": true, "dtype": "uint16",
      "documents": 1000, "sequences": 1000, "tokens": 250000}
 
@@ -21,6 +22,11 @@ the data (`decide_eod`):
 - `auto` without a sidecar (Megatron-LM's preprocess, older outputs): the same sample decides;
   one whose documents both do and do not end with EOD is refused, naming the flag.
 
+Training refuses data whose sidecar names another tokenizer than the run's
+(`tokenizer_mismatch`: the run's first pieces must be the data's, as the SHA-256 of their text
+says, so an extension of the data's tokenizer reads it; sidecars written before that was
+recorded are held to their tokenizer type only).
+
 So opening a prefix reads its `.idx`, its sidecar and at most SAMPLE_DOCUMENTS tokens of its
 `.bin` (one ranged read each on object storage, one `pread` each on a file system), however
 large the corpus. This module does not import torch.
@@ -28,6 +34,7 @@ large the corpus. This module does not import torch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -117,6 +124,47 @@ def read_meta(path_prefix: str,
         except FileNotFoundError:
             return None
     return DatasetMeta.from_json(text, path)
+
+
+def tokenizer_identity(tokenizer) -> dict:
+    """What the sidecar records of the tokenizer besides its type, file name and size: its
+    ordinary pieces (every id below the first sentinel: T5's sentinels follow the SentencePiece
+    pieces, CPM-2's `<s_N>` close its vocabulary), their count and the SHA-256 of their text in
+    id order. Data made with it reads the same under any tokenizer whose first `pieces` ids
+    are the same pieces: itself with another --vocab-extra-ids, or an extension of it
+    (data_tools/train_tokenizer.py --extend), and no other."""
+    count = min(tokenizer.sentinel_ids, default=tokenizer.vocab_size)
+    return {"pieces": int(count), "pieces_sha256": _pieces_digest(tokenizer, count)}
+
+
+def _pieces_digest(tokenizer, count: int) -> str:
+    digest = hashlib.sha256()
+    for i in range(count):
+        digest.update(tokenizer.id_to_piece(i).encode("utf-8") + b"\n")
+    return digest.hexdigest()
+
+
+def tokenizer_mismatch(meta: DatasetMeta, where: str, tokenizer, tokenizer_type: str,
+                       named: str) -> Optional[str]:
+    """Why data whose sidecar (at `where`) is `meta` cannot be read with `tokenizer` (the run's,
+    of `tokenizer_type`, `named` as its flag and path), or None. Where the sidecar records the
+    pieces (tokenizer_identity), the run's first pieces must be those; an older sidecar is only
+    held to its tokenizer type (its size alone cannot tell an extension from another one)."""
+    said = meta.tokenizer
+    count = said.get("pieces")
+    if said.get("pieces_sha256") is None or not isinstance(count, int):
+        if said.get("type") in (None, tokenizer_type):
+            return None
+    elif min(tokenizer.sentinel_ids, default=tokenizer.vocab_size) >= count and \
+            _pieces_digest(tokenizer, count) == said["pieces_sha256"]:
+        return None
+    what = f"its first {count} pieces" if isinstance(count, int) else "its pieces"
+    return (f"{where} says the data was tokenized with {said.get('model')} "
+            f"({said.get('type')}, {said.get('vocab_size')} ids) but {named} "
+            f"({tokenizer_type}, {tokenizer.vocab_size} ids) is another tokenizer: {what} do "
+            f"not have the same ids there, so the data's ids would mean other pieces. Give the "
+            f"tokenizer the data was made with (or an extension of it: train_tokenizer.py "
+            f"--extend), or preprocess the data again with this one")
 
 
 @dataclass(frozen=True)
