@@ -45,7 +45,6 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import numpy as np
 
 from megatron.cli import CommandLineParser
-from megatron.data.storage.data_meta import DatasetMeta, meta_file_path
 from megatron.data.storage.paths import path_flag_problems
 from megatron.data.storage.data_meta import DatasetMeta, meta_file_path, tokenizer_identity
 from megatron.data.storage.indexed_dataset import (

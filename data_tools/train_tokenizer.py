@@ -46,8 +46,6 @@ from data_tools.extend_tokenizer import extend
 from data_tools.tokenizer_corpus import Corpus, InputError, check_readable, remove
 from megatron.cli import CommandLineParser
 from megatron.data.storage.paths import path_flag_problems
-from megatron.data.preprocess.jsonl import JSONL_SUFFIXES, BadLine, expand_inputs, parse_line, read_chunks
-from megatron.data.tokenizers.tokenizer import T5Tokenizer, available_cpus
 from megatron.data.datasets.ul2 import DEFAULT_MODE_TOKENS
 from megatron.data.preprocess.jsonl import expand_inputs
 from megatron.data.tokenizers.tokenizer import T5Tokenizer, available_cpus
