@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 from megatron.checkpoint.formats.deepspeed_experts import describe_experts, expert_size
 from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError, Files, model_file
