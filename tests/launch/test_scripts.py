@@ -103,14 +103,19 @@ def stage_env(tiny_data, tmp_path, **extra) -> dict:
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "launch/examples").glob("*.sh")
                                          if p.name != "common.sh"))
 def test_examples_create_nothing_before_the_launcher(name, tiny_data, tmp_path):
-    """A script leaves OUT to the trainer (which makes what it writes): under --dry-run, or a
-    launcher that fails, no empty OUT is left behind."""
+    """Under --dry-run (given to the script or in LAUNCHER) a script makes no OUT: no empty
+    folder is left behind. Otherwise it makes OUT for the launcher (sbatch --output=OUT/...
+    opens its file before the trainer starts: tests/launch/test_slurm.py)."""
     env = {**stage_env(tiny_data, tmp_path), "DATA": tiny_data.prefix,
            "MODEL_CONFIG": tiny_data.config, "LAUNCHER": "echo"}
     proc = bash(REPO / "launch/examples" / name, "--dry-run", env=env)
     assert proc.returncode == 0, proc.stderr
     assert "--dry-run" in proc.stdout
     assert not (tmp_path / "out").exists()
+    proc = bash(REPO / "launch/examples" / name, env={**env, "LAUNCHER": "echo --dry-run"})
+    assert proc.returncode == 0 and not (tmp_path / "out").exists(), proc.stderr
+    proc = bash(REPO / "launch/examples" / name, env=env)
+    assert proc.returncode == 0 and (tmp_path / "out").is_dir(), proc.stderr
 
 
 @pytest.mark.parametrize("name", CPM2_LATER_STAGES)
