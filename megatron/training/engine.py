@@ -15,12 +15,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron import parallel_state
+from megatron import deepspeed_internals, parallel_state
 from megatron.config.prompt_args import PromptSettings
 from megatron.config.training import OptimizerConfig, ZeroConfig
 from megatron.model.settings import ModelConfig
 from megatron.model.t5 import T5Model, compile_blocks
-from megatron.training import deepspeed_internals, experts
+from megatron.training import experts
 from megatron.training.prompt_tuning import prepare_model
 
 NO_DECAY_MARKERS = ("layer_norm", "bias", "relative_attention_bias")

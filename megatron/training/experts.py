@@ -1,5 +1,5 @@
 """Expert parallelism on DeepSpeed's conventions (DeepSpeed 0.19.8, read in its code; what
-we touch of its internals is in megatron/training/deepspeed_internals.py).
+we touch of its internals is in megatron/deepspeed_internals.py).
 
 DeepSpeed's engine treats a parameter as an expert's when `param.allreduce is False`, reduces its
 gradient over the expert-data-parallel group named by `param.group_name` (`ep_size_<EP>`; the
@@ -45,10 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import parallel_state
+from megatron import deepspeed_internals, parallel_state
 from megatron.checkpoint.formats.deepspeed_experts import EXPERT_FILE
 from megatron.tensor_parallel.layers import counts_in_norm
-from megatron.training import deepspeed_internals
 
 
 def group_name(expert_parallel_size: int) -> str:

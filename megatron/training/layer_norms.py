@@ -33,9 +33,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state
+from megatron import deepspeed_internals, parallel_state
 from megatron.tensor_parallel.layers import counts_in_norm
-from megatron.training import deepspeed_internals
 
 _BLOCK = re.compile(r"^(encoder|decoder)\.block\.(\d+)\.")
 TAG_PREFIX = "grad-norm-per-layer"

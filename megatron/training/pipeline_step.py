@@ -27,7 +27,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state
+from megatron import deepspeed_internals, parallel_state
 from megatron.model.t5 import compile_blocks
 from megatron.pipeline.module import (
     build_pipeline_module,
@@ -39,7 +39,7 @@ from megatron.tensor_parallel.group import TensorParallel
 from megatron.training import experts
 from megatron.training.engine import build_optimizer
 from megatron.training.profiling import PIPELINE_BATCH, PIPELINE_SUMS
-from megatron.training import deepspeed_internals, denoiser_metrics, step_metrics
+from megatron.training import denoiser_metrics, step_metrics
 from megatron.training.denoiser_metrics import KIND_KEY
 from megatron.training.step import (LOSS, Batch, EngineStep, EvalResult, StepResult, core_metrics,
                                     span_accuracy_counts, span_accuracy_metrics)

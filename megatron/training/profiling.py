@@ -52,8 +52,9 @@ import time
 from pathlib import Path
 from typing import Callable, ContextManager, List, Mapping, Optional, Sequence
 
+from megatron import deepspeed_internals
 from megatron.config.training import ProfileConfig
-from megatron.training import deepspeed_internals, timing
+from megatron.training import timing
 
 DATA_WAIT = "data-wait"
 FORWARD = "forward"

@@ -13,12 +13,12 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from megatron import deepspeed_internals
 from megatron.checkpoint.io.checkpointing import CheckpointError
 from megatron.config.prompt_args import DEFAULT_TOKENS, RANDOM, PromptSettings
 from megatron.model.prompt import (PROMPT_PARAMETER, attach_prompt, base_identity,
                                    base_mismatch, freeze_all_but_prompt)
 from megatron.tensor_parallel.random import init_rng
-from megatron.training import deepspeed_internals
 
 META_KEY = "prompt_base"
 """meta.json's record of the base model a saved prompt was trained on."""

@@ -23,7 +23,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from megatron import parallel_state
+from megatron import deepspeed_internals, parallel_state
 from megatron.checkpoint.formats.deepspeed_files import OPTIMIZER_PARAMETERS
 from megatron.checkpoint.formats.weights import WeightsError, WeightsReader, load_into
 from megatron.checkpoint.io.async_save import Capture
@@ -36,7 +36,7 @@ from megatron.tensor_parallel.group import TensorParallel
 from megatron.training import experts
 from megatron.training.layer_norms import LayerGradNorms
 from megatron.training.nan_locator import GradientCheck, NonFiniteWatch
-from megatron.training import denoiser_metrics, deepspeed_internals
+from megatron.training import denoiser_metrics
 from megatron.training.denoiser_metrics import KIND_KEY
 from megatron.training.profiling import BACKWARD, FORWARD, NO_RANGE, OPTIMIZER_STEP, no_range
 from megatron.training.step_metrics import SUM, Metrics, merge, metric

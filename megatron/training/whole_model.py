@@ -26,9 +26,9 @@ from typing import Dict, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.deepspeed_internals import is_zero3_parameter
 from megatron.model.t5 import T5Model
 from megatron.tensor_parallel.group import ExpertParallel, TensorParallel
-from megatron.training.deepspeed_internals import is_zero3_parameter
 
 
 def _empty_copy(config, make_vocab_size_divisible_by: int, attention_backend: str, device,

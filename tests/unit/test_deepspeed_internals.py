@@ -1,4 +1,4 @@
-"""What megatron/training/deepspeed_internals.py relies on, pinned against the installed
+"""What megatron/deepspeed_internals.py relies on, pinned against the installed
 DeepSpeed: an upgrade that changes one of these behaviours fails here, in the test named after
 it. Two real ranks (gloo, data-parallel size 2) build small DeepSpeed engines once (ZeRO-0,
 ZeRO-1, ZeRO-3) and record what each adapter function sees; the tests compare it with what the
@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))  # the harness
 
-from megatron.training import deepspeed_internals as ds  # noqa: E402
+from megatron import deepspeed_internals as ds  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

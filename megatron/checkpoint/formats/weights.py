@@ -38,7 +38,7 @@ from safetensors import safe_open
 
 from megatron.checkpoint.formats.hf import ShardWriter, parse_size, staged_folder
 from megatron.checkpoint.layout import iteration_folder_name, write_tracker
-from megatron.training.deepspeed_internals import full_shape, gathered_for_write
+from megatron.deepspeed_internals import full_shape, gathered_for_write
 
 FORMAT = "weights"
 MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -17,7 +17,7 @@ the weights), and the optimizer takes the elements it owns:
   `set_full_hp_param`; not with optimizer states swapped to NVMe (refused with a message).
 
 What is read of DeepSpeed's optimizers beyond their public methods goes through
-megatron/training/deepspeed_internals.py. Adam's step is set as each optimizer keeps it: a
+megatron/deepspeed_internals.py. Adam's step is set as each optimizer keeps it: a
 tensor for torch's AdamW (on the parameter's device when fused or capturable), an int for
 DeepSpeedCPUAdam.
 """
@@ -29,8 +29,8 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
+from megatron import deepspeed_internals as ds
 from megatron.checkpoint.formats.weights import MOMENTS, WeightsError, WeightsReader, local_tensor
-from megatron.training import deepspeed_internals as ds
 
 Values = Callable[..., Dict[str, torch.Tensor]]
 """values(param, keys): a parameter's local values, by key ('fp32', the master, and each of
