@@ -29,6 +29,8 @@ from megatron.checkpoint.io.checkpointing import (
     layout,
 )
 from megatron.checkpoint.io.ownership import lock_problems
+from megatron.checkpoint.io.prompt import prompt_checkpoint_problems, \
+    prompt_layout_from_checkpoints, resumes_prompt_run
 from megatron.cli import RENAMED_FLAGS, CommandLineParser
 from megatron.config import Layout, ParallelConfig, RunConfig, RuntimeConfig
 from megatron.config.lr_schedule import DECAY_STYLES
@@ -46,8 +48,7 @@ from megatron.config.divergence_args import (add_divergence_args, divergence_con
                                              divergence_problems)
 from megatron.config.flag_checks import command_line_problems, defaults_of
 from megatron.config.given_flags import GIVEN, given_dests, record_given
-from megatron.config.prompt_args import add_prompt_args, prompt_layout_from_checkpoints, \
-    prompt_problems, resumes_prompt_run
+from megatron.config.prompt_args import add_prompt_args, prompt_problems
 from megatron.training.ds_config import OPTIMIZER_DEFAULTS
 from megatron.training.profiling import add_profile_args, profile_config, profile_problems
 
@@ -394,7 +395,9 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     problems += checkpoint_flag_problems(values)
     problems += divergence_problems(values)
     prompt_taken, more = prompt_layout_from_checkpoints(values, given)
-    problems += prompt_problems({**values, **prompt_taken}, given) + more
+    prompt_values = {**values, **prompt_taken}
+    problems += (prompt_checkpoint_problems(prompt_values)
+                 or prompt_problems(prompt_values, given)) + more
     values.update(prompt_taken)
     problems += profile_problems(values, parallel.world_size)
     if values["save"] is not None and not values["dry_run"]:

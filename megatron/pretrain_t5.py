@@ -31,10 +31,11 @@ from megatron.checkpoint.io.checkpointing import CheckpointError, layout, load_c
     load_iteration, read_meta, resumes_schedule
 from megatron.checkpoint.io.completeness import MANIFEST
 from megatron.checkpoint.io.ownership import SaveLock, SaveLockError, describe, watch_launcher
+from megatron.checkpoint.io.prompt import resumes_prompt_run
 from megatron.checkpoint.io.saver import Saver
 from megatron.cli import announce_refusal, await_refusal, startup_voice
 from megatron.config import RunConfig
-from megatron.config.prompt_args import prompt_settings, resumes_prompt_run
+from megatron.config.prompt_args import prompt_settings
 from megatron.config.lr_schedule import resolve_with_checkpoint
 from megatron.cost.report import print_dry_run
 from megatron.failures import DataError, RunFailure, append_to_log, report_failure

@@ -2,7 +2,8 @@
 --save on its base model (`--load BASE --prompt-load P`, refused on another base), or the
 prompt a second stage (--prompt-train-model) saved with its model (`--load M`). Its layout
 (length, slots) comes from the checkpoint that holds it (megatron/config/prompt_args.py's
-`saved_prompt_layout`)."""
+`saved_prompt_layout`); the prompt and its base's digest are read by
+megatron/checkpoint/io/prompt.py."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ def generation_prompt(load: str, folder: Path, meta: Dict,
     from megatron.checkpoint.formats.deepspeed import CheckpointReadError, find_iteration, \
         read_meta
     from megatron.checkpoint.io.checkpointing import CheckpointError
-    from megatron.training.prompt_tuning import (DIGEST_OF, META_KEY, checkpoint_digest,
-                                                 read_prompt)
+    from megatron.checkpoint.io.prompt import DIGEST_OF, META_KEY, checkpoint_digest, \
+        read_prompt
 
     if prompt_alone(meta):
         base = meta["model"][META_KEY]

@@ -2,11 +2,11 @@
 sees them (so the optimizer, its states and ZeRO's partitions hold the prompt alone), the
 prompt started from a token's embedding once the base model is loaded, a saved prompt read back
 onto the base it was trained on and no other (the base known by the digest of its checkpoint's
-full tensors, whatever the layout), a requeued run's prompt left to the resume from --save."""
+full tensors, whatever the layout: megatron/checkpoint/io/prompt.py reads the prompt and the
+digest), a requeued run's prompt left to the resume from --save."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -15,16 +15,11 @@ import torch.distributed as dist
 
 from megatron import deepspeed_internals
 from megatron.checkpoint.io.checkpointing import CheckpointError
+from megatron.checkpoint.io.prompt import DIGEST_OF, checkpoint_digest, read_prompt
 from megatron.config.prompt_args import DEFAULT_TOKENS, RANDOM, PromptSettings
-from megatron.model.prompt import (PROMPT_PARAMETER, attach_prompt, base_identity,
-                                   base_mismatch, freeze_all_but_prompt)
+from megatron.model.prompt import (attach_prompt, base_identity, base_mismatch,
+                                   freeze_all_but_prompt)
 from megatron.tensor_parallel.random import init_rng
-
-META_KEY = "prompt_base"
-"""meta.json's record of the base model a saved prompt was trained on."""
-DIGEST_OF = "checkpoint full tensors"
-"""The `of` of a base identity whose digest is `checkpoint_digest`'s (without it: the digest of
-rank 0's shard in memory, as saved before; such a prompt is refused on its base)."""
 
 
 def prepare_model(model: torch.nn.Module, settings: PromptSettings) -> None:
@@ -91,30 +86,6 @@ def _refuse_unless_same_base(saved: Dict, identity: Dict, prompt_path: str) -> N
         raise CheckpointError(problem[0])
 
 
-def checkpoint_digest(folder: Path) -> str:
-    """SHA-256 of the model in a checkpoint's iteration folder, as full tensors (names, shapes,
-    dtypes, values; a prompt saved with the model left out) read from its files, one at a time
-    (megatron/checkpoint/formats): the same at whatever tensor-parallel size or ZeRO stage the
-    checkpoint was saved, or the model is loaded. The fp32 masters where the checkpoint has
-    named ones, as generation loads them.
-
-    Raises:
-        CheckpointReadError: the files cannot be read."""
-    from megatron.checkpoint.formats.deepspeed import iter_full_tensors, model_source, read_meta
-
-    each = {}
-    for name, tensor in iter_full_tensors(folder, model_source(read_meta(folder))):
-        if name == PROMPT_PARAMETER:
-            continue
-        one = hashlib.sha256(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-        one.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        each[name] = one.hexdigest()
-    whole = hashlib.sha256()
-    for name in sorted(each):
-        whole.update(f"{name}={each[name]};".encode())
-    return whole.hexdigest()
-
-
 def loaded_base_identity(module: torch.nn.Module, load: Optional[str],
                          iteration: Optional[int]) -> Dict:
     """The identity of the base model just loaded from --load (base_identity's keys): the digest
@@ -138,26 +109,3 @@ def loaded_base_identity(module: torch.nn.Module, load: Optional[str],
     if problem is not None:
         raise CheckpointError(problem)
     return {"load": load, "iteration": iteration, "digest": digest, "of": DIGEST_OF}
-
-
-def read_prompt(root: Path):
-    """(the prompt [length, d_model], the identity of its base) of a prompt-tuning checkpoint,
-    read as every checkpoint of ours is (megatron/checkpoint/formats: the tracker's iteration,
-    meta.json, the model file with its allowed globals only).
-
-    Raises:
-        CheckpointError: no checkpoint, or one without a prompt."""
-    from megatron.checkpoint.formats.deepspeed import (CheckpointReadError, find_iteration,
-                                                       read_meta)
-    from megatron.checkpoint.formats.deepspeed_files import load_file
-
-    try:
-        folder = find_iteration(root)
-        saved = read_meta(folder).get("model", {}).get(META_KEY)
-        if saved is None:
-            raise CheckpointError(f"--prompt-load {folder}: not a prompt-tuning checkpoint (no "
-                                  f"model.{META_KEY} in meta.json)")
-        module = load_file(folder / "mp_rank_00_model_states.pt")["module"]
-    except CheckpointReadError as e:
-        raise CheckpointError(f"--prompt-load {root}: {e}") from None
-    return module[PROMPT_PARAMETER], saved

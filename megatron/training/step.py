@@ -29,7 +29,7 @@ from megatron.checkpoint.formats.weights import WeightsError, WeightsReader, loa
 from megatron.checkpoint.io.async_save import Capture
 from megatron.checkpoint.io.checkpointing import rng_state, set_rng_state
 from megatron.checkpoint.io.optimizer_state import load_optimizer_state
-from megatron.config.prompt_args import holds_prompt_alone
+from megatron.checkpoint.io.prompt import holds_prompt_alone
 from megatron.model.moe import expert_bias_layers, update_expert_bias
 from megatron.model.state_dict import persistent_buffers
 from megatron.tensor_parallel.group import TensorParallel
