@@ -1,6 +1,6 @@
 """The run configuration is typed and frozen, validation never writes onto the parsed flags, and
-the package's import structure keeps its floors: no cycles, nothing below training/ reaches up,
-and the training loop loads no DeepSpeed."""
+the package's import structure keeps its floors: no cycles, every import runs down the layers
+(LAYERS), and the training loop loads no DeepSpeed."""
 
 import ast
 import copy
@@ -72,7 +72,7 @@ def _graph():
     return graph
 
 
-def test_no_import_cycles_and_no_reaching_up():
+def test_no_module_cycles_and_two_readers_of_the_command_line():
     graph = _graph()
 
     def reaches(start, target, seen):
@@ -84,14 +84,6 @@ def test_no_import_cycles_and_no_reaching_up():
 
     cycles = [m for m in graph if reaches(m, m, set())]
     assert cycles == []
-    higher = ("megatron.training", "megatron.config", "megatron.arguments",
-              "megatron.initialize", "megatron.pretrain")
-    for module, deps in graph.items():
-        if module.startswith(("megatron.data", "megatron.model", "megatron.tensor_parallel",
-                              "megatron.parallel_state")):
-            assert not [d for d in deps if d.startswith(higher)], module
-        if module.startswith("megatron.data"):
-            assert not [d for d in deps if d.startswith("megatron.model")], module
     # the command line is read by the trainer, and by the planner, which resolves each
     # candidate layout's flags through the trainer's own checks
     users = sorted(m for m, deps in graph.items() if "megatron.arguments" in deps)
@@ -162,15 +154,17 @@ def _circles(graph):
     return circles
 
 
+def _file_graph():
+    """Each file of megatron/, data_tools/ and bench/ (a repository path) with the repository
+    files it imports."""
+    return {str(path.relative_to(REPO)): {str(f.relative_to(REPO)) for f in _imported_files(path)}
+            for folder in SCANNED for path in sorted((REPO / folder).rglob("*.py"))}
+
+
 def test_no_import_circle_between_files():
     """No two files of megatron/, data_tools/ or bench/ import each other, directly or through
     others (an import inside a function counts: it runs too)."""
-    graph = {}
-    for folder in SCANNED:
-        for path in sorted((REPO / folder).rglob("*.py")):
-            graph[str(path.relative_to(REPO))] = {
-                str(f.relative_to(REPO)) for f in _imported_files(path)}
-    circles = _circles(graph)
+    circles = _circles(_file_graph())
     assert not circles, "import circles between files:\n" + "\n".join(
         " <-> ".join(c) for c in circles)
 
@@ -179,6 +173,65 @@ def test_a_circle_is_found_and_named():
     graph = {"a.py": {"b.py"}, "b.py": {"c.py"}, "c.py": {"a.py"}, "d.py": {"a.py"},
              "e.py": set()}
     assert _circles(graph) == [["a.py", "b.py", "c.py"]]
+
+
+LAYERS = (
+    ("megatron/data/",),  # knows no model and no torch.distributed
+    ("megatron/cli.py", "megatron/stdout.py", "megatron/failures.py", "megatron/parallel_state.py"),
+    ("megatron/tensor_parallel/",),
+    ("megatron/model/",),  # knows no DeepSpeed
+    ("megatron/pipeline/",),
+    ("megatron/config/",),  # reads no file
+    ("megatron/deepspeed_internals.py",),  # used by checkpoint/ (ZeRO-3 gathers) and training/
+    ("megatron/checkpoint/",),
+    ("megatron/cost/", "megatron/plot/"),
+    ("megatron/generation/",),
+    ("megatron/training/",),
+    # validation: arguments.py reads config/ and the checkpoints a run loads (checkpoint/), and
+    # builds the DeepSpeed config (training/ds_config.py)
+    ("megatron/initialize.py", "megatron/arguments.py"),
+    ("megatron/pretrain_t5.py", "megatron/pretrain_enc_dec.py", "megatron/generate.py",
+     "megatron/torchrun.py", "megatron/plan/"),  # the entry points
+    ("data_tools/",),
+    ("bench/",),
+)
+"""The layers of megatron/, data_tools/ and bench/, from the ground up: a file imports files of
+its own layer or of those below it, never of one above."""
+
+
+def _layer(path: str):
+    """The index in LAYERS of a file's layer (None: in none)."""
+    for i, layer in enumerate(LAYERS):
+        if any(path == place or path.startswith(place) for place in layer):
+            return i
+    return None
+
+
+def _upward_imports(graph):
+    """(importer, imported) for each import of a file from a layer above its own."""
+    return sorted((path, dep) for path, deps in graph.items() for dep in deps
+                  if _layer(dep) > _layer(path))
+
+
+def test_every_import_runs_down_the_layers():
+    """No file imports one of a higher layer (an import inside a function counts: it runs too);
+    every file has its place in LAYERS."""
+    graph = _file_graph()
+    unplaced = sorted(path for path in graph if _layer(path) is None)
+    assert not unplaced, "files in no layer (give each its place in LAYERS):\n" + \
+        "\n".join(unplaced)
+    upward = _upward_imports(graph)
+    assert not upward, "imports from a lower layer to a higher one (move what is imported " \
+        "down, or the import up):\n" + "\n".join(f"{a} -> {b}" for a, b in upward)
+
+
+def test_an_upward_import_is_found_and_named():
+    graph = {"megatron/checkpoint/formats/weights.py": {"megatron/training/step.py",
+                                                        "megatron/model/meta.py"},
+             "megatron/training/step.py": {"megatron/checkpoint/formats/weights.py"},
+             "megatron/training/loop.py": {"megatron/training/step.py"}}
+    assert _upward_imports(graph) == [("megatron/checkpoint/formats/weights.py",
+                                       "megatron/training/step.py")]
 
 
 def test_the_loop_loads_no_deepspeed():
