@@ -112,9 +112,9 @@ def test_requeued_prompt_tuning_resumes_exactly_on_two_ranks(train_data, tmp_pat
     ], timeout=600)
     _, whole, first, resumed = ranks[0]
     assert sorted(first["losses"]) == [1, 2] and sorted(resumed["losses"]) == [3, 4]
-    assert losses(first) + losses(resumed) == pytest.approx(losses(whole), rel=1e-6)
+    assert losses(first) + losses(resumed) == losses(whole)  # deterministic CPU fp32: exact
     for rank in ranks:
-        torch.testing.assert_close(rank[3]["prompt"], whole["prompt"], rtol=1e-6, atol=0)
+        assert torch.equal(rank[3]["prompt"], whole["prompt"])
 
 
 def test_a_save_that_cannot_resume_is_refused(train_data, tmp_path):
