@@ -170,16 +170,26 @@ def refuse(problems: Sequence[str], env: Optional[Mapping[str, str]] = None,
     speaking rank prints `error: PROBLEM` for each problem on stderr (a node's first rank
     naming its node), and under a launcher tells its node's silent ranks, which wait for that
     word (`await_refusal`). Not a `job`'s rank: this process speaks, whatever its environment."""
-    env = (os.environ if env is None else env) if job else {}
+    speak_for_the_job(problems, (os.environ if env is None else env) if job else {}, stopped)
+    raise SystemExit(EXIT_USAGE)
+
+
+def speak_for_the_job(problems: Sequence[str], env: Mapping[str, str],
+                      stopped: Optional[Callable[[], bool]] = None) -> Optional[str]:
+    """`refuse`'s words without the exit: on the speaking rank, print `error: PROBLEM` for each
+    problem (a node's first rank naming its node) and tell its node's silent ranks; on a silent
+    rank, wait for that word. The text printed, or None on a silent rank."""
     voice = startup_voice(env)
     several = env.get("WORLD_SIZE", env.get("SLURM_NTASKS", "1")) != "1"
-    if voice is not None:
-        print("\n".join(f"error{voice}: {p}" for p in problems), file=sys.stderr, flush=True)
+    if voice is None:
         if several:
-            announce_refusal(env)
-    elif several:
-        await_refusal(env, stopped)
-    raise SystemExit(EXIT_USAGE)
+            await_refusal(env, stopped)
+        return None
+    text = "\n".join(f"error{voice}: {p}" for p in problems)
+    print(text, file=sys.stderr, flush=True)
+    if several:
+        announce_refusal(env)
+    return text
 
 
 def folder_problems(flag: str, path: str,
@@ -205,7 +215,7 @@ def startup_voice(env: Mapping[str, str]) -> Optional[str]:
     rank = env.get("RANK", env.get("SLURM_PROCID", "0"))
     if rank == "0":
         return ""
-    node = env.get("GROUP_RANK", env.get("SLURM_NODEID", env.get("NODE_RANK", "0")))
+    node = _node(env)
     local = env.get("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
     if node == "0" or local != "0":
         return None
@@ -227,9 +237,13 @@ def _launcher_store(env: Mapping[str, str], timeout_s: float):
         return None
 
 
+def _node(env: Mapping[str, str]) -> str:
+    """This process's node: torchrun's GROUP_RANK, Slurm's SLURM_NODEID, or NODE_RANK."""
+    return env.get("GROUP_RANK", env.get("SLURM_NODEID", env.get("NODE_RANK", "0")))
+
+
 def _refusal_key(env: Mapping[str, str]) -> str:
-    node = env.get("GROUP_RANK", env.get("SLURM_NODEID", env.get("NODE_RANK", "0")))
-    return f"{REFUSAL_KEY}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{node}"
+    return f"{REFUSAL_KEY}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_node(env)}"
 
 
 def announce_refusal(env: Mapping[str, str]) -> None:

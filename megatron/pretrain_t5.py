@@ -33,7 +33,7 @@ from megatron.checkpoint.io.completeness import MANIFEST
 from megatron.checkpoint.io.ownership import SaveLock, SaveLockError, describe, watch_launcher
 from megatron.checkpoint.io.prompt import resumes_prompt_run
 from megatron.checkpoint.io.saver import Saver
-from megatron.cli import announce_refusal, await_refusal, startup_voice
+from megatron.cli import EXIT_USAGE, speak_for_the_job
 from megatron.config import RunConfig
 from megatron.config.prompt_args import prompt_settings
 from megatron.config.lr_schedule import resolve_with_checkpoint
@@ -410,17 +410,11 @@ def main(argv: Optional[Sequence[str]] = None, listeners: Sequence = ()) -> int:
         try:
             config = parse_args(argv)
         except ArgumentsError as e:
-            voice = startup_voice(os.environ)
-            if voice is not None:
-                print(f"error{voice}: the command line cannot run:\n{e}", file=sys.stderr,
-                      flush=True)
-                append_to_log(e.log_file, f"error{voice}: the command line cannot run:\n{e}",
-                              only_if_exists=True)
-                if os.environ.get("WORLD_SIZE", "1") != "1":
-                    announce_refusal(os.environ)
-            elif os.environ.get("WORLD_SIZE", "1") != "1":
-                await_refusal(os.environ, lambda: signals.received is not None)
-            return 2
+            said = speak_for_the_job([f"the command line cannot run:\n{e}"], os.environ,
+                                     lambda: signals.received is not None)
+            if said is not None:  # a requeued run's log says why it stopped
+                append_to_log(e.log_file, said, only_if_exists=True)
+            return EXIT_USAGE
         if config.dry_run:
             return print_dry_run(config)
         return run(config, signals, listeners)
