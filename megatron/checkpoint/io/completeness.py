@@ -17,12 +17,13 @@ or --finetune (but under ZeRO-3, where they hold the weights), the RNG files not
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from megatron.checkpoint.formats.deepspeed_folder import META, expected_files, precision_of
+from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError
+from megatron.checkpoint.formats.deepspeed_folder import (META, expected_files, is_weights_format,
+                                                     precision_of, read_meta)
 from megatron.checkpoint.layout import iteration_folder_name, iteration_folders
 
 MANIFEST = "file_sizes"
@@ -75,10 +76,14 @@ def missing_or_short(folder: Path, meta: Dict, load_optimizer: bool = True,
         if not needed(name, load_optimizer, load_rng):
             continue
         path = folder / name
-        if not path.is_file():
+        try:
+            found = path.stat().st_size if path.is_file() else None
+        except OSError:  # gone meanwhile
+            found = None
+        if found is None:
             what = f"{path} is missing"
-        elif size is not None and path.stat().st_size != size:
-            what = f"{path} has {path.stat().st_size} bytes, the save wrote {size}"
+        elif size is not None and found != size:
+            what = f"{path} has {found} bytes, the save wrote {size}"
         else:
             continue
         return what if sized else (what + " (saved before checkpoints recorded their file "
@@ -86,21 +91,14 @@ def missing_or_short(folder: Path, meta: Dict, load_optimizer: bool = True,
     return None
 
 
-def _meta(folder: Path) -> Optional[Dict]:
-    try:
-        meta = json.loads((folder / META).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
 def folder_problem(folder: Path, load_optimizer: bool = True,
                    load_rng: bool = True) -> Optional[str]:
     """Why the iteration folder cannot be loaded whole (a phrase), or None."""
-    meta = _meta(folder)
-    if meta is None:
-        return f"{folder / META} is missing or unreadable"
-    if meta.get("format") == "weights" or "layout" not in meta:
+    try:
+        meta = read_meta(folder)
+    except CheckpointReadError as e:  # missing, not JSON, or no layout of ours
+        return str(e)
+    if is_weights_format(meta):
         return None  # a weights checkpoint (formats/weights.py) is checked by its reader
     return missing_or_short(folder, meta, load_optimizer, load_rng)
 
