@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from megatron.cli import EXIT_INTERRUPTED, EXIT_USAGE, CommandLineParser, folder_problems, \
-    startup_voice
+    speak_for_the_job, startup_voice
 
 EXIT_FAILURE = 1
 
@@ -534,7 +534,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error{where}: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILURE
     except GenerateError as e:  # found alike by every rank, before any process group
-        _say(f"error: {e}")
+        speak_for_the_job([str(e)], os.environ)  # the others wait until it is said
         return EXIT_USAGE
     except (KeyboardInterrupt, Interrupted):
         _say("interrupted; no output was written")
