@@ -9,8 +9,9 @@ REV's uninterrupted 6-iteration run is the reference. Compared, per layout (DP 2
 MoE with EP 2): the log lines of iterations 4-6 without their timings (loss, grad norm, lr,
 MoE per-layer numbers) and the validation lines. Then REV's and this tree's
 `convert_checkpoint.py` convert the same checkpoints (to hf, fp32, TP 2, PP 1, MoE fp32, EP 1):
-every output file's sha256 (meta.json's `saved_at` left out) and the printed text. Prints one
-line per check; exits 1 if any differs. Needs git, 2 CPU ranks; a few minutes.
+every output file's sha256 (meta.json's `saved_at` left out) and the printed text. Last, the
+text `--dry-run` (3D dense, MoE, ZeRO-3 with offload) and `python -m megatron.plan` print in both
+trees. Prints one line per check; exits 1 if any differs. Needs git, 2 CPU ranks; a few minutes.
 """
 
 from __future__ import annotations
@@ -36,6 +37,25 @@ CONVERSIONS = [("hf", "dp2", ["hf"], True), ("fp32", "z3", ["fp32"], False),
                ("pp1", "pp2", ["megatron", "--target-pipeline-parallel-size", "1"], False),
                ("moe-fp32", "moe", ["fp32"], False),
                ("moe-ep1", "moe", ["megatron", "--target-expert-parallel-size", "1"], False)]
+DRY = ["--encoder-seq-length", "512", "--decoder-seq-length", "114", "--train-iters", "100",
+       "--lr", "1e-4"]
+PRINTED = [  # (name, WORLD_SIZE, argv after `python -m`); the paths come from prepare_data
+    ("dry-run 3d", "64", ["megatron.pretrain_t5", "--dry-run", "--model-config", "t5-11b",
+                          *DRY, "--micro-batch-size", "4", "--global-batch-size", "2048",
+                          "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size",
+                          "4", "--zero-stage", "1", "--bf16", "--dry-run-device", "cuda"]),
+    ("dry-run moe", "16", ["megatron.pretrain_t5", "--dry-run", "--model-config", "TINY",
+                           "--num-experts", "8", "--expert-model-parallel-size", "4", *DRY,
+                           "--micro-batch-size", "4", "--global-batch-size", "64",
+                           "--zero-stage", "2"]),
+    ("dry-run offload", "8", ["megatron.pretrain_t5", "--dry-run", "--model-config", "t5-3b",
+                              *DRY, "--micro-batch-size", "8", "--global-batch-size", "256",
+                              "--zero-stage", "3", "--offload-optimizer", "cpu", "--bf16",
+                              "--dry-run-device", "cuda"]),
+    ("planner", "1", ["megatron.plan", "--model-config", "t5-11b", *DRY[:4],
+                      "--global-batch-size", "2048", "--nodes", "8", "--gpus-per-node", "8",
+                      "--gpu", "H100-80GB", "--top", "3"]),
+]
 COMPARED = re.compile(r"^ (iteration +[456]/|moe per layer at iteration [456]|"
                       r"(validation|test) loss at iteration [456]\b)")
 
@@ -75,6 +95,31 @@ def digests(folder: Path) -> Dict[str, str]:
             data = re.sub(rb'\n *"saved_at": [^\n]*', b"", data)
         out[str(path.relative_to(folder))] = hashlib.sha256(data).hexdigest()
     return out
+
+
+def compare_printed(old: Path, paths: Dict[str, Path], work: Path) -> bool:
+    """--dry-run's and the planner's text, old tree against this one."""
+    same = True
+    for name, world, argv in PRINTED:
+        argv = [str(paths["tiny"]) if a == "TINY" else a for a in argv]
+        if argv[0] == "megatron.pretrain_t5":
+            argv += ["--data-path", str(paths["data"]), "--tokenizer-model",
+                     str(paths["tokenizer"])]
+        texts = []
+        for label, tree in (("old", old), ("new", REPO)):
+            log = work / f"{name.replace(' ', '-')}-{label}.txt"
+            env = dict(os.environ, PYTHONPATH=str(tree), WORLD_SIZE=world)
+            with open(log, "w") as out:
+                proc = subprocess.run([sys.executable, "-m", *argv], cwd=tree, env=env,
+                                      stdout=out, stderr=subprocess.STDOUT)
+            if proc.returncode != 0:
+                sys.exit(f"failed ({proc.returncode}): {' '.join(argv)}; see {log}")
+            texts.append([line for line in log.read_text().splitlines()
+                          if "real_accelerator" not in line])
+        ok = bool(texts[1]) and texts[0] == texts[1]
+        same &= ok
+        print(f"{name}: {len(texts[1])} printed lines {'identical' if ok else 'DIFFER'}")
+    return same
 
 
 def main() -> int:
@@ -122,6 +167,7 @@ def main() -> int:
             same &= ok
             print(f"convert {name}: {len(outputs['new'][0])} files and the printed text "
                   f"{'identical' if ok else 'DIFFER'}")
+        same &= compare_printed(old, paths, work)
         return 0 if same else 1
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=REPO,
