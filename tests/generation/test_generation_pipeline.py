@@ -10,7 +10,8 @@ import torch
 from generation_models import EOS, PAD, our_model, padded_batch, same_outputs
 from harness import run_workers
 
-from megatron.generation import Decoder, beam_search, greedy
+from megatron.generation import (Decoder, DecodingSettings, SpecialTokens, beam_search, greedy,
+                                 sample)
 from megatron.model.state_dict import gather_full_state_dict
 
 BEAMS = dict(num_beams=3, length_penalty=0.8, early_stopping=False, no_repeat_ngram_size=2)
@@ -18,12 +19,14 @@ BEAMS = dict(num_beams=3, length_penalty=0.8, early_stopping=False, no_repeat_ng
 
 def one_process(model, ids, mask):
     """What pipeline_workers.decode_pipeline decodes, by one process with the whole model."""
+    tokens = SpecialTokens(start=PAD, eos=EOS, pad=PAD)
     beams = beam_search(Decoder(model, ids, mask, expand=BEAMS["num_beams"]), ids.shape[0],
-                        eos_id=EOS, pad_id=PAD, start_id=PAD, max_new_tokens=10, **BEAMS)
-    return {"greedy": [h.ids for h in greedy(Decoder(model, ids, mask), ids.shape[0], PAD, EOS,
-                                             PAD, 12)],
-            "sample": [h.ids for h in greedy(Decoder(model, ids, mask), ids.shape[0], PAD, EOS,
-                                             PAD, 8, sample=True, top_k=20, seed=5)],
+                        tokens, DecodingSettings(max_new_tokens=10, **BEAMS))
+    sampling = DecodingSettings(max_new_tokens=8, do_sample=True, top_k=20, seed=5)
+    return {"greedy": [h.ids for h in greedy(Decoder(model, ids, mask), ids.shape[0], tokens,
+                                             DecodingSettings(max_new_tokens=12))],
+            "sample": [h.ids for h in sample(Decoder(model, ids, mask), ids.shape[0], tokens,
+                                             sampling)],
             "beam": [h.ids for h in beams],
             "scores": torch.tensor([h.score for h in beams])}
 
@@ -193,3 +196,4 @@ def test_pipeline_flags_are_checked():
     with pytest.raises(GenerateError, match="the decoder has 1 blocks, too few for 2 stages"):
         pipeline_cut(config, args("--pipeline-model-parallel-size", "3",
                                   "--pipeline-model-parallel-split-rank", "1"))
+
