@@ -197,3 +197,28 @@ def test_pipeline_flags_are_checked():
         pipeline_cut(config, args("--pipeline-model-parallel-size", "3",
                                   "--pipeline-model-parallel-split-rank", "1"))
 
+
+def test_a_stage_starting_mid_encoder_computes_the_stack_bias_itself():
+    """T5Model.encoder_position_bias, as a stage holding encoder block 1 but not block 0 uses it
+    (the relative bias is never sent): the bias block 0 computed for the stack, and block 1 on
+    block 0's output with it gives the encoder output of one process (fp32, a padded batch)."""
+    model = our_model("v1_0", seed=2)
+    ids, mask = padded_batch(seed=2)
+    with torch.no_grad():
+        want, _ = model.encode(ids, mask)
+        carry = model.initial_carry(ids, ids[:, :1], mask)
+        carry = model.run_layers(carry, [model.embed_encoder, model.encoder.block[0]])
+        bias = model.encoder_position_bias(carry.hidden, carry.encoder_mask)
+        assert torch.equal(bias, carry.position_bias)
+        carry = carry._replace(position_bias=bias)
+        carry = model.finish_encoder(model.run_layers(carry, [model.encoder.block[1]]))
+    torch.testing.assert_close(carry.encoder_output, want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_shape_header_holds_at_most_seven_dimensions():
+    """megatron/pipeline/comm.py refuses (before sending anything) what its header cannot
+    say."""
+    from megatron.pipeline.comm import send_tensors
+
+    with pytest.raises(ValueError, match="8-dimensional tensor: at most 7"):
+        send_tensors([torch.zeros([1] * 8)], dst=1)
