@@ -326,9 +326,8 @@ def generate_all(args, model, tokenizer, texts, device, data=(0, 1),
     T5Model, or this rank's PipelineStage (every rank of its pipeline decodes the same inputs)."""
     import torch
 
-    from megatron.generation import SpecialTokens, search
-    from megatron.generation.pipeline import decoder_for
-    from megatron.generation.lockstep import Lockstep, dummy_decoder
+    from megatron.generation import SpecialTokens
+    from megatron.generation.lockstep import Lockstep, decode, dummy_decoder
 
     settings, tokens = decoding_settings(args), SpecialTokens.of(tokenizer)
     pad, eos = tokens.pad, tokens.eos
@@ -349,12 +348,9 @@ def generate_all(args, model, tokenizer, texts, device, data=(0, 1),
             ids[row, :len(e)] = torch.tensor(e)
             mask[row, :len(e)] = 1
         ids, mask = ids.to(device), mask.to(device)
-        decoder = Lockstep(decoder_for(model, ids, mask, expand=settings.num_beams), group,
-                           pad)
         # each micro-batch samples from its own seed: the ids do not depend on the batching of
         # the micro-batches over data-parallel ranks
-        found = search(decoder, len(chunk), tokens, settings.reseeded(first), device=device)
-        decoder.drain()
+        found = decode(model, ids, mask, tokens, settings.reseeded(first), group)
         for index, hypothesis in enumerate(found, start=first):
             # EOS and padding left out of the text; sentinels (<extra_id_N>) kept, as a span
             # corruption target reads

@@ -106,16 +106,13 @@ def greedy_predictions(model, batch, tokenizer, max_new_tokens: int,
     T5Model in evaluation mode (any tensor-parallel size: training/whole_model.py makes one
     of a pipeline stage or ZeRO-3 partitions). `group`: the expert-parallel group the ranks
     decode in lockstep with (their Mixture-of-Experts all-to-alls; None: no other rank)."""
-    from megatron.generation import Decoder, SpecialTokens, search
-    from megatron.generation.lockstep import Lockstep
+    from megatron.generation import SpecialTokens
+    from megatron.generation.lockstep import decode
 
-    ids, mask = batch["encoder_input_ids"], batch["encoder_attention_mask"]
     tokens = SpecialTokens.of(tokenizer)
     eos, pad = tokens.eos, tokens.pad
-    decoder = Lockstep(Decoder(model, ids, mask), group, pad)
-    found = search(decoder, ids.shape[0], tokens, validation_decoding(max_new_tokens),
-                   device=ids.device)
-    decoder.drain()
+    found = decode(model, batch["encoder_input_ids"], batch["encoder_attention_mask"], tokens,
+                   validation_decoding(max_new_tokens), group)
     return [tokenizer.decode([i for i in h.ids if i not in (eos, pad)]) for h in found]
 
 
