@@ -43,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import (MODEL, busy_seconds, machine_line, markdown_table,  # noqa: E402
                           own_seconds, write_section)
-from megatron.generation import Decoder, beam_search, greedy  # noqa: E402
+from megatron.generation import (Decoder, DecodingSettings, SpecialTokens,  # noqa: E402
+                                 beam_search, greedy)
 from megatron.model import T5Config, T5Model  # noqa: E402
 from megatron.model.state_dict import gather_full_state_dict, to_hf_state_dict  # noqa: E402
 
@@ -90,13 +91,13 @@ def build_models():
 def run_ours(model, ids, mask, beams, new_tokens):
     batch = ids.shape[0]
     with torch.no_grad():
+        tokens = SpecialTokens(start=PAD, eos=NO_EOS, pad=PAD)
+        settings = DecodingSettings(max_new_tokens=new_tokens, num_beams=beams,
+                                    length_penalty=1.0, early_stopping=False)
         if beams == 1:
-            out = greedy(Decoder(model, ids, mask), batch, PAD, NO_EOS, PAD, new_tokens)
+            out = greedy(Decoder(model, ids, mask), batch, tokens, settings)
         else:
-            out = beam_search(Decoder(model, ids, mask, expand=beams), batch, beams,
-                              start_id=PAD, eos_id=NO_EOS, pad_id=PAD,
-                              max_new_tokens=new_tokens, length_penalty=1.0,
-                              early_stopping=False)
+            out = beam_search(Decoder(model, ids, mask, expand=beams), batch, tokens, settings)
     return [h.ids for h in out]
 
 

@@ -11,10 +11,11 @@ Each input line is a JSON object; its `--input-key` string is tokenized as the `
 export's tokenizer does (our SentencePiece tokenizer, EOS appended) and batched with padding
 (`--micro-batch-size`). Each output line holds `text` (the decoded output), `ids` (the generated
 ids, up to and including EOS; the text leaves EOS and padding out and keeps sentinels) and,
-with beams, `score`. Decoding: greedy, beam search, or
-sampling (megatron/generation/search.py), up to `--max-new-tokens`. The checkpoint is read as
-full tensors and split for this run's tensor-parallel size, whatever its own (a pipeline
-checkpoint's stages joined). With `--pipeline-model-parallel-size` PP, each stage holds only
+with beams, `score`. Decoding: greedy, beam search, or sampling (megatron/generation/search.py),
+up to `--max-new-tokens`, as one DecodingSettings (megatron/generation/settings.py) built from
+the decoding flags and checked with the others. The checkpoint is read as full tensors and
+split for this run's tensor-parallel size, whatever its own (a pipeline checkpoint's stages
+joined). With `--pipeline-model-parallel-size` PP, each stage holds only
 its part of the model, cut as training cuts it (`--pipeline-model-parallel-split-rank` as in
 training), and reads only its tensors; the stages decode together
 (megatron/generation/pipeline.py), every rank of a pipeline running the same search.
@@ -129,22 +130,9 @@ def flag_problems(args, world_size: int) -> List[str]:
         "load": ("--load", ()), "tokenizer_model": ("--tokenizer-model", ()),
         "input": ("--input", ()), "output": ("--output", ()),
         "prompt_load": ("--prompt-load", ())})
-    positive = ("micro_batch_size", "max_new_tokens", "num_beams")
-    for name in positive:
-        if getattr(args, name) < 1:
-            out.append(f"--{name.replace('_', '-')} must be at least 1, not "
-                       f"{getattr(args, name)}")
-    if args.no_repeat_ngram_size < 0:
-        out.append("--no-repeat-ngram-size must be 0 (off) or more")
-    if args.do_sample and args.num_beams > 1:
-        out.append("--do-sample with --num-beams > 1 (beam sampling) is not supported: "
-                   "choose one")
-    if args.temperature <= 0:
-        out.append(f"--temperature must be positive, not {args.temperature}")
-    if args.top_k < 0:
-        out.append(f"--top-k must be 0 (off) or more, not {args.top_k}")
-    if not 0 < args.top_p <= 1:
-        out.append(f"--top-p must be in (0, 1], not {args.top_p}")
+    if args.micro_batch_size < 1:
+        out.append(f"--micro-batch-size must be at least 1, not {args.micro_batch_size}")
+    out += decoding_settings(args).problems()
     pp, ep = args.pipeline_model_parallel_size, args.expert_model_parallel_size
     if pp < 1:
         out.append(f"--pipeline-model-parallel-size must be at least 1, not {pp}")
@@ -171,6 +159,14 @@ def flag_problems(args, world_size: int) -> List[str]:
     if args.output is not None and not out_dir.is_dir():
         out.append(f"--output {args.output}: its folder {out_dir} does not exist")
     return out
+
+
+def decoding_settings(args):
+    """The decoding settings of the flags (megatron/generation/settings.py), unchecked:
+    `flag_problems` lists their problems with the others'."""
+    from megatron.generation.settings import DecodingSettings
+
+    return DecodingSettings.from_flags(vars(args))
 
 
 def read_inputs(path: str, key: str) -> List[str]:
@@ -330,13 +326,11 @@ def generate_all(args, model, tokenizer, texts, device, data=(0, 1),
     T5Model, or this rank's PipelineStage (every rank of its pipeline decodes the same inputs)."""
     import torch
 
-    from megatron.generation import beam_search, greedy
-    from megatron.generation.pipeline import decoder_for
-    from megatron.generation.lockstep import Lockstep, dummy_decoder
+    from megatron.generation import SpecialTokens
+    from megatron.generation.lockstep import Lockstep, decode, dummy_decoder
 
-    pad = getattr(tokenizer, "pad_id", tokenizer.decoder_start_token_id)
-    start, eos = tokenizer.decoder_start_token_id, tokenizer.eos_id
-    early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
+    settings, tokens = decoding_settings(args), SpecialTokens.of(tokenizer)
+    pad, eos = tokens.pad, tokens.eos
     records = []
     chunks = list(batches(texts, args.micro_batch_size))
     rank, size = data
@@ -354,19 +348,9 @@ def generate_all(args, model, tokenizer, texts, device, data=(0, 1),
             ids[row, :len(e)] = torch.tensor(e)
             mask[row, :len(e)] = 1
         ids, mask = ids.to(device), mask.to(device)
-        if args.num_beams > 1:
-            decoder = Lockstep(decoder_for(model, ids, mask, expand=args.num_beams), group, pad)
-            found = beam_search(decoder, len(chunk), args.num_beams, start, eos, pad,
-                                args.max_new_tokens, args.length_penalty, early,
-                                args.no_repeat_ngram_size, device=device)
-        else:
-            decoder = Lockstep(decoder_for(model, ids, mask), group, pad)
-            found = greedy(decoder, len(chunk), start, eos, pad,
-                           args.max_new_tokens, args.no_repeat_ngram_size,
-                           sample=args.do_sample, temperature=args.temperature,
-                           top_k=args.top_k, top_p=args.top_p, seed=args.seed + first,
-                           device=device)
-        decoder.drain()
+        # each micro-batch samples from its own seed: the ids do not depend on the batching of
+        # the micro-batches over data-parallel ranks
+        found = decode(model, ids, mask, tokens, settings.reseeded(first), group)
         for index, hypothesis in enumerate(found, start=first):
             # EOS and padding left out of the text; sentinels (<extra_id_N>) kept, as a span
             # corruption target reads

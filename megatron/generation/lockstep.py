@@ -8,15 +8,20 @@ all-reduce how many of them still decode; a rank whose search has returned (`dra
 feeding dummy steps (its rows, the pad id; the logits discarded) until none does. A rank with
 no micro-batch left decodes a dummy one (`dummy_decoder`) and drains at once. Each round is one
 all-reduce and then, unless every rank is done, one model step on every rank: the rounds match.
+`decode` is the one call every user of the decoder makes (generate.py, fine-tuning's validation).
 """
 
 from __future__ import annotations
+
+from typing import List
 
 import torch
 import torch.distributed as dist
 
 from megatron.generation.cache import Decoder
 from megatron.generation.pipeline import decoder_for
+from megatron.generation.search import Hypothesis, search
+from megatron.generation.settings import DecodingSettings, SpecialTokens
 
 
 class Lockstep:
@@ -58,3 +63,18 @@ def dummy_decoder(model, token_id: int, device) -> Decoder:
     stage of the pipeline group has none left in the same round)."""
     ids = torch.full((1, 1), token_id, dtype=torch.long, device=device)
     return decoder_for(model, ids, torch.ones_like(ids))
+
+
+def decode(model, encoder_input_ids: torch.Tensor, encoder_attention_mask: torch.Tensor,
+           tokens: SpecialTokens, settings: DecodingSettings, group=None) -> List[Hypothesis]:
+    """One `Hypothesis` per row of the encoder input [batch, enc_len] (on the model's device):
+    the search `settings` asks for on `model` (a T5Model, or this rank's PipelineStage: every
+    rank of its pipeline calls this with the same input), in lockstep over the expert-parallel
+    `group` (None: no other rank)."""
+    expand = settings.num_beams
+    decoder = Lockstep(decoder_for(model, encoder_input_ids, encoder_attention_mask, expand),
+                       group, tokens.pad)
+    found = search(decoder, encoder_input_ids.shape[0], tokens, settings,
+                   device=encoder_input_ids.device)
+    decoder.drain()
+    return found

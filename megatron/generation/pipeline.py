@@ -16,46 +16,19 @@ Each stage holds its part of the model (stage.py). For each micro-batch:
   search's `reorder` is applied by every stage to its own caches.
 
 Every rank of a pipeline group decodes the same micro-batch: the tensor-parallel rank t of one
-stage talks to rank t of the others.
+stage talks to rank t of the others, through megatron/pipeline/comm.py.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megatron.generation.cache import Decoder, LayerCache
 from megatron.generation.stage import PipelineStage
-from megatron.model.transformer import stack_position_bias
+from megatron.pipeline.comm import broadcast, recv, recv_tensors, send, send_tensors
 from megatron.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-
-_HEADER = 8  # int64 entries: the number of dimensions, then the sizes
-
-
-def send_tensors(tensors: Sequence[torch.Tensor], dst: int) -> None:
-    """Send each tensor to global rank `dst`, its shape first (recv_tensors reads them)."""
-    for tensor in tensors:
-        header = torch.zeros(_HEADER, dtype=torch.long, device=tensor.device)
-        header[0] = tensor.dim()
-        header[1:1 + tensor.dim()] = torch.tensor(tensor.shape)
-        dist.send(header, dst)
-        dist.send(tensor.contiguous(), dst)
-
-
-def recv_tensors(dtypes: Sequence[torch.dtype], src: int, device) -> List[torch.Tensor]:
-    """The tensors `send_tensors` sent from global rank `src`, of the dtypes given."""
-    out = []
-    for dtype in dtypes:
-        header = torch.empty(_HEADER, dtype=torch.long, device=device)
-        dist.recv(header, src)
-        shape = header[1:1 + int(header[0])].tolist()
-        tensor = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(tensor, src)
-        out.append(tensor)
-    return out
-
 
 class PipelineDecoder:
     """`step(ids) -> logits` and `reorder(rows)` over a pipeline (module docstring): called on
@@ -96,11 +69,10 @@ class PipelineDecoder:
         if len(enc):
             if enc.start == 0:
                 carry = model.embed_encoder(carry)
-            else:  # mid-stack: the stack's bias from block 0's table, which this stage holds
+            else:  # mid-stack: the stack's bias computed here (the relative bias is not sent)
                 hidden, mask = recv_tensors((self.dtype, torch.float32),
                                             stage.ranks[stage.stage - 1], stage.device)
-                bias = stack_position_bias(model.encoder.block[0].layer[0].SelfAttention
-                                           .compute_bias, mask, hidden)
+                bias = model.encoder_position_bias(hidden, mask)
                 carry = carry._replace(hidden=hidden, encoder_mask=mask, position_bias=bias)
             carry = model.run_layers(carry, [model.encoder.block[i] for i in enc])
             if enc.stop < stage.cut.encoder_layers:
@@ -130,9 +102,8 @@ class PipelineDecoder:
                 if dec.start == 0:
                     hidden = model.embed_step(ids[:, None])
                 else:
-                    hidden = torch.empty(rows, 1, model.config.d_model, dtype=self.dtype,
-                                         device=stage.device)
-                    dist.recv(hidden, stage.ranks[stage.stage - 1])
+                    hidden = recv((rows, 1, model.config.d_model), self.dtype,
+                                  stage.ranks[stage.stage - 1], stage.device)
                 hidden = model.decode_blocks(hidden, self.position, self.encoder_mask,
                                              self.layers, dec, test_time_routing=True)
                 if stage.is_last:
@@ -140,11 +111,11 @@ class PipelineDecoder:
                         model.step_logits(hidden, self.encoder_mask), model.tensor_parallel)
                     logits = logits[:, 0, :self.vocab_size].float().contiguous()
                 else:
-                    dist.send(hidden.contiguous(), stage.ranks[stage.stage + 1])
+                    send(hidden, stage.ranks[stage.stage + 1])
             if logits is None:
                 logits = torch.empty(rows, self.vocab_size, dtype=torch.float32,
                                      device=stage.device)
-            dist.broadcast(logits, stage.ranks[-1], group=stage.group)
+            broadcast(logits, stage.ranks[-1], stage.group)
         self.position += 1
         return logits
 

@@ -23,7 +23,7 @@ from megatron.model.config import ConfigError, T5Config
 from megatron.model.dropout import Dropout
 from megatron.model.prompt import place_prompt
 from megatron.model.transformer import ATTENTION_BACKENDS, Carry, InitMethods, T5Block, \
-    T5LayerNorm, attention_dtype, relative_bias_at
+    T5LayerNorm, attention_dtype, relative_bias_at, stack_position_bias
 from megatron.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.tensor_parallel.group import NO_EXPERT_PARALLEL, ExpertParallel, TensorParallel
 from megatron.tensor_parallel.layers import (
@@ -252,6 +252,15 @@ class T5Model(nn.Module):
                                    encoder_attention_mask, test_time_routing=test_time_routing)
         carry = self.run_layers(carry, self.layers()[:len(self.encoder.block) + 2])
         return carry.encoder_output, carry.encoder_mask
+
+    def encoder_position_bias(self, hidden: torch.Tensor, encoder_mask: torch.Tensor
+                              ) -> torch.Tensor:
+        """The encoder stack's self-attention bias (relative position bias plus the additive
+        mask [batch, 1, 1, enc_len]) for `hidden` [batch, enc_len, d_model], from block 0's
+        table: what a pipeline stage starting mid-stack computes (it holds that table too)
+        instead of receiving it."""
+        compute_bias = self.encoder.block[0].layer[0].SelfAttention.compute_bias
+        return stack_position_bias(compute_bias, encoder_mask, hidden)
 
     def cross_key_values(self, encoder_output: torch.Tensor, blocks: Optional[range] = None):
         """Each decoder block's cross-attention (key, value) of the encoder output (`blocks`:

@@ -91,6 +91,14 @@ def decoded_targets(batch, tokenizer) -> List[str]:
     return out
 
 
+def validation_decoding(max_new_tokens: int):
+    """The decoding settings of validation's generation metrics: greedy search of at most
+    `max_new_tokens` (--decoder-seq-length) new tokens (megatron/generation/settings.py)."""
+    from megatron.generation import DecodingSettings
+
+    return DecodingSettings(max_new_tokens=max_new_tokens)
+
+
 def greedy_predictions(model, batch, tokenizer, max_new_tokens: int,
                        group=None) -> List[str]:
     """Each row's greedy decoding (megatron/generation) of the batch's encoder input, as text
@@ -98,16 +106,13 @@ def greedy_predictions(model, batch, tokenizer, max_new_tokens: int,
     T5Model in evaluation mode (any tensor-parallel size: training/whole_model.py makes one
     of a pipeline stage or ZeRO-3 partitions). `group`: the expert-parallel group the ranks
     decode in lockstep with (their Mixture-of-Experts all-to-alls; None: no other rank)."""
-    from megatron.generation import Decoder, greedy
-    from megatron.generation.lockstep import Lockstep
+    from megatron.generation import SpecialTokens
+    from megatron.generation.lockstep import decode
 
-    ids, mask = batch["encoder_input_ids"], batch["encoder_attention_mask"]
-    eos = tokenizer.eos_id
-    pad = getattr(tokenizer, "pad_id", tokenizer.decoder_start_token_id)
-    decoder = Lockstep(Decoder(model, ids, mask), group, pad)
-    found = greedy(decoder, ids.shape[0], tokenizer.decoder_start_token_id,
-                   eos, pad, max_new_tokens, device=ids.device)
-    decoder.drain()
+    tokens = SpecialTokens.of(tokenizer)
+    eos, pad = tokens.eos, tokens.pad
+    found = decode(model, batch["encoder_input_ids"], batch["encoder_attention_mask"], tokens,
+                   validation_decoding(max_new_tokens), group)
     return [tokenizer.decode([i for i in h.ids if i not in (eos, pad)]) for h in found]
 
 

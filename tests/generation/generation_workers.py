@@ -6,11 +6,12 @@ import torch.distributed as dist
 
 
 def decode_tensor_parallel(rank, world_size, name, full, ids, mask, beam_flags, sampling):
-    """Greedy, sampled (`sampling`: greedy's keywords) and beam-search ids of a TP =
+    """Greedy, sampled (`sampling`: DecodingSettings' sampling fields) and beam-search ids of a TP =
     world_size model holding `full`'s weights."""
     from generation_models import CONFIGS, EOS, PAD
 
-    from megatron.generation import Decoder, beam_search, greedy
+    from megatron.generation import (Decoder, DecodingSettings, SpecialTokens, beam_search,
+                                     greedy, sample)
     from megatron.model import T5Config, T5Model
     from megatron.model.state_dict import load_full_state_dict
     from megatron.tensor_parallel.group import TensorParallel
@@ -19,13 +20,14 @@ def decode_tensor_parallel(rank, world_size, name, full, ids, mask, beam_flags, 
     model = T5Model(T5Config(**CONFIGS[name]), tensor_parallel=tp)
     load_full_state_dict(model, full)
     model.eval()
-    out = {"greedy": [h.ids for h in greedy(Decoder(model, ids, mask), ids.shape[0], PAD, EOS,
-                                            PAD, 12)]}
-    out["sample"] = [h.ids for h in greedy(Decoder(model, ids, mask), ids.shape[0], PAD, EOS,
-                                           PAD, 12, sample=True, **sampling)]
+    tokens = SpecialTokens(start=PAD, eos=EOS, pad=PAD)
+    out = {"greedy": [h.ids for h in greedy(Decoder(model, ids, mask), ids.shape[0], tokens,
+                                            DecodingSettings(max_new_tokens=12))]}
+    sampled = DecodingSettings(max_new_tokens=12, do_sample=True, **sampling)
+    out["sample"] = [h.ids for h in sample(Decoder(model, ids, mask), ids.shape[0], tokens,
+                                           sampled)]
     beams = beam_search(Decoder(model, ids, mask, expand=beam_flags["num_beams"]),
-                        ids.shape[0], eos_id=EOS, pad_id=PAD, start_id=PAD, max_new_tokens=10,
-                        **beam_flags)
+                        ids.shape[0], tokens, DecodingSettings(max_new_tokens=10, **beam_flags))
     out["beam"] = [h.ids for h in beams]
     out["scores"] = torch.tensor([h.score for h in beams])
     return out

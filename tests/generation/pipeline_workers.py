@@ -11,7 +11,8 @@ def decode_pipeline(rank, world_size, cases, ids, mask, beam_flags):
     from generation_models import CONFIGS, EOS, PAD
 
     from megatron import parallel_state
-    from megatron.generation import beam_search, greedy
+    from megatron.generation import (DecodingSettings, SpecialTokens, beam_search, greedy,
+                                     sample)
     from megatron.generation.pipeline import PipelineDecoder
     from megatron.generation.stage import build_stage, pipeline_of_this_process
     from megatron.model import T5Config
@@ -32,14 +33,15 @@ def decode_pipeline(rank, world_size, cases, ids, mask, beam_flags):
                            dtype=torch.float32, ranks=ranks, group=group)
         found = {"blocks": cut.blocks, "stage": stage,
                  "held": sorted(n for n, p in held.model.named_parameters() if not p.is_meta)}
+        tokens = SpecialTokens(start=PAD, eos=EOS, pad=PAD)
         found["greedy"] = [h.ids for h in greedy(PipelineDecoder(held, ids, mask), ids.shape[0],
-                                                 PAD, EOS, PAD, 12)]
-        found["sample"] = [h.ids for h in greedy(PipelineDecoder(held, ids, mask), ids.shape[0],
-                                                 PAD, EOS, PAD, 8, sample=True, top_k=20,
-                                                 seed=5)]
+                                                 tokens, DecodingSettings(max_new_tokens=12))]
+        sampling = DecodingSettings(max_new_tokens=8, do_sample=True, top_k=20, seed=5)
+        found["sample"] = [h.ids for h in sample(PipelineDecoder(held, ids, mask), ids.shape[0],
+                                                 tokens, sampling)]
         beams = beam_search(PipelineDecoder(held, ids, mask, expand=beam_flags["num_beams"]),
-                            ids.shape[0], eos_id=EOS, pad_id=PAD, start_id=PAD,
-                            max_new_tokens=10, **beam_flags)
+                            ids.shape[0], tokens,
+                            DecodingSettings(max_new_tokens=10, **beam_flags))
         found["beam"] = [h.ids for h in beams]
         found["scores"] = torch.tensor([h.score for h in beams])
         out.append(found)

@@ -13,7 +13,7 @@ import torch
 from megatron import generate
 from megatron.checkpoint.formats.weights import write_weights_checkpoint
 from megatron.data.tokenizers.tokenizer import T5Tokenizer
-from megatron.generation import Decoder, beam_search, greedy
+from megatron.generation import Decoder, DecodingSettings, SpecialTokens, search
 from megatron.model import T5Config, T5Model
 from megatron.model.state_dict import gather_full_state_dict
 
@@ -59,12 +59,9 @@ def reference(model, spm, texts, beams=1):
         n = max(map(len, chunk))
         ids = torch.tensor([e + [tok.pad_id] * (n - len(e)) for e in chunk])
         mask = torch.tensor([[1] * len(e) + [0] * (n - len(e)) for e in chunk])
-        if beams > 1:
-            out += beam_search(Decoder(model, ids, mask, expand=beams), len(chunk), beams,
-                               tok.pad_id, tok.eos_id, tok.pad_id, 8)
-        else:
-            out += greedy(Decoder(model, ids, mask), len(chunk), tok.pad_id, tok.eos_id,
-                          tok.pad_id, 8)
+        out += search(Decoder(model, ids, mask, expand=beams), len(chunk),
+                      SpecialTokens(tok.pad_id, tok.eos_id, tok.pad_id),
+                      DecodingSettings(max_new_tokens=8, num_beams=beams))
     return out, tok
 
 

@@ -198,7 +198,8 @@ def decode_at_ep_2(rank, world_size, router, full, ids, mask):
     import torch.distributed as dist
     from generation_models import CONFIGS, EOS, PAD
 
-    from megatron.generation import Decoder, beam_search, greedy
+    from megatron.generation import Decoder, DecodingSettings, SpecialTokens, beam_search, \
+        greedy
     from megatron.generation.lockstep import Lockstep, dummy_decoder
     from megatron.model import T5Config, T5Model
     from megatron.model.state_dict import load_full_state_dict
@@ -213,16 +214,18 @@ def decode_at_ep_2(rank, world_size, router, full, ids, mask):
     rows = [0, 1] if rank == 0 else [2]
     group = dist.group.WORLD
     decoder = Lockstep(Decoder(model, ids[rows], mask[rows]), group, PAD)
-    out = {"greedy": [h.ids for h in greedy(decoder, len(rows), PAD, EOS, PAD, 12)]}
+    tokens = SpecialTokens(start=PAD, eos=EOS, pad=PAD)
+    twelve, beams = DecodingSettings(max_new_tokens=12), DecodingSettings(10, num_beams=3)
+    out = {"greedy": [h.ids for h in greedy(decoder, len(rows), tokens, twelve)]}
     decoder.drain()
     decoder = Lockstep(Decoder(model, ids[rows], mask[rows], expand=3), group, PAD)
-    out["beam"] = [h.ids for h in beam_search(decoder, len(rows), 3, PAD, EOS, PAD, 10)]
+    out["beam"] = [h.ids for h in beam_search(decoder, len(rows), tokens, beams)]
     decoder.drain()
     if rank == 1:  # rank 0's second micro-batch against rank 1's dummy
         Lockstep(dummy_decoder(model, EOS, ids.device), group, PAD).drain()
     else:
         decoder = Lockstep(Decoder(model, ids[:1], mask[:1]), group, PAD)
-        out["again"] = [h.ids for h in greedy(decoder, 1, PAD, EOS, PAD, 12)]
+        out["again"] = [h.ids for h in greedy(decoder, 1, tokens, twelve)]
         decoder.drain()
     return out
 
@@ -231,7 +234,8 @@ def decode_at_ep_2(rank, world_size, router, full, ids, mask):
 def test_every_router_at_expert_parallel_2_decodes_what_one_process_does(router):
     from generation_models import CONFIGS, EOS, PAD, padded_batch, sharpen
 
-    from megatron.generation import Decoder, beam_search, greedy
+    from megatron.generation import Decoder, DecodingSettings, SpecialTokens, beam_search, \
+        greedy
     from megatron.model import T5Config, T5Model
     from megatron.model.state_dict import gather_full_state_dict
 
@@ -242,10 +246,11 @@ def test_every_router_at_expert_parallel_2_decodes_what_one_process_does(router)
     sharpen(model)
     model.eval()
     ids, mask = padded_batch(seed=5)
-    expected = {"greedy": [h.ids for h in greedy(Decoder(model, ids, mask), 3, PAD, EOS, PAD,
-                                                 12)],
-                "beam": [h.ids for h in beam_search(Decoder(model, ids, mask, expand=3), 3, 3,
-                                                    PAD, EOS, PAD, 10)]}
+    tokens = SpecialTokens(start=PAD, eos=EOS, pad=PAD)
+    expected = {"greedy": [h.ids for h in greedy(Decoder(model, ids, mask), 3, tokens,
+                                                 DecodingSettings(max_new_tokens=12))],
+                "beam": [h.ids for h in beam_search(Decoder(model, ids, mask, expand=3), 3,
+                                                    tokens, DecodingSettings(10, num_beams=3))]}
     got = run_workers(2, decode_at_ep_2, router, gather_full_state_dict(model), ids, mask,
                       timeout=300)
     assert got[0]["greedy"] + got[1]["greedy"] == expected["greedy"]

@@ -21,7 +21,7 @@ import torch
 from megatron import generate
 from megatron.checkpoint.formats.weights import write_weights_checkpoint
 from megatron.data.tokenizers.tokenizer import T5Tokenizer
-from megatron.generation import Decoder, beam_search
+from megatron.generation import Decoder, DecodingSettings, SpecialTokens, beam_search
 from megatron.model import T5Config, T5Model
 from megatron.model.state_dict import gather_full_state_dict, load_full_state_dict
 
@@ -164,8 +164,9 @@ def test_dtype_and_attention_backend_reach_decoding(export, spm_model, tmp_path,
     want = []
     for first in range(0, len(TEXTS), MICRO_BATCH):
         ids, mask = padded(tok, TEXTS[first:first + MICRO_BATCH])
-        want += beam_search(Decoder(copy, ids, mask, expand=2), ids.shape[0], 2, tok.pad_id,
-                            tok.eos_id, tok.pad_id, 12)
+        want += beam_search(Decoder(copy, ids, mask, expand=2), ids.shape[0],
+                            SpecialTokens(tok.pad_id, tok.eos_id, tok.pad_id),
+                            DecodingSettings(max_new_tokens=12, num_beams=2))
     assert [(r["ids"], r["score"]) for r in bf16] == [(h.ids, h.score) for h in want]
     assert [r["score"] for r in bf16] != [r["score"] for r in fp32]
 

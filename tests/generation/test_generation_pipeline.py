@@ -10,7 +10,8 @@ import torch
 from generation_models import EOS, PAD, our_model, padded_batch, same_outputs
 from harness import run_workers
 
-from megatron.generation import Decoder, beam_search, greedy
+from megatron.generation import (Decoder, DecodingSettings, SpecialTokens, beam_search, greedy,
+                                 sample)
 from megatron.model.state_dict import gather_full_state_dict
 
 BEAMS = dict(num_beams=3, length_penalty=0.8, early_stopping=False, no_repeat_ngram_size=2)
@@ -18,12 +19,14 @@ BEAMS = dict(num_beams=3, length_penalty=0.8, early_stopping=False, no_repeat_ng
 
 def one_process(model, ids, mask):
     """What pipeline_workers.decode_pipeline decodes, by one process with the whole model."""
+    tokens = SpecialTokens(start=PAD, eos=EOS, pad=PAD)
     beams = beam_search(Decoder(model, ids, mask, expand=BEAMS["num_beams"]), ids.shape[0],
-                        eos_id=EOS, pad_id=PAD, start_id=PAD, max_new_tokens=10, **BEAMS)
-    return {"greedy": [h.ids for h in greedy(Decoder(model, ids, mask), ids.shape[0], PAD, EOS,
-                                             PAD, 12)],
-            "sample": [h.ids for h in greedy(Decoder(model, ids, mask), ids.shape[0], PAD, EOS,
-                                             PAD, 8, sample=True, top_k=20, seed=5)],
+                        tokens, DecodingSettings(max_new_tokens=10, **BEAMS))
+    sampling = DecodingSettings(max_new_tokens=8, do_sample=True, top_k=20, seed=5)
+    return {"greedy": [h.ids for h in greedy(Decoder(model, ids, mask), ids.shape[0], tokens,
+                                             DecodingSettings(max_new_tokens=12))],
+            "sample": [h.ids for h in sample(Decoder(model, ids, mask), ids.shape[0], tokens,
+                                             sampling)],
             "beam": [h.ids for h in beams],
             "scores": torch.tensor([h.score for h in beams])}
 
@@ -193,3 +196,29 @@ def test_pipeline_flags_are_checked():
     with pytest.raises(GenerateError, match="the decoder has 1 blocks, too few for 2 stages"):
         pipeline_cut(config, args("--pipeline-model-parallel-size", "3",
                                   "--pipeline-model-parallel-split-rank", "1"))
+
+
+def test_a_stage_starting_mid_encoder_computes_the_stack_bias_itself():
+    """T5Model.encoder_position_bias, as a stage holding encoder block 1 but not block 0 uses it
+    (the relative bias is never sent): the bias block 0 computed for the stack, and block 1 on
+    block 0's output with it gives the encoder output of one process (fp32, a padded batch)."""
+    model = our_model("v1_0", seed=2)
+    ids, mask = padded_batch(seed=2)
+    with torch.no_grad():
+        want, _ = model.encode(ids, mask)
+        carry = model.initial_carry(ids, ids[:, :1], mask)
+        carry = model.run_layers(carry, [model.embed_encoder, model.encoder.block[0]])
+        bias = model.encoder_position_bias(carry.hidden, carry.encoder_mask)
+        assert torch.equal(bias, carry.position_bias)
+        carry = carry._replace(position_bias=bias)
+        carry = model.finish_encoder(model.run_layers(carry, [model.encoder.block[1]]))
+    torch.testing.assert_close(carry.encoder_output, want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_shape_header_holds_at_most_seven_dimensions():
+    """megatron/pipeline/comm.py refuses (before sending anything) what its header cannot
+    say."""
+    from megatron.pipeline.comm import send_tensors
+
+    with pytest.raises(ValueError, match="8-dimensional tensor: at most 7"):
+        send_tensors([torch.zeros([1] * 8)], dst=1)

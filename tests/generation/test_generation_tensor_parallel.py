@@ -149,7 +149,7 @@ def one_process_outputs(ckpt, state, spm, texts, beams):
     tensors."""
     from megatron.checkpoint.formats.deepspeed import find_iteration, model_config, read_meta
     from megatron.data.tokenizers.tokenizer import build_tokenizer, resolve_tokenizer
-    from megatron.generation import Decoder, beam_search, greedy
+    from megatron.generation import Decoder, DecodingSettings, SpecialTokens, search
     from megatron.model import T5Model
     from megatron.model.state_dict import VOCAB_PARAMETERS, load_full_state_dict
 
@@ -166,11 +166,9 @@ def one_process_outputs(ckpt, state, spm, texts, beams):
     ids = torch.tensor([e + [tok.pad_id] * (n - len(e)) for e in encoded])
     mask = torch.tensor([[1] * len(e) + [0] * (n - len(e)) for e in encoded])
     start, eos, pad = tok.decoder_start_token_id, tok.eos_id, tok.pad_id
-    if beams > 1:
-        found = beam_search(Decoder(model, ids, mask, expand=beams), len(texts), beams, start,
-                            eos, pad, 6)
-    else:
-        found = greedy(Decoder(model, ids, mask), len(texts), start, eos, pad, 6)
+    found = search(Decoder(model, ids, mask, expand=beams), len(texts),
+                   SpecialTokens(start, eos, pad), DecodingSettings(max_new_tokens=6,
+                                                                    num_beams=beams))
     return "\n".join(json.dumps({"ids": h.ids, "text": tok.decode([i for i in h.ids
                                                                    if i not in (eos, pad)]),
                                  **({"score": h.score} if beams > 1 else {})})

@@ -6,8 +6,11 @@ import pytest
 import torch
 from generation_models import EOS, PAD, VOCAB, hf_of, hf_rows, our_model, padded_batch
 
-from megatron.generation import Decoder, beam_search, greedy
-from megatron.generation.search import ban_repeated_ngrams, warp
+from megatron.generation import (Decoder, DecodingSettings, SpecialTokens, beam_search, greedy,
+                                 sample)
+from megatron.generation.processors import NoRepeatNGram, apply
+
+TOKENS = SpecialTokens(start=PAD, eos=EOS, pad=PAD)
 
 
 @pytest.mark.parametrize("name", ["v1_0", "v1_1"])
@@ -32,8 +35,8 @@ def test_greedy_equals_transformers(name, ngram):
     model = our_model(name)
     hf = hf_of(model, name)
     ids, mask = padded_batch()
-    ours = greedy(Decoder(model, ids, mask), ids.shape[0], PAD, EOS, PAD, 12,
-                  no_repeat_ngram_size=ngram)
+    ours = greedy(Decoder(model, ids, mask), ids.shape[0], TOKENS,
+                  DecodingSettings(max_new_tokens=12, no_repeat_ngram_size=ngram))
     with torch.no_grad():
         ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12,
                           do_sample=False, num_beams=1, no_repeat_ngram_size=ngram,
@@ -56,7 +59,7 @@ def test_beam_search_equals_transformers(name, case):
     hf = hf_of(model, name)
     ids, mask = padded_batch(seed=case)
     ours = beam_search(Decoder(model, ids, mask, expand=flags["num_beams"]), ids.shape[0],
-                       eos_id=EOS, pad_id=PAD, start_id=PAD, max_new_tokens=10, **flags)
+                       TOKENS, DecodingSettings(max_new_tokens=10, **flags))
     with torch.no_grad():
         ref = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10,
                           do_sample=False, output_scores=True, return_dict_in_generate=True,
@@ -73,18 +76,21 @@ def test_sampling_is_reproducible_and_stays_in_the_top_k_and_top_p_sets():
     model = our_model("v1_1")
     ids, mask = padded_batch()
 
-    def sample(seed, **kw):
-        return [h.ids for h in greedy(Decoder(model, ids, mask), 3, PAD, EOS, PAD, 10,
-                                      sample=True, seed=seed, **kw)]
+    def sampled(seed, **kw):
+        settings = DecodingSettings(max_new_tokens=10, do_sample=True, seed=seed, **kw)
+        return [h.ids for h in sample(Decoder(model, ids, mask), 3, TOKENS, settings)]
 
-    assert sample(5, top_k=20) == sample(5, top_k=20)
-    assert sample(5) != sample(6)
+    assert sampled(5, top_k=20) == sampled(5, top_k=20)
+    assert sampled(5) != sampled(6)
     for kw in (dict(top_k=3), dict(top_p=0.5), dict(temperature=0.7, top_k=5, top_p=0.8)):
-        runs = sample(7, **kw)
+        runs = sampled(7, **kw)
         decoder = Decoder(model, ids, mask)
+        warpers = DecodingSettings(do_sample=True, **kw).processors(EOS)
         for t in range(max(len(r) for r in runs)):
             previous = [PAD if t == 0 else (r[t - 1] if t - 1 < len(r) else PAD) for r in runs]
-            allowed = warp(decoder.step(torch.tensor(previous)), **kw).isfinite()
+            logits = decoder.step(torch.tensor(previous))
+            allowed = apply(warpers, torch.zeros(3, t + 1, dtype=torch.long),
+                            logits).isfinite()
             for row, run in enumerate(runs):
                 if t < len(run) and (t == 0 or run[t - 1] != EOS):
                     assert allowed[row, run[t]], (kw, row, t)
@@ -92,7 +98,7 @@ def test_sampling_is_reproducible_and_stays_in_the_top_k_and_top_p_sets():
 
 def test_no_repeat_ngram_matches_its_definition():
     seq = torch.tensor([[0, 5, 6, 5, 7, 5]])
-    scores = ban_repeated_ngrams(seq, torch.zeros(1, 10), 2)
+    scores = NoRepeatNGram(2)(seq, torch.zeros(1, 10))
     assert torch.isinf(scores[0]).nonzero().flatten().tolist() == [6, 7]
 
 

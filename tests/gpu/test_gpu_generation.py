@@ -49,17 +49,20 @@ def padded_batch(device):
 
 
 def test_greedy_and_beam_search_on_cuda_give_the_cpu_ids():
-    from megatron.generation import Decoder, beam_search, greedy
+    from megatron.generation import Decoder, DecodingSettings, SpecialTokens, beam_search, \
+        greedy
 
     cpu = tiny_model()
     gpu = on_cuda(cpu)
     found = {}
+    tokens = SpecialTokens(start=PAD, eos=EOS, pad=PAD)
     for device, model in (("cpu", cpu), ("cuda", gpu)):
         ids, mask = padded_batch(device)
         found[device] = (
-            greedy(Decoder(model, ids, mask), 3, PAD, EOS, PAD, 16, device=device),
-            beam_search(Decoder(model, ids, mask, expand=4), 3, 4, PAD, EOS, PAD, 12,
-                        device=device))
+            greedy(Decoder(model, ids, mask), 3, tokens, DecodingSettings(max_new_tokens=16),
+                   device=device),
+            beam_search(Decoder(model, ids, mask, expand=4), 3, tokens,
+                        DecodingSettings(max_new_tokens=12, num_beams=4), device=device))
     for want, got in zip(found["cpu"], found["cuda"]):
         assert [h.ids for h in got] == [h.ids for h in want]
     assert [h.score for h in found["cuda"][1]] == pytest.approx(
@@ -88,7 +91,7 @@ def test_the_command_decodes_on_cuda_as_on_the_cpu(spm_model, tmp_path):
     from megatron import generate
     from megatron.checkpoint.formats.weights import write_weights_checkpoint
     from megatron.data.tokenizers.tokenizer import T5Tokenizer
-    from megatron.generation import Decoder, greedy
+    from megatron.generation import Decoder, DecodingSettings, SpecialTokens, greedy
     from megatron.model import T5Config
     from megatron.model.state_dict import gather_full_state_dict
 
@@ -111,5 +114,6 @@ def test_the_command_decodes_on_cuda_as_on_the_cpu(spm_model, tmp_path):
     for text in texts:
         ids = torch.tensor([tok.encode(text, add_eos=True)])
         want += [h.ids for h in greedy(Decoder(model, ids, torch.ones_like(ids)), 1,
-                                       tok.pad_id, tok.eos_id, tok.pad_id, 12)]
+                                       SpecialTokens(tok.pad_id, tok.eos_id, tok.pad_id),
+                                       DecodingSettings(max_new_tokens=12))]
     assert got == want
