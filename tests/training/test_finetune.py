@@ -144,6 +144,23 @@ def test_logged_exact_match_counts_the_right_predictions(single_log, train_data,
     assert final_generation(log) == [want]
 
 
+@pytest.mark.slow
+def test_pipeline_validation_scores_the_right_predictions(single_log, train_data, tmp_path):
+    """PP 2: the stages decode the first stage's validation batches together (PipelineDecoder
+    over each stage's own part, nothing gathered onto one stage) and score the one-process
+    final model's own decodings, as one process does (non-zero exact match and label
+    accuracy: at the cloze's 0 a wrong decoding would go unseen)."""
+    single, _ = single_log
+    flags, want = own_targets(finetune_argv(train_data), single["state"], train_data.spm,
+                              tmp_path / "own.jsonl")
+    log = tmp_path / "own_pp2.log"
+    got = run_workers(2, run_pretrain, [finetune_argv(
+        train_data, *flags, "--pipeline-model-parallel-size", "2", "--log-file", str(log))],
+        timeout=900)
+    assert got[0] == got[1]
+    assert final_generation(log) == [want]
+
+
 MOE = ("--num-experts", "4", "--moe-router-topk", "2")
 
 
