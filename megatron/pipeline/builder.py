@@ -116,7 +116,7 @@ def _materialize(module: nn.Module, device) -> None:
         vars(param).update(attributes[name])
 
 
-def held(model: nn.Module) -> Tuple[set, set]:
+def _held(model: nn.Module) -> Tuple[set, set]:
     """(names of the parameters, of the persistent buffers) `model` holds (not on the meta
     device: a stage's model holds its parts only)."""
     every = dict(model.named_parameters())
@@ -140,7 +140,7 @@ def load_tensors(model: T5Model, tensors: Tensors, *, sharded: bool = False) -> 
     Raises:
         StateDictError: names or shapes that do not fit, all listed.
     """
-    params, buffers = held(model)
+    params, buffers = _held(model)
     if sharded:
         _copy_shards(model, tensors, params | buffers)
         return

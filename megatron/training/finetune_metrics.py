@@ -225,12 +225,9 @@ def _decoded_counts(module, config, batches, tokenizer, label_words, group,
     if config.parallel.pipeline_model_parallel_size == 1:
         with whole_model(module, *how) as model:
             return generation_counts(model, batches(), tokenizer, length, label_words, group)
-    stage = stage_model(module, config.pipeline_cut(), *how)
-    try:
-        return generation_counts(stage, pipeline_batches(stage, batches(), device), tokenizer,
-                                 length, label_words, group)
-    finally:
-        del stage
+    stage = stage_model(module, config.pipeline_cut(), *how)  # (dropped on return)
+    return generation_counts(stage, pipeline_batches(stage, batches(), device), tokenizer,
+                             length, label_words, group)
 
 
 def pipeline_batches(stage, batches: Iterator[Dict], device) -> Iterator[Dict]:
