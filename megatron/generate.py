@@ -226,33 +226,38 @@ def load_tokenizer(args, meta):
         raise GenerateError(str(e)) from None
 
 
-def build_model(folder, meta, config, tp, device, dtype, backend, ep=None, prompt=None):
-    """The model of `config`, this rank's tensor-parallel shard of the checkpoint's weights
-    and its expert-parallel share of the experts (`ep`; default all) (read as full tensors:
-    any saved tensor- or expert-parallel size), in evaluation mode; with `prompt`
-    (megatron/generation/prompt.py) the prompt attached."""
-    from megatron.generation.prompt import with_prompt
+def build_model(folder, meta, config, tp, device, dtype, backend, ep=None, prompt=None,
+                cut=None):
+    """The model of `config` (whole, or with `cut` this rank's pipeline stage:
+    megatron/generation/stage.py), this rank's tensor-parallel shard of the checkpoint's
+    weights and its expert-parallel share of the experts (`ep`; default all) (read as full
+    tensors: any saved tensor- or expert-parallel size; a stage keeps its parts' only), in
+    evaluation mode, built by megatron/pipeline/builder.py; with `prompt`
+    (megatron/generation/prompt.py) the prompt attached (on stage 0)."""
+    import itertools
+
     from megatron.checkpoint.formats.deepspeed import (CheckpointReadError, iter_full_tensors,
                                                        model_source)
-    from megatron.model.state_dict import StateDictError, load_full_state_dict
-    from megatron.model.t5 import T5Model
+    from megatron.generation.stage import build_stage, pipeline_of_this_process
+    from megatron.model.prompt import PROMPT_PARAMETER
+    from megatron.model.state_dict import StateDictError
+    from megatron.pipeline.builder import model_from_tensors
     from megatron.tensor_parallel.group import ExpertParallel
 
-    model_meta = meta.get("model") or {}
-    divisible = int(model_meta.get("make_vocab_size_divisible_by", 128))
-    # built where it runs (not on the meta device: to_empty would drop the parameters'
-    # tensor-parallel attributes, which say how the full tensors are split)
-    model = T5Model(config, make_vocab_size_divisible_by=divisible, attention_backend=backend,
-                    device=device, dtype=dtype, tensor_parallel=tp,
-                    expert_parallel=ep or ExpertParallel())
+    divisible = int((meta.get("model") or {}).get("make_vocab_size_divisible_by", 128))
+    how = dict(make_vocab_size_divisible_by=divisible, backend=backend, tp=tp,
+               ep=ep or ExpertParallel(), device=device, dtype=dtype,
+               prompt_layout=None if prompt is None else prompt.layout)
     try:
-        full = dict(iter_full_tensors(folder, model_source(meta)))
-        with_prompt(model, prompt, full)
-        load_full_state_dict(model, full)
+        tensors = iter_full_tensors(folder, model_source(meta))
+        if prompt is not None and prompt.weight is not None:  # --prompt-load's
+            tensors = itertools.chain(tensors, [(PROMPT_PARAMETER, prompt.weight)])
+        if cut is None:
+            return model_from_tensors(config, tensors, **how)
+        stage, ranks, group = pipeline_of_this_process()
+        return build_stage(config, cut, stage, tensors, ranks=ranks, group=group, **how)
     except (CheckpointReadError, StateDictError) as e:
         raise GenerateFailure(f"--load {folder}: {e}") from None
-    del full
-    return model.eval()
 
 
 def decoding_prompt(args, folder, meta):
@@ -284,32 +289,6 @@ def pipeline_cut(config, args):
         raise GenerateError(f"--load {args.load}: the model cannot be cut so: " +
                             "; ".join(problems))
     return cut_model(config, pp, split) if pp > 1 else None
-
-
-def build_stage_model(folder, meta, config, cut, tp, ep, device, dtype, backend, prompt=None):
-    """This rank's pipeline stage (megatron/generation/stage.py): its part of the model, its
-    tensor-parallel shard of the checkpoint's tensors for that part only, in evaluation mode;
-    with `prompt` (megatron/generation/prompt.py) the prompt on stage 0."""
-    import itertools
-
-    from megatron.model.prompt import PROMPT_PARAMETER
-    from megatron.checkpoint.formats.deepspeed import (CheckpointReadError, iter_full_tensors,
-                                                       model_source)
-    from megatron.generation.stage import build_stage, pipeline_of_this_process
-    from megatron.model.state_dict import StateDictError
-
-    stage, ranks, group = pipeline_of_this_process()
-    divisible = int((meta.get("model") or {}).get("make_vocab_size_divisible_by", 128))
-    try:
-        tensors = iter_full_tensors(folder, model_source(meta))
-        if prompt is not None and prompt.weight is not None:  # --prompt-load's
-            tensors = itertools.chain(tensors, [(PROMPT_PARAMETER, prompt.weight)])
-        return build_stage(config, cut, stage, tensors,
-                           make_vocab_size_divisible_by=divisible, backend=backend, tp=tp,
-                           ep=ep, device=device, dtype=dtype, ranks=ranks, group=group,
-                           prompt_layout=None if prompt is None else prompt.layout)
-    except (CheckpointReadError, StateDictError) as e:
-        raise GenerateFailure(f"--load {folder}: {e}") from None
 
 
 def batches(texts: List[str], size: int):
@@ -472,12 +451,8 @@ def run(args) -> int:
             if device_type == "cuda" else torch.device("cpu")
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
                  "fp16": torch.float16}[args.dtype]
-        if cut is None:
-            model = build_model(folder, meta, config, tp, device, dtype, args.attention_backend,
-                                ep, prompt)
-        else:
-            model = build_stage_model(folder, meta, config, cut, tp, ep, device, dtype,
-                                      args.attention_backend, prompt)
+        model = build_model(folder, meta, config, tp, device, dtype, args.attention_backend,
+                            ep, prompt, cut)
         records = generate_all(args, model, tokenizer, texts, device, data,
                                ep.group if ep.size > 1 else None)
         if data[1] > 1:  # every data-parallel rank's outputs, in input order

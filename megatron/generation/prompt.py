@@ -14,7 +14,7 @@ from typing import Dict, Optional
 import torch
 
 from megatron.config.prompt_args import prompt_alone, saved_prompt_layout
-from megatron.model.prompt import PROMPT_PARAMETER, PromptLayout, attach_prompt, base_mismatch
+from megatron.model.prompt import PromptLayout, base_mismatch
 
 
 class PromptLoadError(ValueError):
@@ -70,13 +70,3 @@ def generation_prompt(load: str, folder: Path, meta: Dict,
         raise PromptLoadError(problem)
     return GenerationPrompt(layout, weight)
 
-
-def with_prompt(model: torch.nn.Module, prompt: Optional[GenerationPrompt],
-                full: Dict[str, torch.Tensor]) -> None:
-    """Before `full` (the checkpoint's full tensors) is loaded into `model`: the prompt
-    attached, and --prompt-load's vectors among the tensors to load."""
-    if prompt is None:
-        return
-    attach_prompt(model, prompt.layout)
-    if prompt.weight is not None:
-        full[PROMPT_PARAMETER] = prompt.weight

@@ -1,11 +1,10 @@
 """A pipeline stage's part of the model, for generation at --pipeline-model-parallel-size > 1.
 
-The stage's model is a `T5Model` built on the meta device (no memory, no initialization) whose
-parts this stage runs are then built on the stage's device with the model's own builders
-(model/t5.py: build_block, shared_embedding, final_layer_norm, untied_lm_head; the bias table
-with transformer.py's relative_attention_bias) and put in their places, so every name is the
-single-process model's and the T5Model methods run on the parts that are there. The cut is
-training's (megatron/pipeline/partition.py, `cut_model`); a stage holds
+The stage's model is built by the one model builder (megatron/pipeline/builder.py): a
+`T5Model` on the meta device whose parts this stage runs are built on the stage's device with
+the model's own builders and put in their places, so every name is the single-process model's
+and the T5Model methods run on the parts that are there. The cut is training's
+(megatron/pipeline/partition.py, `cut_model`); a stage holds `Cut.stage_modules`:
 
     its encoder and decoder blocks (`Cut.stage_blocks`),
     the shared embedding: stage 0 (encoder input), the stage with decoder block 0 (decoder
@@ -17,7 +16,8 @@ training's (megatron/pipeline/partition.py, `cut_model`); a stage holds
     a tuned prompt on stage 0 (the encoder's embedding; the grown encoder mask travels on).
 
 Only those tensors of the checkpoint are kept (read as full tensors, split for the
-tensor-parallel size: any saved layout).
+tensor-parallel size: any saved layout), or, for validation's decoding during training, the
+trained stage's own shards (training/whole_model.py).
 """
 
 from __future__ import annotations
@@ -26,24 +26,12 @@ from dataclasses import dataclass
 from typing import Iterable, List, Tuple
 
 import torch
-from torch import nn
 
 from megatron.model.config import T5Config
-from megatron.model.prompt import PromptEncoder
-from megatron.model.state_dict import load_full_state_dict
-from megatron.model.t5 import (
-    T5Model,
-    build_block,
-    final_layer_norm,
-    shared_embedding,
-    untied_lm_head,
-)
-from megatron.model.transformer import InitMethods, relative_attention_bias
+from megatron.model.t5 import T5Model
+from megatron.pipeline.builder import model_from_tensors
 from megatron.pipeline.partition import Cut
 from megatron.tensor_parallel.group import ExpertParallel, TensorParallel
-
-BIAS_TABLE = "block.0.layer.0.SelfAttention.relative_attention_bias"
-"""A stack's relative position bias table, under its stack's name."""
 
 
 @dataclass
@@ -86,71 +74,25 @@ class PipelineStage:
         return self
 
 
-def stage_parts(config: T5Config, cut: Cut, stage: int) -> List[str]:
-    """The names of the modules `stage` holds (module docstring), in the model's order."""
-    enc, dec = cut.stage_blocks(stage)
-    last = stage == cut.stages - 1
-    parts = []
-    if stage == 0 or (len(dec) and dec.start == 0) or (last and config.tie_word_embeddings):
-        parts.append("shared")
-    if len(enc) and enc.start > 0:
-        parts.append(f"encoder.{BIAS_TABLE}")
-    parts += [f"encoder.block.{i}" for i in enc]
-    if len(enc) and enc.stop == cut.encoder_layers:
-        parts.append("encoder.final_layer_norm")
-    if len(dec) and dec.start > 0:
-        parts.append(f"decoder.{BIAS_TABLE}")
-    parts += [f"decoder.block.{j}" for j in dec]
-    if last:
-        parts.append("decoder.final_layer_norm")
-        if not config.tie_word_embeddings:
-            parts.append("lm_head")
-    return parts
-
-
-def _build_part(name: str, model: T5Model, backend: str, device, dtype) -> nn.Module:
-    """Module `name` of `model`, built on `device` by the single-process model's builder."""
-    config, tp, ep = model.config, model.tensor_parallel, model.expert_parallel
-    stack, _, rest = name.partition(".")
-    decoder = stack == "decoder"
-    if name == "shared":
-        return shared_embedding(config, model.padded_vocab_size, tp, device, dtype)
-    if name == "lm_head":
-        return untied_lm_head(config, model.padded_vocab_size, tp, device, dtype)
-    if rest == "final_layer_norm":
-        return final_layer_norm(config, device, dtype)
-    if rest == BIAS_TABLE:
-        layers = config.num_decoder_layers if decoder else config.num_layers
-        return relative_attention_bias(config, InitMethods(config, layers), decoder, tp,
-                                       device, dtype)
-    index = int(rest.removeprefix("block."))
-    return build_block(config, decoder, index, backend, tp, device=device, dtype=dtype, ep=ep)
-
-
 def build_stage(config: T5Config, cut: Cut, stage: int, tensors: Iterable[Tuple[str,
                 torch.Tensor]], *, make_vocab_size_divisible_by: int, backend: str,
                 tp: TensorParallel, ep: ExpertParallel, device, dtype, ranks: Tuple[int, ...],
-                group, prompt_layout=None) -> PipelineStage:
+                group, prompt_layout=None, sharded: bool = False) -> PipelineStage:
     """Stage `stage`'s model holding the weights of `tensors` ((name, full tensor) pairs, as
     megatron/checkpoint's iter_full_tensors yields them; only this stage's are kept), in
     evaluation mode. `prompt_layout`: a tuned prompt's (megatron/model/prompt.py), attached on
-    stage 0, which embeds the encoder input (its `prompt.weight` among `tensors`).
+    stage 0, which embeds the encoder input (its `prompt.weight` among `tensors`). `sharded`:
+    `tensors` are this rank's shards already (a trained stage's own; pipeline/builder.py's
+    `load_tensors`).
 
     Raises:
         StateDictError: the tensors do not fit this stage's parts (names or shapes).
     """
-    model = T5Model(config, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                    attention_backend=backend, device="meta", dtype=dtype, tensor_parallel=tp,
-                    expert_parallel=ep)
-    for name in stage_parts(config, cut, stage):
-        model.set_submodule(name, _build_part(name, model, backend, device, dtype))
-    if prompt_layout is not None and stage == 0:
-        model.prompt = PromptEncoder(prompt_layout, config.d_model, device=device, dtype=dtype)
-    held = {name for name, p in model.named_parameters() if not p.is_meta}
-    held |= {name for name, b in model.named_buffers() if not b.is_meta}
-    full = {name: tensor for name, tensor in tensors if name in held}
-    load_full_state_dict(model, full, held_only=True)
-    return PipelineStage(model.eval(), cut, stage, tuple(ranks), group, torch.device(device))
+    model = model_from_tensors(config, tensors, sharded=sharded,
+                               make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                               backend=backend, tp=tp, ep=ep, device=device, dtype=dtype,
+                               cut=cut, stage=stage, prompt_layout=prompt_layout)
+    return PipelineStage(model, cut, stage, tuple(ranks), group, torch.device(device))
 
 
 def pipeline_of_this_process() -> Tuple[int, Tuple[int, ...], object]:

@@ -44,7 +44,7 @@ from megatron.model.transformer import (
     relative_bias,
     stack_position_bias,
 )
-from megatron.pipeline.partition import Cut, PipeLayer
+from megatron.pipeline.partition import BIAS_TABLE, Cut, PipeLayer
 from megatron.tensor_parallel.group import NO_EXPERT_PARALLEL, ExpertParallel, TensorParallel
 from megatron.tensor_parallel.layers import parallel_lm_logits
 from megatron.tensor_parallel.random import checkpoint
@@ -344,7 +344,7 @@ def build_pipeline_module(config: T5Config, cut: Cut, topology, padded_vocab_siz
 
 def tied_names() -> Dict[str, str]:
     """{tied-module key: the single-process parameter it holds}."""
-    bias = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    bias = f"{BIAS_TABLE}.weight"
     return {SHARED_KEY: "shared.weight", BIAS_KEYS[False]: f"encoder.{bias}",
             BIAS_KEYS[True]: f"decoder.{bias}"}
 

@@ -47,6 +47,9 @@ or None: a field absent from a tuple is not there):
 DeepSpeed makes every received floating tensor require a gradient and sends one back for each,
 so a floating field leaves the tuple as soon as no later layer reads it: `encoder_output` after
 the last decoder block, `position_bias` at the end of every stage."""
+BIAS_TABLE = "block.0.layer.0.SelfAttention.relative_attention_bias"
+"""A stack's relative position bias table in the single-process model, under its stack's name
+(block 0 holds it; the pipeline module's stages each hold a tied copy)."""
 INPUT_FIELDS = ("enc_ids", "dec_ids", "enc_mask", "dec_mask")
 """The first stage's input tuple (batch[0] of DeepSpeed's (inputs, labels) pairs)."""
 
@@ -114,7 +117,7 @@ class Cut:
         stages, fields = [], set(INPUT_FIELDS)
         for stage in range(self.stages):
             out = []
-            plan = self._stage_plan(stage)
+            plan = self.stage_plan(stage)
             for n, (kind, stack, index) in enumerate(plan):
                 after = _after(kind, stack, index, fields, self.decoder_layers)
                 if kind == "block" and self._flat(stack, index) in self.aux_blocks:
@@ -136,9 +139,11 @@ class Cut:
         """The fields stage `stage` sends to the next one."""
         return self.layers[stage][-1].fields_out
 
-    def _stage_plan(self, stage: int) -> List[Tuple[str, Optional[str], Optional[int]]]:
-        """(kind, stack, index) of each layer of `stage`: the small layers go with the blocks
-        beside them (module docstring)."""
+    def stage_plan(self, stage: int) -> List[Tuple[str, Optional[str], Optional[int]]]:
+        """(kind, stack, index) of each layer of `stage`, in order (`PipeLayer.kind`): the
+        small layers go with the blocks beside them (module docstring). The one answer to
+        which layers and embeddings a stage holds: training's pipeline module is built from it
+        (`layers`), generation's stages too (`stage_modules`)."""
         enc, dec = self.stage_blocks(stage)
         plan: List[Tuple[str, Optional[str], Optional[int]]] = []
         if stage == 0:
@@ -156,6 +161,24 @@ class Cut:
         if stage == self.stages - 1:
             plan += [("final_norm", "decoder", None), ("head", None, None)]
         return plan
+
+    def stage_modules(self, stage: int, tie_word_embeddings: bool) -> List[str]:
+        """The single-process T5Model's modules that `stage` holds (`stage_plan`'s owners,
+        each once): 'shared', '{stack}.block.{i}', '{stack}.final_layer_norm', 'lm_head',
+        and a stack's relative position bias table ('{stack}.' + `BIAS_TABLE`, block 0's)
+        where the stage holds blocks of the stack but not block 0 (which holds the table)."""
+        names: List[str] = []
+        for kind, stack, index in self.stage_plan(stage):
+            if kind == "bias":
+                held = self.stage_blocks(stage)[stack == "decoder"]
+                if held.start == 0:
+                    continue
+                name = f"{stack}.{BIAS_TABLE}"
+            else:
+                name = PipeLayer(kind, stack, index, (), ()).owner(tie_word_embeddings)
+            if name not in names:
+                names.append(name)
+        return names
 
     def describe(self) -> List[str]:
         """One line per stage, for the start of a run and --dry-run."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from contextlib import nullcontext
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megatron.data.datasets.seq2seq import is_scored
 from megatron.data.preprocess.jsonl import BadLine, read_fields
@@ -104,7 +104,8 @@ def greedy_predictions(model, batch, tokenizer, max_new_tokens: int,
     """Each row's greedy decoding (megatron/generation) of the batch's encoder input, as text
     (EOS and padding left out, as `python -m megatron.generate` writes it). `model`: a whole
     T5Model in evaluation mode (any tensor-parallel size: training/whole_model.py makes one
-    of a pipeline stage or ZeRO-3 partitions). `group`: the expert-parallel group the ranks
+    of ZeRO-3 partitions), or a pipeline stage (megatron/generation/stage.py: every stage of
+    the pipeline decodes the batch together). `group`: the expert-parallel group the ranks
     decode in lockstep with (their Mixture-of-Experts all-to-alls; None: no other rank)."""
     from megatron.generation import SpecialTokens
     from megatron.generation.lockstep import decode
@@ -129,6 +130,8 @@ def generation_counts(model, batches, tokenizer, max_new_tokens: int,
         # every row decoded (the ranks of `group` decode in lockstep), the scored ones counted:
         # a validation sample past the file's end repeats an example (data/datasets/seq2seq.py)
         predictions = greedy_predictions(model, batch, tokenizer, max_new_tokens, group)
+        if "labels" not in batch:  # a later pipeline stage: it decodes, the first counts
+            continue
         targets = decoded_targets(batch, tokenizer)
         scored = [is_scored(row) for row in batch["labels"]]
         predictions = [p for p, keep in zip(predictions, scored) if keep]
@@ -167,14 +170,14 @@ def validation_generation(step, config, loader, watchdog=None,
     """Exact match (and label accuracy with --label-words) of the greedy decoding of the
     validation batches `run_evaluation` scores (the first eval_iters global batches), summed
     over data-parallel ranks; at most --decoder-seq-length new tokens. None where there is
-    nothing to score: no seq2seq validation data. Under ZeRO-3 and in a pipeline the decoding
-    runs on a whole copy of the model (training/whole_model.py), in a pipeline on the first
-    stage's ranks; the other stages count nothing."""
+    nothing to score: no seq2seq validation data. Under ZeRO-3 the decoding runs on a whole
+    copy of the model (training/whole_model.py); in a pipeline every stage decodes its part
+    of the first stage's batches (megatron/generation/pipeline.py's PipelineDecoder) and the
+    first stage, which holds the labels, counts (the other stages count nothing)."""
     import torch
     import torch.distributed as dist
 
     from megatron import parallel_state
-    from megatron.training.whole_model import whole_model
 
     seq2seq = getattr(config.data.dataset, "seq2seq", None)
     if seq2seq is None or seq2seq.valid is None or config.batch.eval_iters == 0:
@@ -189,24 +192,18 @@ def validation_generation(step, config, loader, watchdog=None,
     collective_s = 60 * config.runtime.distributed_timeout_minutes
 
     def batches():
-        for index, batch in enumerate(loader):
+        for index, batch in enumerate(() if loader is None else loader):
             if index == limit:
                 return
             yield {k: v.to(device) for k, v in batch.items()}
 
     ep = config.parallel.expert_model_parallel_size
     group = parallel_state.get_expert_model_parallel_group() if ep > 1 else None
-    names = ["examples", "exact"] + (["label_right"] if seq2seq.label_words else [])
-    counts = dict.fromkeys(names, 0)
     step.train(False)
     try:
-        with torch.no_grad(), whole_model(step.reporting_module(),
-                                          config.model.make_vocab_size_divisible_by,
-                                          config.model.attention_backend) as model:
-            if model is not None and loader is not None:
-                counts = generation_counts(model, batches(), tokenizer,
-                                           config.data.decoder_seq_length,
-                                           seq2seq.label_words, group)
+        with torch.no_grad():
+            counts = _decoded_counts(step.reporting_module(), config, batches, tokenizer,
+                                     seq2seq.label_words, group, device)
     finally:
         step.train(True)
     names = sorted(counts)
@@ -218,6 +215,51 @@ def validation_generation(step, config, loader, watchdog=None,
         with watch:
             dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
     return rates(dict(zip(names, summed.tolist())))
+
+
+def _decoded_counts(module, config, batches, tokenizer, label_words, group,
+                    device) -> Dict[str, int]:
+    """`generation_counts` of `batches()` on the trained `module`: itself, a ZeRO-3 copy, or
+    in a pipeline this rank's stage (training/whole_model.py)."""
+    from megatron.training.whole_model import stage_model, whole_model
+
+    model_config = config.model
+    how = (model_config.make_vocab_size_divisible_by, model_config.attention_backend)
+    length = config.data.decoder_seq_length
+    if config.parallel.pipeline_model_parallel_size == 1:
+        with whole_model(module, *how) as model:
+            return generation_counts(model, batches(), tokenizer, length, label_words, group)
+    stage = stage_model(module, config.pipeline_cut(), *how)  # (dropped on return)
+    return generation_counts(stage, pipeline_batches(stage, batches(), device), tokenizer,
+                             length, label_words, group)
+
+
+def pipeline_batches(stage, batches: Iterator[Dict], device) -> Iterator[Dict]:
+    """On every rank of `stage`'s pipeline group, the first stage's `batches` (on the others,
+    ignored): there the batches themselves (with their labels), elsewhere their encoder input
+    (`encoder_input_ids`, `encoder_attention_mask`, int64) broadcast from the first stage, which
+    the stages decode together. Each batch is sent when the one before it is decoded; an empty
+    header ends them on every stage."""
+    import torch
+    import torch.distributed as dist
+
+    first, source = stage.stage == 0, stage.ranks[0]
+    while True:
+        batch = next(batches, None) if first else None
+        header = torch.zeros(3, dtype=torch.long, device=device)  # (more, rows, columns)
+        if batch is not None:
+            header[0] = 1
+            header[1:] = torch.tensor(batch["encoder_input_ids"].shape)
+        dist.broadcast(header, source, group=stage.group)
+        if not header[0]:
+            return
+        shape = tuple(header[1:].tolist())
+        sent = {}
+        for key in ("encoder_input_ids", "encoder_attention_mask"):
+            sent[key] = batch[key].to(torch.long).contiguous() if first else \
+                torch.empty(shape, dtype=torch.long, device=device)
+            dist.broadcast(sent[key], source, group=stage.group)
+        yield batch if first else sent
 
 
 def generation_scalars(metrics: Dict[str, float]) -> Dict[str, float]:

@@ -60,28 +60,23 @@ def run_pretrain_keeping_shards(rank, world_size, argv):
 
 
 def run_pretrain_keeping_whole_model(rank, world_size, argv):
-    """The entry point's pretrain of `argv`, then the trained module as one whole T5Model's
-    state dict (training/whole_model.py: a pipeline's stages joined on its first stage; None
-    on the other ranks), taken before the process groups go (not read back from the
-    checkpoint)."""
+    """The entry point's pretrain of `argv`, then the tensors this rank's trained module holds
+    under the single-process model's names (train_workers.decoding_state: in a pipeline its
+    stage's parts), taken before the process groups go (not read back from the checkpoint)."""
     import os
 
-    from train_workers import built_steps
+    from train_workers import built_steps, decoding_state
 
     from megatron import parallel_state
     from megatron.arguments import parse_args
     from megatron.initialize import initialize_distributed
     from megatron.pretrain_t5 import pretrain
-    from megatron.training.whole_model import whole_model
 
     config = parse_args(argv, env=os.environ)
     initialize_distributed(config.runtime, config.parallel)
     try:
         with built_steps() as built:
             pretrain(config)
-        with whole_model(built[-1].reporting_module(), config.model.make_vocab_size_divisible_by,
-                         config.model.attention_backend) as copy:
-            return None if copy is None else {k: v.detach().clone().float()
-                                              for k, v in copy.state_dict().items()}
+        return decoding_state(built[-1].reporting_module(), config)[0]
     finally:
         parallel_state.destroy_model_parallel()

@@ -144,6 +144,23 @@ def test_logged_exact_match_counts_the_right_predictions(single_log, train_data,
     assert final_generation(log) == [want]
 
 
+@pytest.mark.slow
+def test_pipeline_validation_scores_the_right_predictions(single_log, train_data, tmp_path):
+    """PP 2: the stages decode the first stage's validation batches together (PipelineDecoder
+    over each stage's own part, nothing gathered onto one stage) and score the one-process
+    final model's own decodings, as one process does (non-zero exact match and label
+    accuracy: at the cloze's 0 a wrong decoding would go unseen)."""
+    single, _ = single_log
+    flags, want = own_targets(finetune_argv(train_data), single["state"], train_data.spm,
+                              tmp_path / "own.jsonl")
+    log = tmp_path / "own_pp2.log"
+    got = run_workers(2, run_pretrain, [finetune_argv(
+        train_data, *flags, "--pipeline-model-parallel-size", "2", "--log-file", str(log))],
+        timeout=900)
+    assert got[0] == got[1]
+    assert final_generation(log) == [want]
+
+
 MOE = ("--num-experts", "4", "--moe-router-topk", "2")
 
 
@@ -243,17 +260,33 @@ def test_tensor_pipeline_and_zero_data_parallel_match_one_process(train_data, si
 
 @pytest.mark.slow
 def test_the_whole_copy_of_a_zero3_or_pipeline_model_is_the_one_process_model(train_data):
-    """Validation's decoding under ZeRO-3 and in a pipeline runs on training/whole_model.py's
-    copy: each tensor equals the one-process model's of the same seed (ZeRO-3: on both ranks;
-    PP 2: on the first stage, the second stage's blocks and head sent to it)."""
+    """Validation's decoding under ZeRO-3 runs on training/whole_model.py's copy: each tensor
+    equals the one-process model's of the same seed, on both ranks. In a pipeline (PP 2) each
+    stage decodes with its own part (whole_model.py's stage_model): each stage holds exactly
+    the tensors of its modules (Cut.stage_modules), each equal to the one-process model's,
+    and together they hold all of them."""
+    from megatron.arguments import parse_args
+    from megatron.model.t5 import T5Model
+
     argv = finetune_argv(train_data)
     (want, itself), = run_workers(1, whole_model_state, argv, timeout=300)
     assert itself  # one process: the trained module, no copy
     zero3 = run_workers(2, whole_model_state, argv + ["--zero-stage", "3"], timeout=300)
-    pipeline = run_workers(2, whole_model_state,
-                           argv + ["--pipeline-model-parallel-size", "2"], timeout=300)
-    assert pipeline[1] == (None, False)
-    for got, _ in (*zero3, pipeline[0]):
+    for got, copied in zero3:
+        assert not copied
         assert sorted(got) == sorted(want)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+    pp = argv + ["--pipeline-model-parallel-size", "2"]
+    stages = run_workers(2, whole_model_state, pp, timeout=300)
+    config = parse_args(pp, env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    cut, t5 = config.pipeline_cut(), config.model.t5
+    meta = T5Model(t5, config.model.make_vocab_size_divisible_by, device="meta")
+    for stage, (got, copied) in enumerate(stages):
+        assert not copied
+        modules = cut.stage_modules(stage, t5.tie_word_embeddings)
+        assert set(got) == {f"{m}.{n}" for m in modules
+                            for n in meta.get_submodule(m).state_dict()}, stage
+        for name in got:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+    assert set(stages[0][0]) | set(stages[1][0]) == set(want)

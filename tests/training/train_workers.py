@@ -149,29 +149,39 @@ def assert_same_run(got, want, rtol, label=""):
     same("evaluation losses", [e[2] for e in got["evals"]], [e[2] for e in want["evals"]], rtol)
 
 
+def held_state(model) -> dict:
+    """The state dict (float32 copies) of what `model` holds (a pipeline stage's model: the
+    tensors of its parts, not the meta device's)."""
+    return {k: v.detach().clone().float() for k, v in model.state_dict().items()
+            if not v.is_meta}
+
+
+def decoding_state(module, config):
+    """(held_state of the model validation decodes with, training/whole_model.py's: the module
+    itself, a ZeRO-3 copy, a pipeline stage's; whether it is the trained module itself)."""
+    from megatron.training.whole_model import stage_model, whole_model
+
+    how = (config.model.make_vocab_size_divisible_by, config.model.attention_backend)
+    if config.parallel.pipeline_model_parallel_size > 1:
+        return held_state(stage_model(module, config.pipeline_cut(), *how).model), False
+    with whole_model(module, *how) as copy:
+        return held_state(copy), copy is module
+
+
 def whole_model_state(rank, world_size, argv):
-    """The entry point's step for `argv`, then training/whole_model.py's whole copy of its
-    module: the copy's state dict (None on a rank that gets no copy) and whether it is the
-    trained module itself."""
+    """The entry point's step for `argv`, then `decoding_state` of its module."""
     from megatron.arguments import parse_args
     from megatron.initialize import initialize_distributed, set_seeds
     from megatron.pretrain_t5 import build_step
     from megatron.training.metrics import MetricsWriter
     from megatron.training.watchdog import NoWatchdog
-    from megatron.training.whole_model import whole_model
 
     config = parse_args(argv, env=os.environ)
     initialize_distributed(config.runtime, config.parallel)
     try:
         set_seeds(config.runtime.seed, config.runtime.device_type)
         step = build_step(config, NoWatchdog(), MetricsWriter(None, None, enabled=False))
-        module = step.reporting_module()
-        with whole_model(module, config.model.make_vocab_size_divisible_by,
-                         config.model.attention_backend) as copy:
-            if copy is None:
-                return None, False
-            return ({k: v.detach().clone().float() for k, v in copy.state_dict().items()},
-                    copy is module)
+        return decoding_state(step.reporting_module(), config)
     finally:
         parallel_state.destroy_model_parallel()
 
