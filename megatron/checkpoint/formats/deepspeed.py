@@ -49,13 +49,8 @@ from megatron.checkpoint.formats.deepspeed_files import (
     CheckpointReadError,
     load_file,
 )
-from megatron.checkpoint.formats.deepspeed_folder import (
-    LAYERS_FILE,
-    META,
-    find_iteration,
-    model_config,
-    read_meta,
-)
+from megatron.checkpoint.formats.deepspeed_folder import LAYERS_FILE, find_iteration
+from megatron.checkpoint.formats.meta import META, model_config, read_meta
 from megatron.checkpoint.formats.deepspeed_optimizer import optimizer_step
 from megatron.checkpoint.formats.deepspeed_tensors import (
     MOMENTS,
