@@ -271,9 +271,8 @@ def vocab_extended(args, model_meta: dict, tensors, source: dict):
     if source.get("format") == "cpm2" and args.vocab is not None:
         old_spec = resolve_tokenizer(args.vocab, path_flag="--tokenizer-path")
     else:
-        meta_path = Path(source["path"]) / "meta.json" if source.get("format") == "megatron" \
-            else None
-        old_spec = tokenizer_of(args, meta_path)
+        folder = Path(source["path"]) if source.get("format") == "megatron" else None
+        old_spec = tokenizer_of(args, folder)
     if old_spec is None:
         raise CommandLineError("--extend-vocab needs the checkpoint's own tokenizer: give it "
                                "with --tokenizer-model (--tokenizer-path with --from cpm2)")
@@ -381,16 +380,18 @@ def _count(model_meta: dict) -> int:
     return len(parameter_splits(config)) + len(buffer_shapes(config))
 
 
-def tokenizer_of(args, source_meta_path: Optional[Path]):
+def tokenizer_of(args, source_folder: Optional[Path]):
     """The run's tokenizer as a TokenizerSpec (megatron/data/tokenizers/tokenizer.py): --tokenizer-model,
-    else the flags the run recorded (its tokenizer file and type); None when unknown or gone."""
+    else the flags the run recorded in the iteration folder `source_folder`'s meta.json (its
+    tokenizer file and type); None when unknown or gone."""
+    from megatron.checkpoint.formats.meta import read_meta
     from megatron.data.tokenizers.tokenizer import resolve_tokenizer
 
     path, kind = args.tokenizer_model, None
-    if path is None and source_meta_path is not None:
+    if path is None and source_folder is not None:
         try:
-            flags = json.loads(source_meta_path.read_text())["flags"]
-        except (OSError, ValueError, KeyError):
+            flags = read_meta(source_folder)["flags"]
+        except (ValueError, KeyError):  # (CheckpointReadError is a ValueError)
             return None
         path, kind = flags.get("tokenizer_model"), flags.get("tokenizer_type")
         if not path or not Path(path).exists():
@@ -585,13 +586,12 @@ def run(args) -> int:
     from megatron.model.config import T5Config
 
     config = T5Config.from_dict(model_meta["config"], source="the checkpoint's meta.json")
-    meta_path = Path(source["path"]) / "meta.json" if source.get("format") == "megatron" \
-        else None
+    folder = Path(source["path"]) if source.get("format") == "megatron" else None
     tokenizer, tokenizer_files = None, None
     if source.get("format") == "cpm2":
         tokenizer_files = cpm2_tokenizer_files(args, config, source)
     else:
-        spec = tokenizer_of(args, meta_path)
+        spec = tokenizer_of(args, folder)
         if spec is None:
             print("warning: no tokenizer (give --tokenizer-model): the folder has weights and "
                   "config only", file=sys.stderr)
