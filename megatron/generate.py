@@ -333,8 +333,9 @@ def generate_all(args, model, tokenizer, texts, device, data=(0, 1),
     from megatron.generation import beam_search, greedy
     from megatron.generation.pipeline import decoder_for
     from megatron.generation.lockstep import Lockstep, dummy_decoder
+    from megatron.data.tokenizers.tokenizer_names import pad_id_of
 
-    pad = getattr(tokenizer, "pad_id", tokenizer.decoder_start_token_id)
+    pad = pad_id_of(tokenizer)
     start, eos = tokenizer.decoder_start_token_id, tokenizer.eos_id
     early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
     records = []
