@@ -1,6 +1,6 @@
-"""The folder of a checkpoint our trainer writes: the tracker, the iteration folders (their
-names: megatron/checkpoint/layout.py) and meta.json (the layout, the flags, the model), and
-hints when the folder is another tool's.
+"""The folder of a checkpoint our trainer writes: the tracker and the iteration folders (their
+names: megatron/checkpoint/layout.py; their meta.json: meta.py), and hints when the folder is
+another tool's.
 The reader built on it: megatron/checkpoint/formats/deepspeed.py.
 """
 
