@@ -71,6 +71,11 @@ if str(_REPO) not in sys.path:
 from megatron.cli import CommandLineParser, folder_problems  # noqa: E402 - after the path is set
 from megatron.data.storage.paths import path_flag_problems, scheme_problems  # noqa: E402
 from megatron.stdout import logs_to_stderr  # noqa: E402 - after the path is set
+from data_tools.convert_tokenizers import (  # noqa: E402 - after the path is set
+    cpm2_tokenizer_files,
+    cpm2_vocab_export,
+    tokenizer_of,
+)
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -380,42 +385,6 @@ def _count(model_meta: dict) -> int:
     return len(parameter_splits(config)) + len(buffer_shapes(config))
 
 
-def tokenizer_of(args, source_folder: Optional[Path]):
-    """The run's tokenizer as a TokenizerSpec (megatron/data/tokenizers/tokenizer.py): --tokenizer-model,
-    else the flags the run recorded in the iteration folder `source_folder`'s meta.json (its
-    tokenizer file and type); None when unknown or gone."""
-    from megatron.checkpoint.formats.meta import read_meta
-    from megatron.data.tokenizers.tokenizer import resolve_tokenizer
-
-    path, kind = args.tokenizer_model, None
-    if path is None and source_folder is not None:
-        try:
-            flags = read_meta(source_folder)["flags"]
-        except (ValueError, KeyError):  # (CheckpointReadError is a ValueError)
-            return None
-        path, kind = flags.get("tokenizer_model"), flags.get("tokenizer_type")
-        if not path or not Path(path).exists():
-            return None
-    if path is None:
-        return None
-    try:
-        return resolve_tokenizer(path, kind)
-    except ValueError as e:
-        print(f"warning: {e}", file=sys.stderr)
-        return None
-
-
-def cpm2_vocab_export(config, spec, source: dict):
-    """A run of ours trained with CPM-2's tokenizer: (config with the vocabulary's special ids,
-    the vocab.txt + README that stand in for a SentencePiece tokenizer in the folder)."""
-    from megatron.checkpoint.formats.cpm2 import CPM2TokenizerFiles, read_vocab, with_special_ids
-
-    vocab = Path(spec.path)
-    config = with_special_ids(config, read_vocab(vocab), vocab, exact=False)
-    return config, CPM2TokenizerFiles(config, Path(spec.path), f"{source['path']} (trained "
-                                      f"here with CPM-2's tokenizer)")
-
-
 def optimizer_states(args, source: dict):
     """What write_weights_checkpoint takes to carry the source's optimizer states, or None (with
     a warning saying why) where they cannot be carried."""
@@ -524,20 +493,6 @@ def to_cpm2(args, out: Path, model_meta: dict, tensors, source: dict, progress) 
              f"{size} model-parallel ranks, init_ckpt.py's layout (every data rank loads them)")
     print(f"wrote {out}: CPM-2-MoE at iteration {iteration}, {len(files)} files for {shape}")
     return 0
-
-
-def cpm2_tokenizer_files(args, config, source: dict):
-    """vocab.txt (when given) and the README naming CPM-2's tokenizer, for --to hf."""
-    from megatron.checkpoint.formats.cpm2 import CPM2TokenizerFiles, vocab_file
-
-    vocab = vocab_file(args.vocab) if args.vocab is not None else None
-    if vocab is None:
-        print("warning: no vocab.txt (give --tokenizer-path, CPM-2's bpe_cn/ or bpe_cn_en/): the "
-              "folder has weights, config and a README only, and its special ids are bpe_cn's",
-              file=sys.stderr)
-    where = f"{source['path']} (iteration {source['iteration']}, model-parallel size " \
-        f"{source['model_parallel_size']})"
-    return CPM2TokenizerFiles(config, vocab, where)
 
 
 def run(args) -> int:

@@ -13,7 +13,6 @@ from typing import Dict, List, Optional, Union
 from megatron.checkpoint.formats.deepspeed_experts import expert_files, expert_size
 from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError, Files
 from megatron.checkpoint.layout import (
-    DEEPSPEED_LATEST,
     ITERATION_PREFIX,
     TRACKER,
     TrackerError,
