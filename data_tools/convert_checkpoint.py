@@ -71,6 +71,11 @@ if str(_REPO) not in sys.path:
 from megatron.cli import CommandLineParser, folder_problems  # noqa: E402 - after the path is set
 from megatron.data.storage.paths import path_flag_problems, scheme_problems  # noqa: E402
 from megatron.stdout import logs_to_stderr  # noqa: E402 - after the path is set
+from data_tools.convert_tokenizers import (  # noqa: E402 - after the path is set
+    cpm2_tokenizer_files,
+    cpm2_vocab_export,
+    tokenizer_of,
+)
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -271,9 +276,8 @@ def vocab_extended(args, model_meta: dict, tensors, source: dict):
     if source.get("format") == "cpm2" and args.vocab is not None:
         old_spec = resolve_tokenizer(args.vocab, path_flag="--tokenizer-path")
     else:
-        meta_path = Path(source["path"]) / "meta.json" if source.get("format") == "megatron" \
-            else None
-        old_spec = tokenizer_of(args, meta_path)
+        folder = Path(source["path"]) if source.get("format") == "megatron" else None
+        old_spec = tokenizer_of(args, folder)
     if old_spec is None:
         raise CommandLineError("--extend-vocab needs the checkpoint's own tokenizer: give it "
                                "with --tokenizer-model (--tokenizer-path with --from cpm2)")
@@ -379,40 +383,6 @@ def _count(model_meta: dict) -> int:
 
     config = T5Config.from_dict(model_meta["config"], source="the checkpoint's meta.json")
     return len(parameter_splits(config)) + len(buffer_shapes(config))
-
-
-def tokenizer_of(args, source_meta_path: Optional[Path]):
-    """The run's tokenizer as a TokenizerSpec (megatron/data/tokenizers/tokenizer.py): --tokenizer-model,
-    else the flags the run recorded (its tokenizer file and type); None when unknown or gone."""
-    from megatron.data.tokenizers.tokenizer import resolve_tokenizer
-
-    path, kind = args.tokenizer_model, None
-    if path is None and source_meta_path is not None:
-        try:
-            flags = json.loads(source_meta_path.read_text())["flags"]
-        except (OSError, ValueError, KeyError):
-            return None
-        path, kind = flags.get("tokenizer_model"), flags.get("tokenizer_type")
-        if not path or not Path(path).exists():
-            return None
-    if path is None:
-        return None
-    try:
-        return resolve_tokenizer(path, kind)
-    except ValueError as e:
-        print(f"warning: {e}", file=sys.stderr)
-        return None
-
-
-def cpm2_vocab_export(config, spec, source: dict):
-    """A run of ours trained with CPM-2's tokenizer: (config with the vocabulary's special ids,
-    the vocab.txt + README that stand in for a SentencePiece tokenizer in the folder)."""
-    from megatron.checkpoint.formats.cpm2 import CPM2TokenizerFiles, read_vocab, with_special_ids
-
-    vocab = Path(spec.path)
-    config = with_special_ids(config, read_vocab(vocab), vocab, exact=False)
-    return config, CPM2TokenizerFiles(config, Path(spec.path), f"{source['path']} (trained "
-                                      f"here with CPM-2's tokenizer)")
 
 
 def optimizer_states(args, source: dict):
@@ -525,20 +495,6 @@ def to_cpm2(args, out: Path, model_meta: dict, tensors, source: dict, progress) 
     return 0
 
 
-def cpm2_tokenizer_files(args, config, source: dict):
-    """vocab.txt (when given) and the README naming CPM-2's tokenizer, for --to hf."""
-    from megatron.checkpoint.formats.cpm2 import CPM2TokenizerFiles, vocab_file
-
-    vocab = vocab_file(args.vocab) if args.vocab is not None else None
-    if vocab is None:
-        print("warning: no vocab.txt (give --tokenizer-path, CPM-2's bpe_cn/ or bpe_cn_en/): the "
-              "folder has weights, config and a README only, and its special ids are bpe_cn's",
-              file=sys.stderr)
-    where = f"{source['path']} (iteration {source['iteration']}, model-parallel size " \
-        f"{source['model_parallel_size']})"
-    return CPM2TokenizerFiles(config, vocab, where)
-
-
 def run(args) -> int:
     if args.inspect is not None:
         from megatron.checkpoint.formats.deepspeed import describe, find_iteration
@@ -585,13 +541,12 @@ def run(args) -> int:
     from megatron.model.config import T5Config
 
     config = T5Config.from_dict(model_meta["config"], source="the checkpoint's meta.json")
-    meta_path = Path(source["path"]) / "meta.json" if source.get("format") == "megatron" \
-        else None
+    folder = Path(source["path"]) if source.get("format") == "megatron" else None
     tokenizer, tokenizer_files = None, None
     if source.get("format") == "cpm2":
         tokenizer_files = cpm2_tokenizer_files(args, config, source)
     else:
-        spec = tokenizer_of(args, meta_path)
+        spec = tokenizer_of(args, folder)
         if spec is None:
             print("warning: no tokenizer (give --tokenizer-model): the folder has weights and "
                   "config only", file=sys.stderr)

@@ -334,10 +334,9 @@ def resume_problems(values: Dict, now: Dict[str, int], lr_schedule) -> List[str]
                                         lr_schedule, values["lr_policy"], values["finetune"],
                                         not values["no_load_rng"], values["ckpt_step"])
     if not problems and resumes_prompt_run(values) is not None:
-        save = values["save"]  # checkpoint_problems names its folder as --load's
-        problems += [p.replace(f"--load {save}", f"--save {save} (resumed)", 1)
-                     for p in checkpoint_problems(save, now, False, lr_schedule,
-                                                  values["lr_policy"])]
+        save = values["save"]
+        problems += checkpoint_problems(save, now, False, lr_schedule, values["lr_policy"],
+                                        label=f"--save {save} (resumed)")
     return problems
 
 

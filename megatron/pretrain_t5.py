@@ -27,8 +27,11 @@ import torch.distributed as dist
 
 from megatron import parallel_state
 from megatron.arguments import ArgumentsError, parse_args
+from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError
+from megatron.checkpoint.formats.meta import (PROMPT_ALONE, PROMPT_WITH_MODEL, CheckpointKind,
+                                              kind_of, read_meta)
 from megatron.checkpoint.io.checkpointing import CheckpointError, layout, load_checkpoint, \
-    load_iteration, read_meta, resumes_schedule
+    load_iteration, resumes_schedule, tag_for
 from megatron.checkpoint.io.completeness import MANIFEST
 from megatron.checkpoint.io.ownership import SaveLock, SaveLockError, describe, watch_launcher
 from megatron.checkpoint.io.prompt import resumes_prompt_run
@@ -299,8 +302,8 @@ def _prompt_resume(config: RunConfig):
 
 def _start_prompt(step, config: RunConfig, writer: MetricsWriter, resumed=None):
     """Prompt tuning: the prompt started once the base model is loaded, or left to the resume
-    from --save that follows (`resumed`: the meta.json of --save's checkpoint,
-    `_prompt_resume`); the base's identity (None without --prompt-tune)."""
+    from --save that follows (`resumed`: what --save's checkpoint is, `_prompt_resume`); the
+    base's identity (None without --prompt-tune)."""
     settings = prompt_settings(config.flags)
     if settings is None:
         return None
@@ -310,16 +313,19 @@ def _start_prompt(step, config: RunConfig, writer: MetricsWriter, resumed=None):
     token = init_token_id(settings, build_tokenizer(config.data.tokenizer))
     load = Path(config.checkpoint.load) if config.checkpoint.load else None
     iteration = load_iteration(load, config.checkpoint.ckpt_step) if load is not None else None
-    meta = read_meta(load, iteration) if iteration is not None else {}
-    loaded = "prompt_base" in meta.get("model", {})
+    try:  # (the load has read it already: a folder changed since)
+        meta = read_meta(load / tag_for(iteration)) if iteration is not None else {}
+        kind = kind_of(meta) if meta else CheckpointKind()
+    except CheckpointReadError as e:
+        raise CheckpointError(str(e)) from None
+    loaded = kind.prompt is not None
     if loaded and not config.checkpoint.finetune:  # --load resumed a second stage's own run:
-        identity = meta["model"]["prompt_base"]  # its base stays the one it records
+        identity = kind.prompt_base  # its base stays the one it records
         writer.write_text(f"prompt tuning: {settings.layout.length} vectors as --load "
                           f"{config.checkpoint.load} holds them (resumed); base "
                           f"{identity['load']} digest {identity['digest'][:12]}")
         return identity
-    resume = None if resumed is None else (config.checkpoint.save,
-                                           resumed["model"]["prompt_base"])
+    resume = None if resumed is None else (config.checkpoint.save, resumed.prompt_base)
     identity = start_prompt(step.engine, settings, token, config.checkpoint.load,
                             meta.get("iteration"), loaded, resume)
     source = f"--save {config.checkpoint.save} (resumed below)" if resume else \
@@ -339,16 +345,17 @@ def _saver(step, config: RunConfig, writer: MetricsWriter, watchdog,
     model_meta = {"config": config.model.t5.to_dict(),
                   "make_vocab_size_divisible_by": config.model.make_vocab_size_divisible_by,
                   "precision": config.precision.precision}
+    t5, kind = config.model.t5, CheckpointKind()
     if prompt_base is not None:  # and the prompt's layout, for generation (megatron/generate.py)
-        prompt_layout = prompt_settings(config.flags).layout
-        model_meta["prompt_base"] = prompt_base
-        model_meta["prompt_layout"] = {"length": prompt_layout.length,
-                                       "ratios": list(prompt_layout.ratios)}
+        settings = prompt_settings(config.flags)
+        kind = CheckpointKind(PROMPT_WITH_MODEL if settings.train_model else PROMPT_ALONE,
+                              settings.layout, prompt_base)
+    kind = dataclasses.replace(kind, router_type=t5.router_type if t5.is_moe else None)
     if config.parallel.pipeline_model_parallel_size > 1:
         model_meta["pipeline_blocks"] = list(config.pipeline_cut().blocks)
     saver = Saver(step, ckpt.save, layout(config.parallel, config.zero.stage),
                   config.runtime.device_type, config.flags, model_meta, ckpt.keep_last,
-                  ckpt.async_save, 60 * ckpt.timeout_minutes, watchdog)
+                  ckpt.async_save, 60 * ckpt.timeout_minutes, watchdog, kind)
     saver.on_commit = lambda path, t: writer.write_text(
         f"saved checkpoint {path} ({t['bytes'] / 2**20:.1f} MiB; the step was held "
         f"{t['blocked_s']:.2f} s" + (f" + {t['waited_s']:.2f} s waiting for the previous "

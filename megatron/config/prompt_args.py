@@ -69,29 +69,6 @@ def parse_shares(text: str) -> Tuple[Tuple[float, ...], List[str]]:
                     f"0.33,0.34,0.33"]
 
 
-def prompt_alone(meta: Mapping) -> bool:
-    """Whether the checkpoint of this meta.json holds a prompt alone (a --prompt-tune run's,
-    the model frozen), not the model (with or without a prompt)."""
-    flags = meta.get("flags", {})
-    return meta.get("model", {}).get("prompt_base") is not None \
-        and bool(flags.get("prompt_tune")) and not flags.get("prompt_train_model")
-
-
-def saved_prompt_layout(meta: Mapping) -> Optional[PromptLayout]:
-    """The layout of the prompt a prompt-tuning checkpoint was trained with (meta.json's
-    model.prompt_layout, or, saved before that was recorded, its flags); None for a checkpoint
-    of no prompt-tuning run."""
-    model = meta.get("model", {})
-    if model.get("prompt_base") is None:
-        return None
-    saved = model.get("prompt_layout")
-    if saved is not None:
-        return PromptLayout(int(saved["length"]), tuple(float(r) for r in saved["ratios"]))
-    flags = meta.get("flags", {})
-    shares, _ = parse_shares(str(flags.get("prompt_positions", "1")))
-    return PromptLayout(int(flags.get("prompt_length", 100)), shares)
-
-
 def prompt_problems(values: Mapping[str, object],
                     given: Optional[Set[str]] = None) -> List[str]:
     """The prompt flags (`vars(namespace)`): ranges and combinations. `given`: the flags the

@@ -1,8 +1,8 @@
 """Decoding with a tuned prompt (megatron/generate.py): the prompt of a prompt-tuning run's
 --save on its base model (`--load BASE --prompt-load P`, refused on another base), or the
 prompt a second stage (--prompt-train-model) saved with its model (`--load M`). Its layout
-(length, slots) comes from the checkpoint that holds it (megatron/config/prompt_args.py's
-`saved_prompt_layout`); the prompt and its base's digest are read by
+(length, slots) comes from the checkpoint that holds it (what meta.json records it is:
+megatron/checkpoint/formats/meta.py's `kind_of`); the prompt and its base's digest are read by
 megatron/checkpoint/io/prompt.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron.config.prompt_args import prompt_alone, saved_prompt_layout
+from megatron.checkpoint.formats.meta import kind_of
 from megatron.model.prompt import PromptLayout, base_mismatch
 
 
@@ -43,15 +43,15 @@ def generation_prompt(load: str, folder: Path, meta: Dict,
     from megatron.checkpoint.formats.deepspeed import CheckpointReadError, find_iteration, \
         read_meta
     from megatron.checkpoint.io.checkpointing import CheckpointError
-    from megatron.checkpoint.io.prompt import DIGEST_OF, META_KEY, checkpoint_digest, \
-        read_prompt
+    from megatron.checkpoint.io.prompt import DIGEST_OF, checkpoint_digest, read_prompt
 
-    if prompt_alone(meta):
-        base = meta["model"][META_KEY]
+    kind = kind_of(meta, folder / "meta.json")
+    if kind.prompt_alone:
+        base = kind.prompt_base
         raise PromptLoadError(f"--load {load} holds a prompt alone (a --prompt-tune run's "
                               f"checkpoint): decode with its base model and the prompt: "
                               f"--load {base.get('load')} --prompt-load {load}")
-    own = saved_prompt_layout(meta)
+    own = kind.prompt_layout
     if prompt_load is None:
         return None if own is None else GenerationPrompt(own)
     if own is not None:
@@ -60,7 +60,7 @@ def generation_prompt(load: str, folder: Path, meta: Dict,
                               f"alone (no --prompt-load)")
     try:
         weight, saved = read_prompt(Path(prompt_load))
-        layout = saved_prompt_layout(read_meta(find_iteration(Path(prompt_load))))
+        layout = kind_of(read_meta(find_iteration(Path(prompt_load)))).prompt_layout
         now = {"load": load, "iteration": meta.get("iteration"),
                "digest": checkpoint_digest(folder), "of": DIGEST_OF}
     except (CheckpointError, CheckpointReadError) as e:

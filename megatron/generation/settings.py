@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Mapping, NamedTuple, Union
 
+from megatron.data.tokenizers.tokenizer_names import pad_id_of
 from megatron.generation.processors import (ForcedEOS, LogitsProcessor, NoRepeatNGram,
                                             Temperature, TopK, TopP)
 
@@ -32,9 +33,8 @@ class SpecialTokens(NamedTuple):
 
     @classmethod
     def of(cls, tokenizer) -> "SpecialTokens":
-        """A tokenizer's (its pad id, or the decoder start where it has none)."""
-        start = tokenizer.decoder_start_token_id
-        return cls(start, tokenizer.eos_id, getattr(tokenizer, "pad_id", start))
+        """A tokenizer's (the pad id by the one rule, tokenizer_names.pad_id_of)."""
+        return cls(tokenizer.decoder_start_token_id, tokenizer.eos_id, pad_id_of(tokenizer))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 ACTIVATIONS = ("relu", "gelu", "gelu_new", "gelu_pytorch_tanh", "silu", "swish")
 INIT_METHODS = ("t5x", "hf", "cpm2")
@@ -47,7 +47,16 @@ MOE_FIELDS = ("num_experts", "encoder_sparse_step", "decoder_sparse_step",
 
 
 class ConfigError(ValueError):
-    """A model configuration that cannot be built; the message names the file and key."""
+    """A model configuration that cannot be built; the message names the file and key.
+
+    problems: (field, message) for each invalid field where the values were checked
+        (`T5Config.validate`), so that a caller names them its own way (a tool's flag) without
+        parsing the message; empty otherwise. field: the first one's field (None: none)."""
+
+    def __init__(self, message: str, problems: Sequence[Tuple[str, str]] = ()) -> None:
+        super().__init__(message)
+        self.problems: List[Tuple[str, str]] = list(problems)
+        self.field: Optional[str] = self.problems[0][0] if self.problems else None
 
 
 @dataclass
@@ -202,100 +211,116 @@ class T5Config:
     # Validation -------------------------------------------------------------------------------
     def problems(self) -> list:
         """Every problem with the values, as messages; empty when the config is buildable."""
+        return [message for _, message in self.field_problems()]
+
+    def field_problems(self) -> List[Tuple[str, str]]:
+        """Every problem with the values, as (the field, the message naming it)."""
         out = []
         for name in ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers",
                      "num_heads", "relative_attention_num_buckets",
                      "relative_attention_max_distance"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                out.append(f"{name} must be a positive integer, not {value!r}")
+                out.append((name, f"{name} must be a positive integer, not {value!r}"))
         for name in ("dropout_rate",):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not 0 <= value < 1:
-                out.append(f"{name} must be in [0, 1), not {value!r}")
+                out.append((name, f"{name} must be in [0, 1), not {value!r}"))
         for name in ("layer_norm_epsilon", "initializer_factor", "init_method_std"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                out.append(f"{name} must be a positive number, not {value!r}")
+                out.append((name, f"{name} must be a positive number, not {value!r}"))
         parts = self.feed_forward_proj.split("-") if isinstance(self.feed_forward_proj, str) \
             else []
         if not parts or len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated") \
                 or parts[-1] not in ACTIVATIONS:
-            out.append(f"feed_forward_proj {self.feed_forward_proj!r} is not one of relu, "
-                       f"gated-gelu, or [gated-]{{{', '.join(ACTIVATIONS)}}}")
+            out.append(("feed_forward_proj",
+                        f"feed_forward_proj {self.feed_forward_proj!r} is not one of relu, "
+                        f"gated-gelu, or [gated-]{{{', '.join(ACTIVATIONS)}}}"))
         for name in ("tie_word_embeddings", "scale_decoder_outputs"):
             if not isinstance(getattr(self, name), bool):
-                out.append(f"{name} must be true or false, not {getattr(self, name)!r}")
+                out.append((name, f"{name} must be true or false, not {getattr(self, name)!r}"))
         if self.init_method not in INIT_METHODS:
-            out.append(f"init_method must be one of {', '.join(map(repr, INIT_METHODS))}, not "
-                       f"{self.init_method!r}")
+            out.append(("init_method", f"init_method must be one of "
+                                       f"{', '.join(map(repr, INIT_METHODS))}, not "
+                                       f"{self.init_method!r}"))
         if isinstance(self.relative_attention_num_buckets, int) \
                 and self.relative_attention_num_buckets < 4:
-            out.append("relative_attention_num_buckets must be at least 4 (half exact, half "
-                       "logarithmic, in each direction)")
+            out.append(("relative_attention_num_buckets",
+                        "relative_attention_num_buckets must be at least 4 (half exact, half "
+                        "logarithmic, in each direction)"))
         for name in ("pad_token_id", "eos_token_id", "decoder_start_token_id"):
             value = getattr(self, name)
             if isinstance(value, int) and isinstance(self.vocab_size, int) \
                     and not 0 <= value < self.vocab_size:
-                out.append(f"{name} {value} is outside the vocabulary (size {self.vocab_size})")
-        return out + self.moe_problems()
+                out.append((name, f"{name} {value} is outside the vocabulary (size "
+                                  f"{self.vocab_size})"))
+        return out + self.moe_field_problems()
 
-    def moe_problems(self) -> list:
-        """What is wrong with the Mixture-of-Experts fields (nothing for a dense model)."""
+    def moe_field_problems(self) -> List[Tuple[str, str]]:
+        """What is wrong with the Mixture-of-Experts fields (nothing for a dense model), as
+        (the field, the message naming it)."""
         out = []
         for name in ("num_experts", "encoder_sparse_step", "decoder_sparse_step", "router_topk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                out.append(f"{name} must be a non-negative integer, not {value!r}")
+                out.append((name, f"{name} must be a non-negative integer, not {value!r}"))
         if out or not self.num_experts:
             return out
         if self.router_type not in ROUTER_TYPES:
-            out.append(f"router_type must be 'switch', 'topk', 'base' or 'cpm2', not "
-                       f"{self.router_type!r}")
+            out.append(("router_type", f"router_type must be 'switch', 'topk', 'base' or "
+                                       f"'cpm2', not {self.router_type!r}"))
         if self.router_type == "topk" and not 1 <= self.router_topk <= self.num_experts:
-            out.append(f"router_topk ({self.router_topk}) must be between 1 and num_experts "
-                       f"({self.num_experts})")
+            out.append(("router_topk", f"router_topk ({self.router_topk}) must be between 1 and "
+                                       f"num_experts ({self.num_experts})"))
         for name in ("expert_capacity_factor", "eval_expert_capacity_factor", "expert_capacity"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool)
                                       or not isinstance(value, (int, float)) or value <= 0):
-                out.append(f"{name} must be a positive number or null, not {value!r}")
+                out.append((name, f"{name} must be a positive number or null, not {value!r}"))
         if self.router_type in ("base", "cpm2"):
             kind = self.router_type
             for name in ("expert_capacity_factor", "eval_expert_capacity_factor"):
                 if getattr(self, name) is not None:
-                    out.append(f"{name} cannot be set with router_type '{kind}': BASE layers "
-                               "give every expert the same number of tokens, nothing is dropped")
+                    out.append((name, f"{name} cannot be set with router_type '{kind}': BASE "
+                                      "layers give every expert the same number of tokens, "
+                                      "nothing is dropped"))
             if self.moe_expert_bias:
-                out.append(f"moe_expert_bias cannot be set with router_type '{kind}': its "
-                           "assignment is balanced already")
+                out.append(("moe_expert_bias", f"moe_expert_bias cannot be set with router_type "
+                                               f"'{kind}': its assignment is balanced already"))
         if self.router_type == "cpm2":
             for name in ("router_bias", "router_jitter_noise"):
                 if getattr(self, name):
-                    out.append(f"{name} cannot be set with router_type 'cpm2': CPM-2-MoE routes "
-                               "by fixed centroids (no router weights, no noise)")
+                    out.append((name, f"{name} cannot be set with router_type 'cpm2': CPM-2-MoE "
+                                      "routes by fixed centroids (no router weights, no noise)"))
             gain = self.router_centroid_gain
             if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not gain > 0:
-                out.append(f"router_centroid_gain must be a positive number, not {gain!r}")
+                out.append(("router_centroid_gain",
+                            f"router_centroid_gain must be a positive number, not {gain!r}"))
         if self.router_dtype != "float32":
-            out.append(f"router_dtype {self.router_dtype!r} is not supported: the router is "
-                       "computed in float32")
+            out.append(("router_dtype", f"router_dtype {self.router_dtype!r} is not supported: "
+                                        "the router is computed in float32"))
         if self.router_ignore_padding_tokens is not False:
-            out.append("router_ignore_padding_tokens must be false")
+            out.append(("router_ignore_padding_tokens",
+                        "router_ignore_padding_tokens must be false"))
         if not isinstance(self.router_jitter_noise, (int, float)) \
                 or not 0 <= self.router_jitter_noise < 1:
-            out.append(f"router_jitter_noise must be in [0, 1), not {self.router_jitter_noise!r}")
+            out.append(("router_jitter_noise", f"router_jitter_noise must be in [0, 1), not "
+                                               f"{self.router_jitter_noise!r}"))
         for name in ("router_z_loss_coef", "router_aux_loss_coef"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                out.append(f"{name} must be a non-negative number, not {value!r}")
+                out.append((name, f"{name} must be a non-negative number, not {value!r}"))
         return out
 
     def validate(self) -> None:
-        problems = self.problems()
+        """Raises:
+            ConfigError: every problem (its `problems`: (field, message) pairs)."""
+        problems = self.field_problems()
         if problems:
-            raise ConfigError("invalid model config: " + "; ".join(problems))
+            raise ConfigError("invalid model config: " + "; ".join(m for _, m in problems),
+                              problems=problems)
 
     # I/O --------------------------------------------------------------------------------------
     @classmethod

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -157,19 +157,33 @@ def freeze_all_but_prompt(model: nn.Module) -> List[str]:
     return frozen
 
 
-def base_identity(model: nn.Module, load: Optional[str], iteration: Optional[int]) -> Dict:
-    """What identifies the frozen model a prompt is trained on: where it was loaded from, its
-    iteration, and a digest of its tensors' names, shapes and values (this rank's shards: for a
-    model not loaded from a checkpoint; a loaded one is identified by its checkpoint's full
-    tensors, megatron/training/prompt_tuning.py's `loaded_base_identity`)."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
+def tensors_digest(tensors: Iterable[Tuple[str, torch.Tensor]]) -> str:
+    """The digest that names a prompt's base model: SHA-256 over each tensor's name, shape,
+    dtype and bytes, in any order (one tensor at a time: each is hashed on its own, then the
+    sorted per-tensor digests), the prompt left out. The same function for a model in memory
+    (`base_identity`) and for a checkpoint's full tensors (megatron/checkpoint/io/prompt.py's
+    `checkpoint_digest`)."""
+    each = {}
+    for name, tensor in tensors:
         if name == PROMPT_PARAMETER:
             continue
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-                      .tobytes())
-    return {"load": load, "iteration": iteration, "digest": digest.hexdigest()}
+        one = hashlib.sha256(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        one.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                   .tobytes())
+        each[name] = one.hexdigest()
+    whole = hashlib.sha256()
+    for name in sorted(each):
+        whole.update(f"{name}={each[name]};".encode())
+    return whole.hexdigest()
+
+
+def base_identity(model: nn.Module, load: Optional[str], iteration: Optional[int]) -> Dict:
+    """What identifies the frozen model a prompt is trained on: where it was loaded from, its
+    iteration, and `tensors_digest` of its state (this rank's shards: for a model not loaded
+    from a checkpoint; a loaded one is identified by its checkpoint's full tensors,
+    megatron/training/prompt_tuning.py's `loaded_base_identity`)."""
+    return {"load": load, "iteration": iteration,
+            "digest": tensors_digest(model.state_dict().items())}
 
 
 def base_mismatch(saved: Dict, now: Dict, prompt_path: str) -> Optional[str]:

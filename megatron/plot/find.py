@@ -8,10 +8,11 @@ also records where each start resumed.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError
+from megatron.checkpoint.formats.meta import read_meta
 from megatron.checkpoint.layout import ITERATION_PREFIX, iteration_of_folder
 from megatron.plot.events import read_events
 from megatron.plot.logfile import read_log
@@ -56,8 +57,8 @@ def newest_meta(folder: Path) -> Optional[dict]:
             found.append((iteration, meta))
     for _, meta in sorted(found, reverse=True):
         try:
-            return json.loads(meta.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            return read_meta(meta.parent)
+        except CheckpointReadError:
             continue  # a damaged one: the next older
     return None
 

@@ -19,6 +19,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megatron.data.datasets.seq2seq import is_scored
 from megatron.data.preprocess.jsonl import BadLine, read_fields
+from megatron.data.tokenizers.tokenizer_names import pad_id_of
 
 
 def _checked(predictions: Sequence[str], targets: Sequence[str]) -> None:
@@ -84,7 +85,7 @@ def read_predictions(path: str, prediction_key: str = "prediction",
 
 def decoded_targets(batch, tokenizer) -> List[str]:
     """Each row's labelled target (EOS and padding left out) as text."""
-    eos, pad = tokenizer.eos_id, getattr(tokenizer, "pad_id", None)
+    eos, pad = tokenizer.eos_id, pad_id_of(tokenizer)
     out = []
     for row in batch["labels"].cpu().tolist():
         out.append(tokenizer.decode([i for i in row if i != -100 and i not in (eos, pad)]))

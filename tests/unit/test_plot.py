@@ -201,18 +201,25 @@ def test_log_and_tensorboard_give_the_same_run(tmp_path):
     assert from_log.steps == from_tb.steps == {1: 1, 2: 1, 3: 1, 4: 1, 5: 1}
 
 
+LAYOUT = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+          "data_parallel_size": 1, "zero_stage": 0}
+"""The layout every meta.json of the trainer records (its reader refuses one without)."""
+
+
 def test_a_save_folder_finds_its_log_through_meta_json(tmp_path):
     save, logs = tmp_path / "ckpt", tmp_path / "logs"
     (save / "iter_0000004").mkdir(parents=True)
     logs.mkdir()
     (logs / "train.out").write_text("\n".join(LOG) + "\n")
     flags = {"save": str(save), "log_file": str(logs / "train.out"), "tensorboard_dir": None}
-    (save / "iter_0000004" / "meta.json").write_text(json.dumps({"flags": flags}))
+    (save / "iter_0000004" / "meta.json").write_text(json.dumps({"flags": flags,
+                                                                 "layout": LAYOUT}))
     assert resolve(save) == ("log", logs / "train.out")
     # moved: a log that was inside the save folder is found inside the folder's new place
     flags["log_file"] = str(tmp_path / "gone" / "sub" / "log.txt")
     flags["save"] = str(tmp_path / "gone")
-    (save / "iter_0000004" / "meta.json").write_text(json.dumps({"flags": flags}))
+    (save / "iter_0000004" / "meta.json").write_text(json.dumps({"flags": flags,
+                                                                 "layout": LAYOUT}))
     (save / "sub").mkdir()
     (save / "sub" / "log.txt").write_text("\n".join(LOG) + "\n")
     assert resolve(save) == ("log", save / "sub" / "log.txt")

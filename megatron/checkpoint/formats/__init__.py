@@ -3,7 +3,8 @@
 One intermediate: full, unpadded tensors under our names (Hugging Face T5's), one at a time.
 - deepspeed.py reads any checkpoint the trainer writes (any TP, PP, EP, DP, ZeRO 0-3): the
   weights, the fp32 masters, Adam's moments and step. It is the public face of deepspeed_folder.py
-  (tracker, meta.json), deepspeed_tensors.py (full tensors), deepspeed_pipeline.py (layer and
+  (tracker), meta.py (meta.json's one reader and writer: what a checkpoint is, as typed fields),
+  deepspeed_tensors.py (full tensors), deepspeed_pipeline.py (layer and
   tied files), deepspeed_optimizer.py (masters, moments, step), deepspeed_describe.py (--inspect),
   deepspeed_files.py (the safe loader, ZeRO layouts) and deepspeed_experts.py (experts over ranks).
 - hf.py writes and reads Hugging Face folders (weights, config, tokenizer); switch.py what a

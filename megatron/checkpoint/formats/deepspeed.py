@@ -28,8 +28,8 @@ With a pipeline, M = stage * TP + T (DeepSpeed's model-parallel rank):
     (with experts split over ranks, DeepSpeed's MoE checkpoint: no layer or tied files; each
     stage's whole state dict, by its layers' numbers, is the 'module' of its mp_rank_MM file)
 
-The reader, one module per concept: the folder, tracker and meta.json (deepspeed_folder.py; the
-names in the folder: megatron/checkpoint/layout.py); full
+The reader, one module per concept: the folder and tracker (deepspeed_folder.py; the names in
+the folder: megatron/checkpoint/layout.py); meta.json and what a checkpoint is (meta.py); full
 tensors from each tensor rank's shards (deepspeed_tensors.py); a pipeline's layer and tied files
 (deepspeed_pipeline.py); the optimizer's masters, moments and step (deepspeed_optimizer.py);
 --inspect (deepspeed_describe.py). This module is their public face.
@@ -49,13 +49,8 @@ from megatron.checkpoint.formats.deepspeed_files import (
     CheckpointReadError,
     load_file,
 )
-from megatron.checkpoint.formats.deepspeed_folder import (
-    LAYERS_FILE,
-    META,
-    find_iteration,
-    model_config,
-    read_meta,
-)
+from megatron.checkpoint.formats.deepspeed_folder import LAYERS_FILE, find_iteration
+from megatron.checkpoint.formats.meta import META, model_config, read_meta
 from megatron.checkpoint.formats.deepspeed_optimizer import optimizer_step
 from megatron.checkpoint.formats.deepspeed_tensors import (
     MOMENTS,

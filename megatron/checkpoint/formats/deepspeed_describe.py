@@ -11,11 +11,9 @@ from typing import Any, Dict
 
 from megatron.checkpoint.formats.deepspeed_experts import describe_experts, expert_size
 from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError, Files, model_file
-from megatron.checkpoint.formats.deepspeed_folder import (
-    LAYERS_FILE,
+from megatron.checkpoint.formats.deepspeed_folder import LAYERS_FILE, PathLike, expected_files
+from megatron.checkpoint.formats.meta import (
     META,
-    PathLike,
-    expected_files,
     is_weights_format,
     model_config,
     precision_of,

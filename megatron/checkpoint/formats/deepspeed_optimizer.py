@@ -20,13 +20,8 @@ from megatron.checkpoint.formats.deepspeed_files import (
     model_file,
     zero_masters,
 )
-from megatron.checkpoint.formats.deepspeed_folder import (
-    META,
-    PathLike,
-    is_weights_format,
-    precision_of,
-    read_meta,
-)
+from megatron.checkpoint.formats.deepspeed_folder import PathLike
+from megatron.checkpoint.formats.meta import META, is_weights_format, precision_of, read_meta
 from megatron.checkpoint.formats.deepspeed_pipeline import (
     owned,
     pipeline_layers,

@@ -19,10 +19,11 @@ from megatron.checkpoint.formats.deepspeed_files import (
     model_file,
     zero_masters,
 )
-from megatron.checkpoint.formats.deepspeed_folder import (
+from megatron.checkpoint.formats.deepspeed_folder import PathLike
+from megatron.checkpoint.formats.meta import (
     META,
-    PathLike,
     is_weights_format,
+    kind_of,
     model_config,
     precision_of,
     read_meta,
@@ -30,7 +31,6 @@ from megatron.checkpoint.formats.deepspeed_folder import (
 from megatron.checkpoint.formats.deepspeed_optimizer import optimizer_shards, optimizer_step
 from megatron.checkpoint.formats.deepspeed_pipeline import owned, pipeline_weights
 from megatron.checkpoint.formats.weights import WeightsError, WeightsReader, full_tensors
-from megatron.config.prompt_args import prompt_alone, saved_prompt_layout
 from megatron.model.config import T5Config
 from megatron.model.prompt import PROMPT_PARAMETER
 from megatron.model.meta import buffer_shapes, expert_parameters, parameter_splits
@@ -80,8 +80,9 @@ def iter_full_tensors(iter_dir: PathLike, source: str = "master"
     if is_weights_format(meta):
         yield from _weights_format_tensors(folder, source if source in MOMENTS else "model")
         return
-    if prompt_alone(meta):  # the frozen model is the base's: its files hold no model
-        base = (meta["model"].get("prompt_base") or {}).get("load", "BASE")
+    kind = kind_of(meta, folder / META)
+    if kind.prompt_alone:  # the frozen model is the base's: its files hold no model
+        base = (kind.prompt_base or {}).get("load", "BASE")
         raise CheckpointReadError(
             f"{folder} holds a tuned prompt alone (a --prompt-tune run's checkpoint, the model "
             f"frozen), not a model: convert its base model instead (--load {base}); a Hugging "
@@ -92,9 +93,8 @@ def iter_full_tensors(iter_dir: PathLike, source: str = "master"
     divisible = int(meta["model"].get("make_vocab_size_divisible_by", 128))
     tensor_size = meta["layout"]["tensor_model_parallel_size"]
     params = parameter_splits(config)
-    prompt = saved_prompt_layout(meta)
-    if prompt is not None and not prompt_alone(meta):  # a prompt trained with the model
-        params[PROMPT_PARAMETER] = ((prompt.length, config.d_model), None)  # replicated
+    if kind.prompt is not None and not kind.prompt_alone:  # a prompt trained with the model
+        params[PROMPT_PARAMETER] = ((kind.prompt_layout.length, config.d_model), None)
     if source not in MOMENTS:  # persistent buffers (expert biases) have no optimizer state
         params.update((n, (shape, None)) for n, shape in buffer_shapes(config).items())
     files = Files(folder)

@@ -74,11 +74,11 @@ def upcycled_config(dense: T5Config, values: Mapping[str, Optional[object]]) -> 
         changes.setdefault("router_centroid_gain", DEFAULT_CENTROID_GAIN)
     try:
         return dataclasses.replace(dense, **changes)
-    except ConfigError as e:
+    except ConfigError as e:  # each problem named by the convert tool's flag for its field
         flags = {field: flag for flag, field in UPCYCLE_FLAGS.items()}
-        named = [f"{flags.get(p.split(' ', 1)[0], '--model-config')}: {p}"
-                 for p in str(e).removeprefix("invalid model config: ").split("; ")]
-        raise UpcycleError("; ".join(named)) from None
+        named = [f"{flags.get(field, '--model-config')}: {message}"
+                 for field, message in e.problems]
+        raise UpcycleError("; ".join(named) or str(e)) from None
 
 
 def _sparse_prefixes(config: T5Config) -> Dict[str, str]:

@@ -37,6 +37,7 @@ import torch
 from safetensors import safe_open
 
 from megatron.checkpoint.formats.hf import ShardWriter, parse_size, staged_folder
+from megatron.checkpoint.formats.meta import kind_of, write_meta
 from megatron.checkpoint.layout import iteration_folder_name, write_tracker
 from megatron.deepspeed_internals import full_shape, gathered_for_write
 
@@ -87,7 +88,7 @@ def write_weights_checkpoint(out: Path, tensors: Iterable[Tuple[str, torch.Tenso
                         lr_schedule=resume.get("lr_schedule"),
                         optimizer={"step": int(optimizer["step"]), "states": list(MOMENTS)})
         meta["files"] = sorted(p.name for p in folder.iterdir())
-        (folder / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+        write_meta(folder, meta, kind_of(meta))
         write_tracker(tmp, iteration)
     return out
 

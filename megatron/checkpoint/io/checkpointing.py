@@ -24,7 +24,6 @@ check a folder.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import random
@@ -42,6 +41,8 @@ from megatron.failures import RunFailure
 from megatron.config.lr_schedule import LRSchedule, resolve_with_checkpoint
 from megatron.config.training import CheckpointConfig
 from megatron.checkpoint import layout as folder_layout  # (`layout` is the parallel sizes')
+from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError
+from megatron.checkpoint.formats.meta import read_meta
 from megatron.checkpoint.io.completeness import incomplete
 
 TEST_PAUSE_ENV = "MEGATRON_CHECKPOINT_TEST_PAUSE_S"
@@ -181,32 +182,35 @@ def _start_problems(load: str, finetune: bool) -> List[str]:
 def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool,
                         schedule: Optional[LRSchedule] = None, lr_policy: str = "check",
                         finetune: bool = False, load_rng: bool = True,
-                        ckpt_step: Optional[int] = None) -> List[str]:
+                        ckpt_step: Optional[int] = None, label: Optional[str] = None
+                        ) -> List[str]:
     """A checkpoint in `load` that a run of layout `now` cannot read (a file it needs missing
     or cut short: io/completeness.py; another layout), or (given the flags' learning-rate
     `schedule`) a resume whose schedule the checkpoint contradicts under `lr_policy`; found
     before any process starts. Empty when the folder holds none yet. `ckpt_step`: the
     iteration to load instead of the tracker's (--ckpt-step); `load_rng`: the run restores the
-    random generators' states (not --no-load-rng or --finetune)."""
-    root = Path(load)
+    random generators' states (not --no-load-rng or --finetune); `label`: how the messages name
+    the folder (default "--load LOAD")."""
+    root, label = Path(load), label or f"--load {load}"
     try:
         iteration = load_iteration(root, ckpt_step)
         if iteration is None:
             return []
         problem = incomplete(root, iteration, not weights_only, load_rng and not finetune)
         if problem is not None:
-            return [f"--load {load}: {problem}"]
-        meta = read_meta(root, iteration)
+            return [f"{label}: {problem}"]
+        meta = read_meta(root / tag_for(iteration))
         if meta.get("format") == "weights":
-            problems = weights_checkpoint_problems(load, weights_only, "optimizer" in meta)
+            problems = weights_checkpoint_problems(load, weights_only, "optimizer" in meta,
+                                                   label)
         else:
-            problems = layout_problems(meta["layout"], now, load, weights_only)
+            problems = layout_problems(meta["layout"], now, load, weights_only, label)
         if problems or schedule is None or not resumes_schedule(meta, finetune):
             return problems
         resolve_with_checkpoint(schedule, meta["lr_schedule"], lr_policy)
         return []
     except (CheckpointError, ValueError, KeyError) as e:
-        return [f"--load {load}: {e}"]
+        return [f"{label}: {e}"]
 
 
 def load_iteration(root: Path, ckpt_step: Optional[int] = None) -> Optional[int]:
@@ -266,29 +270,22 @@ def read_tracker(load_dir: Path) -> Optional[int]:
         raise CheckpointError(str(e)) from None
 
 
-def read_meta(load_dir: Path, iteration: int) -> Dict[str, Any]:
-    path = load_dir / tag_for(iteration) / "meta.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: missing or unreadable ({e}); the checkpoint is "
-                              f"incomplete") from None
-
-
-def weights_checkpoint_problems(load: str, weights_only: bool,
-                                with_optimizer: bool = False) -> List[str]:
+def weights_checkpoint_problems(load: str, weights_only: bool, with_optimizer: bool = False,
+                                label: Optional[str] = None) -> List[str]:
     """A checkpoint of full tensors (data_tools/convert_checkpoint.py) loads into any layout:
-    as weights only, or as a resume where it carries optimizer states."""
+    as weights only, or as a resume where it carries optimizer states. `label`: how the
+    message names the folder (default "--load LOAD")."""
     if weights_only or with_optimizer:
         return []
-    return [f"--load {load} holds weights only (written by data_tools/convert_checkpoint.py): "
+    return [f"{label or f'--load {load}'} holds weights only (written by data_tools/convert_checkpoint.py): "
             f"start from it with --finetune (or --no-load-optim --no-load-rng)"]
 
 
 def layout_problems(saved: Dict[str, int], now: Dict[str, int], load: str,
-                    weights_only: bool) -> List[str]:
+                    weights_only: bool, label: Optional[str] = None) -> List[str]:
     """Why a checkpoint in `load` saved with layout `saved` cannot be loaded by a run of layout
-    `now` (empty: it can)."""
+    `now` (empty: it can). `label`: how the message names the folder (default "--load LOAD");
+    the command it suggests names it with the convert tool's --load."""
     changed = []
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "expert_model_parallel_size"):
@@ -313,7 +310,7 @@ def layout_problems(saved: Dict[str, int], now: Dict[str, int], load: str,
     experts = now.get("expert_model_parallel_size", 1)
     if experts > 1 or saved.get("expert_model_parallel_size", 1) > 1:
         command += f" --target-expert-parallel-size {experts}"
-    return [f"--load {load}: the checkpoint was saved with another layout "
+    return [f"{label or f'--load {load}'}: the checkpoint was saved with another layout "
             f"({'; '.join(changed)}){hint}; to go on in this layout, convert it: `{command}`, "
             f"then --load OUT (it carries the optimizer states: the run resumes where it "
             f"stopped)"]
@@ -345,7 +342,10 @@ def load_checkpoint(step, config: CheckpointConfig, layout_now: Dict[str, int],
     iteration = load_iteration(root, config.ckpt_step)
     if iteration is None:
         return None
-    meta = read_meta(root, iteration)
+    try:
+        meta = read_meta(root / tag_for(iteration))
+    except CheckpointReadError as e:  # validate() found it first; the folder may have changed
+        raise CheckpointError(str(e)) from None
     if meta.get("format") == "weights":  # converted: full tensors, any layout
         optimizer = meta.get("optimizer")
         problems = weights_checkpoint_problems(config.load, config.weights_only,

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError
-from megatron.checkpoint.formats.deepspeed_folder import (META, expected_files, is_weights_format,
-                                                     precision_of, read_meta)
+from megatron.checkpoint.formats.deepspeed_folder import expected_files
+from megatron.checkpoint.formats.meta import META, is_weights_format, precision_of, read_meta
 from megatron.checkpoint.layout import iteration_folder_name, iteration_folders
 
 MANIFEST = "file_sizes"

@@ -9,19 +9,15 @@ megatron/config/prompt_args.py keeps the flags themselves and reads no file."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Set, Tuple
 
-import torch
+from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError
+from megatron.checkpoint.formats.meta import CheckpointKind, kind_of, read_meta
+from megatron.checkpoint.io.checkpointing import CheckpointError, read_tracker, tag_for
+from megatron.config.prompt_args import parse_shares
+from megatron.model.prompt import PROMPT_PARAMETER, PromptLayout, tensors_digest
 
-from megatron.checkpoint.io.checkpointing import CheckpointError, read_meta, read_tracker
-from megatron.config.prompt_args import parse_shares, prompt_alone, saved_prompt_layout
-from megatron.model.prompt import PROMPT_PARAMETER, PromptLayout
-
-META_KEY = "prompt_base"
-"""meta.json's record of the base model a saved prompt was trained on."""
 DIGEST_OF = "checkpoint full tensors"
 """The `of` of a base identity whose digest is `checkpoint_digest`'s (without it: the digest of
 rank 0's shard in memory, as saved before; such a prompt is refused on its base)."""
@@ -37,19 +33,8 @@ def checkpoint_digest(folder: Path) -> str:
     Raises:
         CheckpointReadError: the files cannot be read."""
     from megatron.checkpoint.formats.deepspeed import iter_full_tensors, model_source
-    from megatron.checkpoint.formats.deepspeed import read_meta as read_folder_meta
 
-    each = {}
-    for name, tensor in iter_full_tensors(folder, model_source(read_folder_meta(folder))):
-        if name == PROMPT_PARAMETER:
-            continue
-        one = hashlib.sha256(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-        one.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        each[name] = one.hexdigest()
-    whole = hashlib.sha256()
-    for name in sorted(each):
-        whole.update(f"{name}={each[name]};".encode())
-    return whole.hexdigest()
+    return tensors_digest(iter_full_tensors(folder, model_source(read_meta(folder))))
 
 
 def read_prompt(root: Path):
@@ -59,56 +44,56 @@ def read_prompt(root: Path):
 
     Raises:
         CheckpointError: no checkpoint, or one without a prompt."""
-    from megatron.checkpoint.formats.deepspeed import CheckpointReadError, find_iteration
-    from megatron.checkpoint.formats.deepspeed import read_meta as read_folder_meta
+    from megatron.checkpoint.formats.deepspeed import find_iteration
     from megatron.checkpoint.formats.deepspeed_files import load_file
 
     try:
         folder = find_iteration(root)
-        saved = read_folder_meta(folder).get("model", {}).get(META_KEY)
+        saved = kind_of(read_meta(folder), folder / "meta.json").prompt_base
         if saved is None:
             raise CheckpointError(f"--prompt-load {folder}: not a prompt-tuning checkpoint (no "
-                                  f"model.{META_KEY} in meta.json)")
+                                  f"model.prompt_base in meta.json)")
         module = load_file(folder / "mp_rank_00_model_states.pt")["module"]
     except CheckpointReadError as e:
         raise CheckpointError(f"--prompt-load {root}: {e}") from None
     return module[PROMPT_PARAMETER], saved
 
 
-def prompt_checkpoint(folder: Optional[str]) -> Optional[dict]:
-    """meta.json of `folder`'s latest checkpoint when it is a prompt-tuning run's (its
-    model.prompt_base set), else None (no folder, no checkpoint, another kind)."""
+def prompt_checkpoint(folder: Optional[str]) -> Optional[CheckpointKind]:
+    """What `folder`'s latest checkpoint is when it is a prompt-tuning run's (a prompt, alone
+    or with the model), else None (no folder, no checkpoint, another kind)."""
     root = Path(folder) if folder else None
     try:
         iteration = read_tracker(root) if root is not None and root.is_dir() else None
         if iteration is None:
             return None
-        meta = read_meta(root, iteration)
-    # a damaged checkpoint is reported by the load's checks: a tracker naming no iteration or
-    # a missing meta.json (CheckpointError), a folder or file that cannot be read (OSError),
-    # a meta.json that is not UTF-8 (UnicodeDecodeError, a ValueError)
+        kind = kind_of(read_meta(root / tag_for(iteration)))
+    # a damaged checkpoint is reported by the load's checks: a tracker naming no iteration
+    # (CheckpointError), a meta.json missing or unreadable (CheckpointReadError, a ValueError),
+    # a folder that cannot be read (OSError)
     except (CheckpointError, OSError, ValueError):
         return None
-    return meta if meta.get("model", {}).get(META_KEY) is not None else None
+    return kind if kind.prompt is not None else None
 
 
 def holds_prompt_alone(folder) -> bool:
-    """prompt_alone for an iteration folder (False where its meta.json cannot be read)."""
+    """Whether an iteration folder holds a prompt alone (False where its meta.json cannot be
+    read)."""
     try:
-        return prompt_alone(json.loads((Path(folder) / "meta.json").read_text(encoding="utf-8")))
+        return kind_of(read_meta(folder)).prompt_alone
     except (OSError, ValueError):
         return False
 
 
 def prompt_only_checkpoint(load: Optional[str]) -> Optional[dict]:
-    """The base identity (meta.json's model.prompt_base) when --load's latest checkpoint holds
-    a prompt alone (a run with --prompt-tune and a frozen model), else None."""
-    meta = prompt_checkpoint(load)
-    return meta["model"][META_KEY] if meta is not None and prompt_alone(meta) else None
+    """The base identity (meta.json's prompt base) when --load's latest checkpoint holds a
+    prompt alone (a run with --prompt-tune and a frozen model), else None."""
+    kind = prompt_checkpoint(load)
+    return kind.prompt_base if kind is not None and kind.prompt_alone else None
 
 
-def resumes_prompt_run(values: Mapping[str, object]) -> Optional[dict]:
-    """meta.json of --save's latest checkpoint when this --prompt-tune run resumes from it (a
+def resumes_prompt_run(values: Mapping[str, object]) -> Optional[CheckpointKind]:
+    """What --save's latest checkpoint is when this --prompt-tune run resumes from it (a
     requeued job: --save holds a prompt-tuning checkpoint and is not --load, which a normal
     resume reads), else None."""
     save, load = values.get("save"), values.get("load")
@@ -130,8 +115,7 @@ def prompt_checkpoint_problems(values: Mapping[str, object]) -> List[str]:
                 f"checkpoint): load its base model and the prompt with --load {base['load']} "
                 f"--finetune --prompt-tune --prompt-load {values['load']}"]
     resumed = resumes_prompt_run(values)
-    if resumed is not None and bool(resumed.get("flags", {}).get("prompt_train_model")) != \
-            bool(values["prompt_train_model"]):
+    if resumed is not None and (not resumed.prompt_alone) != bool(values["prompt_train_model"]):
         kind = {True: "the model and a prompt (--prompt-train-model)",
                 False: "a prompt alone"}
         return [f"--save {values['save']} holds a checkpoint of "
@@ -160,19 +144,19 @@ def prompt_layout_from_checkpoints(values: Mapping[str, object], given: Set[str]
     problems: List[str] = []
     source = values.get("prompt_load")
     if source is not None and "://" not in str(source):  # (a URL: refused by its scheme)
-        meta = prompt_checkpoint(str(source))
-        if meta is None:
+        kind = prompt_checkpoint(str(source))
+        if kind is None:
             return {}, [f"--prompt-load {source} holds no prompt-tuning checkpoint: give the "
                         f"--save of a --prompt-tune run"]
-        _take(saved_prompt_layout(meta), values, given, f"--prompt-load {source} holds a "
+        _take(kind.prompt_layout, values, given, f"--prompt-load {source} holds a "
               f"prompt tuned with", taken, problems, positions_fixed=False)
     resumed, where = resumes_prompt_run(values), f"--save {values.get('save')}, requeued"
     if resumed is None and values.get("load") is not None and not values.get("finetune"):
         resumed, where = prompt_checkpoint(str(values["load"])), f"--load {values['load']}"
-        if resumed is not None and prompt_alone(resumed):
+        if resumed is not None and resumed.prompt_alone:
             resumed = None  # refused as such by prompt_checkpoint_problems
-    if resumed is not None and saved_prompt_layout(resumed) is not None:
-        _take(saved_prompt_layout(resumed), values, given, f"the checkpoint this run resumes "
+    if resumed is not None:
+        _take(resumed.prompt_layout, values, given, f"the checkpoint this run resumes "
               f"({where}) was tuned with", taken, problems, positions_fixed=True)
     return taken, problems
 

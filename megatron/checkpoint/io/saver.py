@@ -27,7 +27,6 @@ itself (async_save.Writer), so that:
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -38,6 +37,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.checkpoint.formats.meta import CheckpointKind, write_meta
 from megatron.checkpoint.io.async_save import HostBuffers, Writer, snapshot, write_file
 from megatron.checkpoint.io.checkpointing import (
     CheckpointError,
@@ -84,8 +84,11 @@ class Saver:
     def __init__(self, step, save_dir: str, layout: Dict[str, int], device_type: str,
                  flags: Dict[str, Any], model: Optional[Dict[str, Any]] = None,
                  keep_last: Optional[int] = None, async_save: bool = False,
-                 timeout_s: float = 1800.0, watchdog=None) -> None:
+                 timeout_s: float = 1800.0, watchdog=None,
+                 kind: Optional[CheckpointKind] = None) -> None:
         self.step, self.root, self.layout = step, Path(save_dir), layout
+        self.kind = kind
+        """What the checkpoints are (meta.json's "checkpoint" section; formats/meta.py)."""
         self.device_type, self.flags, self.model = device_type, flags, model
         self.keep_last, self.timeout_s, self.watchdog = keep_last, timeout_s, watchdog
         self.writer = Writer() if async_save else None
@@ -305,7 +308,7 @@ class Saver:
         # every rank's files are written: their sizes let a load name a file cut short later
         meta = {**pending.meta, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                 MANIFEST: manifest(tmp)}
-        write_atomic(tmp / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
+        write_meta(tmp, meta, self.kind, write=write_atomic)
         for folder, _, _ in os.walk(tmp):  # the files are durable (each writer fsynced its
             fsync_dir(Path(folder))       # own); now their directory entries
         if final.exists():  # saving the same iteration again: keep the old one until the swap

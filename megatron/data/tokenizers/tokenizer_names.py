@@ -62,3 +62,13 @@ class TokenizerNames:
             if not 0 <= i < self.vocab_size:
                 raise ValueError(f"token id {i} out of range [0, {self.vocab_size})")
         return ids
+
+
+def pad_id_of(tokenizer) -> int:
+    """The id that pads a batch's rows and the rows decoding has finished, and that decoded
+    text leaves out: the tokenizer's pad (both tokenizer types have one: `TokenizerNames`); for
+    a tokenizer without one, the decoder's start id, which T5 pads with. Decoding
+    (megatron/generation/settings.py SpecialTokens, used by generate and fine-tuning's
+    validation) and fine-tuning's metrics (megatron/training/finetune_metrics.py) take it from
+    here."""
+    return getattr(tokenizer, "pad_id", tokenizer.decoder_start_token_id)
