@@ -9,7 +9,8 @@ REV's uninterrupted 6-iteration run is the reference. Compared, per layout (DP 2
 MoE with EP 2): the log lines of iterations 4-6 without their timings (loss, grad norm, lr,
 MoE per-layer numbers) and the validation lines. Then REV's and this tree's
 `convert_checkpoint.py` convert the same checkpoints (to hf, fp32, TP 2, PP 1, MoE fp32, EP 1):
-every output file's sha256 (meta.json's `saved_at` left out) and the printed text. Last, the
+every output file's sha256 (meta.json's `saved_at`, and its typed `checkpoint` section, which
+older revisions do not write, left out) and the printed text. Last, the
 text `--dry-run` (3D dense, MoE, ZeRO-3 with offload) and `python -m megatron.plan` print in both
 trees. Prints one line per check; exits 1 if any differs. Needs git, 2 CPU ranks; a few minutes.
 """
@@ -93,6 +94,8 @@ def digests(folder: Path) -> Dict[str, str]:
         data = path.read_bytes()
         if path.name == "meta.json":
             data = re.sub(rb'\n *"saved_at": [^\n]*', b"", data)
+            # the typed section a revision after d75d977 adds (formats/meta.py CheckpointKind)
+            data = re.sub(rb'\n "checkpoint": \{[^{}]*\},', b"", data)
         out[str(path.relative_to(folder))] = hashlib.sha256(data).hexdigest()
     return out
 
