@@ -44,6 +44,7 @@ from megatron.checkpoint import layout as folder_layout  # (`layout` is the para
 from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError
 from megatron.checkpoint.formats.meta import read_meta
 from megatron.checkpoint.io.completeness import incomplete
+from megatron.checkpoint.io.reshard import load_resharded, reshardable
 
 TEST_PAUSE_ENV = "MEGATRON_CHECKPOINT_TEST_PAUSE_S"
 """Tests only: "SECONDS" or "ITERATION:SECONDS" to sleep after the engine files of a save are
@@ -205,6 +206,7 @@ def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool,
                                                    label)
         else:
             problems = layout_problems(meta["layout"], now, load, weights_only, label)
+            problems = [] if problems and reshardable(meta) else problems  # io/reshard.py
         if problems or schedule is None or not resumes_schedule(meta, finetune):
             return problems
         resolve_with_checkpoint(schedule, meta["lr_schedule"], lr_policy)
@@ -357,17 +359,21 @@ def load_checkpoint(step, config: CheckpointConfig, layout_now: Dict[str, int],
                           optimizer_step=int(optimizer["step"]) if with_states else None)
         return meta
     problems = layout_problems(meta["layout"], layout_now, config.load, config.weights_only)
-    if problems:  # validate() finds these first; a checkpoint may have appeared since
-        raise CheckpointError(problems[0])
+    resharded = bool(problems) and reshardable(meta)  # read into this layout: io/reshard.py
+    if problems and not resharded:  # validate() finds these first; a checkpoint may have
+        raise CheckpointError(problems[0])  # appeared since
     damaged = [None]
     if dist.get_rank() == 0:  # validate() checked too; the folder may have changed since
         damaged[0] = incomplete(root, iteration, not config.weights_only,
-                                not (config.finetune or config.no_load_rng))
+                                not (config.finetune or config.no_load_rng or resharded))
         damaged[0] = f"--load {config.load}: {damaged[0]}" if damaged[0] else \
             damaged_file(root / tag_for(iteration))
     dist.broadcast_object_list(damaged, src=0)
     if damaged[0] is not None:
         raise CheckpointError(damaged[0])
+    if resharded:
+        return load_resharded(step, root / tag_for(iteration), meta, layout_now,
+                              config.weights_only)
     try:
         loaded = step.load(root, tag_for(iteration), weights_only=config.weights_only)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:

@@ -1,0 +1,159 @@
+"""`--load` of one of our checkpoints into a run of another layout, without a conversion step.
+
+A checkpoint saved at one TP x PP (any split) x DP x EP and ZeRO stage loads into a run of
+another: each rank reads its part of the weights, and of the fp32 masters and Adam's moments,
+straight from the DeepSpeed files, and the run resumes with the iteration, consumed samples and
+LR schedule of the checkpoint. The log says `resharding the checkpoint from TP a PP b DP c EP d
+to TP e PP f DP g EP h`.
+
+It is the offline route (`data_tools/convert_checkpoint.py --load DIR --to megatron OUT`, then
+`--load OUT`) without the folder in between, bit for bit: the tensors are joined by the
+converter's own code (formats/deepspeed_tensors.py `joined`, over `tensor_rank_shards`), and
+put into this rank's model and optimizer by the loader of converted checkpoints
+(formats/weights.py `load_into`, io/optimizer_state.py) through `ShardedCheckpointReader`,
+which answers that loader as `WeightsReader` answers it for a converted folder. As there, the
+random generators start afresh (their states belong to the ranks of the saved layout).
+
+Memory: a rank reads only the tensors its pipeline stage holds, one at a time: each whole
+(every saved tensor rank's shard joined, as the converter does), then the slice this rank
+keeps; the DeepSpeed files are memory-mapped, so a rank's resident memory is its own model and
+optimizer plus about one full tensor (and the file pages it touched, which the kernel can drop).
+A checkpoint holding a tuned prompt is not resharded (the layout refusal stands: convert it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from megatron.checkpoint.formats.deepspeed_experts import check_readable
+from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError, Files
+from megatron.checkpoint.formats.deepspeed_tensors import (
+    check_names,
+    check_optimizer_states,
+    joined,
+    model_source,
+    tensor_rank_shards,
+)
+from megatron.checkpoint.formats.meta import META, kind_of, model_config
+from megatron.checkpoint.formats.weights import MOMENTS, WeightsError
+from megatron.failures import RunFailure
+from megatron.model.meta import buffer_shapes, parameter_splits
+
+RESHARDED = "resharded"
+"""The key of the meta `load_resharded` returns that holds the log line saying so."""
+
+
+class ReshardError(RunFailure):
+    """A checkpoint that cannot be resharded into this run (the message names the file)."""
+
+
+def reshardable(meta: Dict[str, Any]) -> bool:
+    """Whether a checkpoint of ours (meta.json's contents) of another layout can be read into
+    this run's: a model (not a weights folder, which loads anywhere already, nor one with a
+    tuned prompt)."""
+    if meta.get("format") == "weights" or "layout" not in meta:
+        return False
+    try:
+        return kind_of(meta).prompt is None
+    except (CheckpointReadError, ValueError, KeyError):
+        return False
+
+
+def layout_line(saved: Dict[str, int], now: Dict[str, int]) -> str:
+    """The log line: `resharding the checkpoint from TP a PP b DP c EP d to TP e PP f DP g EP h`
+    (and the ZeRO stages where they differ)."""
+    def sizes(layout):
+        return (f"TP {layout['tensor_model_parallel_size']} "
+                f"PP {layout['pipeline_model_parallel_size']} "
+                f"DP {layout['data_parallel_size']} "
+                f"EP {layout.get('expert_model_parallel_size', 1)}")
+    zero = "" if saved["zero_stage"] == now["zero_stage"] else \
+        f" (ZeRO {saved['zero_stage']} to {now['zero_stage']})"
+    return f"resharding the checkpoint from {sizes(saved)} to {sizes(now)}{zero}"
+
+
+class ShardedCheckpointReader:
+    """Reads tensors, or slices of them, under our full names from a DeepSpeed iteration folder
+    of ours, as formats/weights.py's `WeightsReader` reads a converted one: the weights
+    ('model': the fp32 masters where the checkpoint has them) or an Adam moment ('exp_avg',
+    'exp_avg_sq').
+
+    Raises:
+        CheckpointReadError: missing or foreign files, or tensors that do not fit the model
+            meta.json describes (all tensor ranks' names are checked when it is made).
+    """
+
+    def __init__(self, folder: Path, prefix: str = "model", files: Optional[Files] = None,
+                 meta: Optional[Dict[str, Any]] = None) -> None:
+        from megatron.checkpoint.formats.meta import read_meta
+
+        self.folder = Path(folder)
+        self.single = f"{prefix} states of {META}'s layout"  # (named in the loaders' messages)
+        self.meta = meta if meta is not None else read_meta(self.folder)
+        self.config = model_config(self.meta, self.folder / META)
+        check_readable(self.meta["layout"], self.folder)
+        source = prefix if prefix in MOMENTS else model_source(self.meta)
+        self.params = dict(parameter_splits(self.config))
+        if prefix not in MOMENTS:  # persistent buffers (expert biases) have no moments
+            self.params.update((n, (shape, None))
+                               for n, shape in buffer_shapes(self.config).items())
+        files = files or Files(self.folder)
+        size = self.meta["layout"]["tensor_model_parallel_size"]
+        self.shards = [tensor_rank_shards(files, self.meta, source, t, self.config)
+                       for t in range(size)]
+        for t, found in enumerate(self.shards):
+            check_names(found, self.params, self.folder, t)
+
+    def names(self) -> List[str]:
+        return sorted(self.params)
+
+    def slice(self, name: str, dim: Optional[int] = None, start: int = 0,
+              stop: Optional[int] = None) -> torch.Tensor:
+        """Tensor `name`, or its [start, stop) range along `dim`."""
+        return self.region(name, {} if dim is None else {dim: (start, stop)})
+
+    def region(self, name: str, ranges: Dict[int, Tuple[int, Optional[int]]]) -> torch.Tensor:
+        """Tensor `name` restricted to [start, stop) along each dimension of `ranges`."""
+        if name not in self.params:
+            raise WeightsError(f"{self.folder}: no tensor {name!r}")
+        shape, split = self.params[name]
+        try:
+            tensor = joined(name, shape, split, self.shards, self.meta, self.config, self.folder)
+        except CheckpointReadError as e:
+            raise WeightsError(str(e)) from None
+        if not ranges:
+            return tensor
+        index = [slice(None)] * tensor.dim()
+        for dim, (start, stop) in ranges.items():
+            index[dim] = slice(start, stop)
+        return tensor[tuple(index)].clone()  # (the whole tensor is dropped)
+
+
+def load_resharded(step, folder: Path, meta: Dict[str, Any], now: Dict[str, int],
+                   weights_only: bool) -> Dict[str, Any]:
+    """Load iteration folder `folder` (meta.json's contents `meta`, saved at another layout)
+    into this run of layout `now` through `step` (training/step.py's `load_weights`): the
+    weights, and unless `weights_only` the optimizer states with Adam's step. Returns `meta`
+    with RESHARDED: the log line.
+
+    Raises:
+        ReshardError: files that cannot be read, or optimizer states that cannot be carried.
+    """
+    try:
+        files = Files(folder)  # (one memory map of each file for the three readers)
+        readers = {"model": ShardedCheckpointReader(folder, "model", files, meta)}
+        optimizer_step = None
+        if not weights_only:
+            optimizer_step = check_optimizer_states(folder)
+            readers.update((k, ShardedCheckpointReader(folder, k, files, meta)) for k in MOMENTS)
+        step.load_weights(folder, optimizer_step=optimizer_step,
+                          open_reader=lambda _folder, prefix="model": readers[prefix])
+    except (CheckpointReadError, WeightsError) as e:
+        hint = "" if weights_only else \
+            " (--no-load-optim loads the weights alone, where the optimizer states are the cause)"
+        raise ReshardError(f"--load {folder.parent}: the checkpoint cannot be resharded into "
+                           f"this layout: {e}{hint}", rank_local=True) from None
+    return {**meta, RESHARDED: layout_line(meta["layout"], now)}
