@@ -44,7 +44,7 @@ from megatron.checkpoint import layout as folder_layout  # (`layout` is the para
 from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError
 from megatron.checkpoint.formats.meta import read_meta
 from megatron.checkpoint.io.completeness import incomplete
-from megatron.checkpoint.io.reshard import load_resharded, reshardable
+from megatron.checkpoint.io.reshard import load_resharded, reshard_problems, reshardable
 
 TEST_PAUSE_ENV = "MEGATRON_CHECKPOINT_TEST_PAUSE_S"
 """Tests only: "SECONDS" or "ITERATION:SECONDS" to sleep after the engine files of a save are
@@ -206,7 +206,8 @@ def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool,
                                                    label)
         else:
             problems = layout_problems(meta["layout"], now, load, weights_only, label)
-            problems = [] if problems and reshardable(meta) else problems  # io/reshard.py
+            if problems and reshardable(meta):  # read into this layout: io/reshard.py
+                problems = reshard_problems(meta, weights_only, label)
         if problems or schedule is None or not resumes_schedule(meta, finetune):
             return problems
         resolve_with_checkpoint(schedule, meta["lr_schedule"], lr_policy)

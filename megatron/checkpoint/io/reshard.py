@@ -62,14 +62,29 @@ def reshardable(meta: Dict[str, Any]) -> bool:
         return False
 
 
+def reshard_problems(meta: Dict[str, Any], weights_only: bool, label: str) -> List[str]:
+    """What a reshardable checkpoint (meta.json's contents) cannot give a run of another layout,
+    found from meta.json alone (before any process starts): the optimizer states of fp16
+    without ZeRO, which DeepSpeed's fp16 optimizer keeps without parameter names."""
+    if weights_only or model_source(meta) != "weights":
+        return []
+    return [f"{label}: the checkpoint was saved in fp16 with ZeRO-0, whose optimizer states "
+            f"cannot be resharded into another layout: resume in its layout "
+            f"({sizes(meta['layout'])}, ZeRO {meta['layout']['zero_stage']}), or pass "
+            f"--no-load-optim to load the weights alone"]
+
+
+def sizes(layout: Dict[str, int]) -> str:
+    """A layout's parallel sizes as the log says them: `TP a PP b DP c EP d`."""
+    return (f"TP {layout['tensor_model_parallel_size']} "
+            f"PP {layout['pipeline_model_parallel_size']} "
+            f"DP {layout['data_parallel_size']} "
+            f"EP {layout.get('expert_model_parallel_size', 1)}")
+
+
 def layout_line(saved: Dict[str, int], now: Dict[str, int]) -> str:
     """The log line: `resharding the checkpoint from TP a PP b DP c EP d to TP e PP f DP g EP h`
     (and the ZeRO stages where they differ)."""
-    def sizes(layout):
-        return (f"TP {layout['tensor_model_parallel_size']} "
-                f"PP {layout['pipeline_model_parallel_size']} "
-                f"DP {layout['data_parallel_size']} "
-                f"EP {layout.get('expert_model_parallel_size', 1)}")
     zero = "" if saved["zero_stage"] == now["zero_stage"] else \
         f" (ZeRO {saved['zero_stage']} to {now['zero_stage']})"
     return f"resharding the checkpoint from {sizes(saved)} to {sizes(now)}{zero}"
