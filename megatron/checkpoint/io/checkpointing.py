@@ -15,10 +15,11 @@ A save (megatron/checkpoint/io/saver.py) writes `iter_N.tmp/`, flushes it to dis
 renamed). A process killed at any moment leaves the previous checkpoint and the tracker that
 points to it intact; the stale `.tmp` folder is removed by the next save.
 
-Loading checks the layout first (tensor, pipeline and expert-parallel sizes must match; the
-data-parallel size too, unless only weights are loaded from a ZeRO 0-2 checkpoint), then has the
-training step (training/step.py, which owns the engine) read its files and restores our own state
-from JSON and `weights_only` tensor files. This module knows no engine and needs no model to
+Loading checks the layout first: one saved with other tensor, pipeline, data or expert-parallel
+sizes or ZeRO stage is resharded as it is read (io/reshard.py; the same layout is needed only for
+a checkpoint with a tuned prompt, and the data-parallel size not where only weights are loaded
+from a ZeRO 0-2 checkpoint); otherwise it has the training step (training/step.py, which owns the
+engine) read its files and restores our own state from JSON and `weights_only` tensor files. This module knows no engine and needs no model to
 check a folder.
 """
 

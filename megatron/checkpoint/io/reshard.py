@@ -41,6 +41,7 @@ from megatron.checkpoint.formats.meta import META, kind_of, model_config
 from megatron.checkpoint.formats.weights import MOMENTS, WeightsError
 from megatron.failures import RunFailure
 from megatron.model.meta import buffer_shapes, parameter_splits
+from megatron.model.state_dict import VOCAB_PARAMETERS
 
 RESHARDED = "resharded"
 """The key of the meta `load_resharded` returns that holds the log line saying so."""
@@ -136,7 +137,12 @@ class ShardedCheckpointReader:
             raise WeightsError(f"{self.folder}: no tensor {name!r}")
         shape, split = self.params[name]
         try:
-            tensor = joined(name, shape, split, self.shards, self.meta, self.config, self.folder)
+            picked = self._overlapping(name, ranges)
+            if picked is not None:
+                tensor, ranges = picked
+            else:
+                tensor = joined(name, shape, split, self.shards, self.meta, self.config,
+                                self.folder)
         except CheckpointReadError as e:
             raise WeightsError(str(e)) from None
         if not ranges:
@@ -144,7 +150,37 @@ class ShardedCheckpointReader:
         index = [slice(None)] * tensor.dim()
         for dim, (start, stop) in ranges.items():
             index[dim] = slice(start, stop)
-        return tensor[tuple(index)].clone()  # (the whole tensor is dropped)
+        return tensor[tuple(index)].clone()  # (what was read is dropped)
+
+    def _overlapping(self, name: str, ranges: Dict[int, Tuple[int, Optional[int]]]):
+        """(the saved tensor ranks' shards of `name` that overlap `ranges` along its split,
+        joined; `ranges` relative to them), or None where the whole tensor is read: not split
+        (or strided) over the saved tensor ranks, or asked whole along the split. The values
+        are the same copies as `joined`'s, of fewer shards."""
+        shape, split = self.params[name]
+        size = len(self.shards)
+        if split is None or split[1] != 1 or size == 1 or split[0] not in ranges:
+            return None
+        dim = split[0]
+        whole = shape[dim]
+        if name in VOCAB_PARAMETERS and dim == 0:  # saved padded for the saved TP
+            divisible = int(self.meta["model"].get("make_vocab_size_divisible_by", 128))
+            whole = self.config.padded_vocab_size(divisible, size)
+        per = whole // size
+        start, stop = ranges[dim]
+        stop = shape[dim] if stop is None else stop
+        if stop <= start or whole % size:
+            return None
+        first, last = start // per, (stop - 1) // per
+        parts = [self.shards[t][name]() for t in range(first, last + 1)]
+        want = tuple(per if d == dim else n for d, n in enumerate(shape))
+        for t, part in zip(range(first, last + 1), parts):
+            if tuple(part.shape) != want:
+                raise CheckpointReadError(f"{self.folder}: tensor {name} of tensor rank {t} has "
+                                          f"shape {tuple(part.shape)}; the model meta.json "
+                                          f"describes has {want} on each of {size} ranks")
+        tensor = torch.cat(parts, dim) if len(parts) > 1 else parts[0]
+        return tensor, {**ranges, dim: (start - first * per, stop - first * per)}
 
 
 def load_resharded(step, folder: Path, meta: Dict[str, Any], now: Dict[str, int],
