@@ -5,13 +5,14 @@ losses and gradient norms at every step after the load, and the same evaluations
 The log says which layouts.
 
 - TP 2 (DP 1, ZeRO-0) -> TP 1 (DP 2, ZeRO-1): another TP and DP;
-- TP 2 (ZeRO-0) -> TP 2 (ZeRO-1): each rank reads its own saved shards only;
+- TP 2 (ZeRO-0) -> PP 2 split at the decoder (ZeRO-1);
 - PP 2 (DP 1, ZeRO-1) -> PP 1 (DP 2, ZeRO-3): another PP, DP and ZeRO stage;
-- DP 2 ZeRO-3 -> DP 2 ZeRO-1 (the stage alone), with the weights alone (--no-load-optim);
+- DP 2 ZeRO-3 -> DP 2 ZeRO-1 (the stage alone), and so with the weights alone (--no-load-optim);
 - Mixture of Experts EP 2 (DP 2, ZeRO-1) -> EP 1 (DP 2, ZeRO-2).
 
 And in-process, every rank's slice at TP 1, 2 and 4 (EP 1, 2, 4 of the experts) of the weights,
-masters and moments read from the saved files equals the one read from the converted folder.
+masters and moments read from the saved files equals the one read from the converted folder
+(at TP 2 and 4 a rank reads only the saved shards its slice overlaps).
 
 (Before io/reshard.py each of these --load was refused: "saved with another layout".)"""
 
@@ -36,11 +37,13 @@ SOURCES = {  # name: (flags, the layout's words in the log line); saved at itera
 }
 CASES = {  # case: (source, flags of the run that loads it, log words of its layout)
     "tp2_to_tp1": ("tp2", ("--zero-stage", "1"), "TP 1 PP 1 DP 2 EP 1 (ZeRO 0 to 1)"),
-    "tp2_to_tp2_z1": ("tp2", ("--tensor-model-parallel-size", "2", "--zero-stage", "1"),
-                      "TP 2 PP 1 DP 1 EP 1 (ZeRO 0 to 1)"),
     "pp2_to_pp1": ("pp2", ("--zero-stage", "3"), "TP 1 PP 1 DP 2 EP 1 (ZeRO 1 to 3)"),
-    "z3_to_z1": ("z3", ("--zero-stage", "1", "--no-load-optim"),
-                 "TP 1 PP 1 DP 2 EP 1 (ZeRO 3 to 1)"),
+    "tp2_to_pp2": ("tp2", ("--pipeline-model-parallel-size", "2",
+                           "--pipeline-model-parallel-split-rank", "1", "--zero-stage", "1"),
+                   "TP 1 PP 2 DP 1 EP 1 (ZeRO 0 to 1)"),
+    "z3_to_z1": ("z3", ("--zero-stage", "1"), "TP 1 PP 1 DP 2 EP 1 (ZeRO 3 to 1)"),
+    "z3_to_z1_weights": ("z3", ("--zero-stage", "1", "--no-load-optim"),
+                         "TP 1 PP 1 DP 2 EP 1 (ZeRO 3 to 1)"),
     "ep2_to_ep1": ("ep2", (*MOE, "--zero-stage", "2"), "TP 1 PP 1 DP 2 EP 1 (ZeRO 1 to 2)"),
 }
 

@@ -14,10 +14,12 @@ put into this rank's model and optimizer by the loader of converted checkpoints
 which answers that loader as `WeightsReader` answers it for a converted folder. As there, the
 random generators start afresh (their states belong to the ranks of the saved layout).
 
-Memory: a rank reads only the tensors its pipeline stage holds, one at a time: each whole
-(every saved tensor rank's shard joined, as the converter does), then the slice this rank
-keeps; the DeepSpeed files are memory-mapped, so a rank's resident memory is its own model and
-optimizer plus about one full tensor (and the file pages it touched, which the kernel can drop).
+Memory: a rank reads only the tensors its pipeline stage holds, one at a time, and of each
+only the saved tensor ranks' shards that overlap its slice (`_overlapping`; the whole tensor,
+joined as the converter does, where its run is not tensor-parallel or the tensor not split); an
+expert weight is read for all experts before the rank keeps its own. The DeepSpeed files are
+memory-mapped, so a rank's resident memory is its own model and optimizer plus about one tensor
+(and the file pages it touched, which the kernel can drop).
 A checkpoint holding a tuned prompt is not resharded (the layout refusal stands: convert it).
 """
 
