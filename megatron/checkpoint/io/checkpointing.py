@@ -15,12 +15,12 @@ A save (megatron/checkpoint/io/saver.py) writes `iter_N.tmp/`, flushes it to dis
 renamed). A process killed at any moment leaves the previous checkpoint and the tracker that
 points to it intact; the stale `.tmp` folder is removed by the next save.
 
-Loading checks the layout first: one saved with other tensor, pipeline, data or expert-parallel
-sizes or ZeRO stage is resharded as it is read (io/reshard.py; the same layout is needed only for
-a checkpoint with a tuned prompt, and the data-parallel size not where only weights are loaded
-from a ZeRO 0-2 checkpoint); otherwise it has the training step (training/step.py, which owns the
-engine) read its files and restores our own state from JSON and `weights_only` tensor files. This module knows no engine and needs no model to
-check a folder.
+Loading checks the layout first: a checkpoint saved with other tensor, pipeline, data or
+expert-parallel sizes or ZeRO stage is resharded as it is read (io/reshard.py; one with a tuned
+prompt must match; DeepSpeed itself reads the weights alone of a ZeRO 0-2 checkpoint at another
+data-parallel size). Otherwise the training step (training/step.py, which owns the engine) reads
+its files, and our own state is restored from JSON and `weights_only` tensor files. This module
+knows no engine and needs no model to check a folder.
 """
 
 from __future__ import annotations
