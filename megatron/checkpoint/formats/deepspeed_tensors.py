@@ -101,10 +101,10 @@ def iter_full_tensors(iter_dir: PathLike, source: str = "master"
     for t, found in enumerate(shards):
         check_names(found, params, folder, t)
     for name, (shape, split) in params.items():
-        yield name, joined(name, shape, split, shards, meta, config, folder)
+        yield name, full_tensor(name, shape, split, shards, meta, config, folder)
 
 
-def joined(name: str, shape, split, shards: List[Dict[str, Shard]], meta: Dict[str, Any],
+def full_tensor(name: str, shape, split, shards: List[Dict[str, Shard]], meta: Dict[str, Any],
            config: T5Config, folder: Path) -> torch.Tensor:
     """Tensor `name` whole (a new tensor) from every tensor rank's `shards`: joined along
     `split` (parameter_splits'), vocabulary rows unpadded, its shape checked against `shape`

@@ -8,7 +8,7 @@ to TP e PP f DP g EP h`.
 
 It is the offline route (`data_tools/convert_checkpoint.py --load DIR --to megatron OUT`, then
 `--load OUT`) without the folder in between, bit for bit: the tensors are joined by the
-converter's own code (formats/deepspeed_tensors.py `joined`, over `tensor_rank_shards`), and
+converter's own code (formats/deepspeed_tensors.py `full_tensor`, over `tensor_rank_shards`), and
 put into this rank's model and optimizer by the loader of converted checkpoints
 (formats/weights.py `load_into`, io/optimizer_state.py) through `ShardedCheckpointReader`,
 which answers that loader as `WeightsReader` answers it for a converted folder. As there, the
@@ -16,10 +16,11 @@ random generators start afresh (their states belong to the ranks of the saved la
 
 Memory: a rank reads only the tensors its pipeline stage holds, one at a time, and of each
 only the saved tensor ranks' shards that overlap its slice (`_overlapping`; the whole tensor,
-joined as the converter does, where its run is not tensor-parallel or the tensor not split); an
-expert weight is read for all experts before the rank keeps its own. The DeepSpeed files are
-memory-mapped, so a rank's resident memory is its own model and optimizer plus about one tensor
-(and the file pages it touched, which the kernel can drop).
+joined as the converter does, where its run is not tensor-parallel or the tensor not split),
+and of an expert weight only the saved expert ranks' parts holding its experts
+(`_experts_kept`). The DeepSpeed files are memory-mapped, so a rank's resident memory is its
+own model and optimizer plus about one tensor (and the file pages it touched, which the kernel
+can drop).
 A checkpoint holding a tuned prompt is not resharded (the layout refusal stands: convert it).
 """
 
@@ -31,11 +32,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron.checkpoint.formats.deepspeed_experts import check_readable
-from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError, Files
+from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError, ExpertParts, \
+    Files, Shard
 from megatron.checkpoint.formats.deepspeed_tensors import (
     check_names,
     check_optimizer_states,
-    joined,
+    full_tensor,
     model_source,
     tensor_rank_shards,
 )
@@ -137,14 +139,15 @@ class ShardedCheckpointReader:
         """Tensor `name` restricted to [start, stop) along each dimension of `ranges`."""
         if name not in self.params:
             raise WeightsError(f"{self.folder}: no tensor {name!r}")
-        shape, split = self.params[name]
         try:
-            picked = self._overlapping(name, ranges)
+            shards, shape, ranges = self._experts_kept(name, ranges)
+            picked = self._overlapping(name, shards, shape, ranges)
             if picked is not None:
                 tensor, ranges = picked
             else:
-                tensor = joined(name, shape, split, self.shards, self.meta, self.config,
-                                self.folder)
+                tensor = full_tensor(name, shape, self.params[name][1],
+                                     [{name: shard} for shard in shards], self.meta,
+                                     self.config, self.folder)
         except CheckpointReadError as e:
             raise WeightsError(str(e)) from None
         if not ranges:
@@ -154,13 +157,32 @@ class ShardedCheckpointReader:
             index[dim] = slice(start, stop)
         return tensor[tuple(index)].clone()  # (what was read is dropped)
 
-    def _overlapping(self, name: str, ranges: Dict[int, Tuple[int, Optional[int]]]):
-        """(the saved tensor ranks' shards of `name` that overlap `ranges` along its split,
-        joined; `ranges` relative to them), or None where the whole tensor is read: not split
-        (or strided) over the saved tensor ranks, or asked whole along the split. The values
-        are the same copies as `joined`'s, of fewer shards."""
-        shape, split = self.params[name]
-        size = len(self.shards)
+    def _experts_kept(self, name: str, ranges: Dict[int, Tuple[int, Optional[int]]]):
+        """(each saved tensor rank's Shard of `name`, the shape they make, `ranges`): of an
+        expert weight asked for some experts (dim 0), the saved expert ranks' parts holding
+        them alone, the experts' range made relative to them; else the whole shards."""
+        shape = self.params[name][0]
+        shards = [rank[name] for rank in self.shards]
+        if 0 not in ranges or not all(isinstance(s, ExpertParts) for s in shards):
+            return shards, shape, ranges
+        count, (start, stop) = len(shards[0].parts), ranges[0]
+        stop = shape[0] if stop is None else stop
+        if shape[0] % count or stop <= start:
+            return shards, shape, ranges
+        per = shape[0] // count
+        first, last = start // per, (stop - 1) // per
+        kept = [ExpertParts(s.parts[first:last + 1]) for s in shards]
+        return kept, (per * (last + 1 - first), *shape[1:]), \
+            {**ranges, 0: (start - first * per, stop - first * per)}
+
+    def _overlapping(self, name: str, shards: List[Shard], shape: Tuple[int, ...],
+                     ranges: Dict[int, Tuple[int, Optional[int]]]):
+        """(the `shards` (one per saved tensor rank, making `shape`) that overlap `ranges` along
+        the tensor's split, joined; `ranges` relative to them), or None where the whole tensor
+        is read: not split (or strided) over the saved tensor ranks, or asked whole along the
+        split. The values are the same copies as `full_tensor`'s, of fewer shards."""
+        split = self.params[name][1]
+        size = len(shards)
         if split is None or split[1] != 1 or size == 1 or split[0] not in ranges:
             return None
         dim = split[0]
@@ -174,7 +196,7 @@ class ShardedCheckpointReader:
         if stop <= start or whole % size:
             return None
         first, last = start // per, (stop - 1) // per
-        parts = [self.shards[t][name]() for t in range(first, last + 1)]
+        parts = [shards[t]() for t in range(first, last + 1)]
         want = tuple(per if d == dim else n for d, n in enumerate(shape))
         for t, part in zip(range(first, last + 1), parts):
             if tuple(part.shape) != want:
