@@ -34,6 +34,7 @@ from megatron.checkpoint.io.checkpointing import CheckpointError, layout, load_c
     load_iteration, resumes_schedule, tag_for
 from megatron.checkpoint.io.completeness import MANIFEST
 from megatron.checkpoint.io.ownership import SaveLock, SaveLockError, describe, watch_launcher
+from megatron.checkpoint.io.reshard import RESHARDED
 from megatron.checkpoint.io.prompt import resumes_prompt_run
 from megatron.checkpoint.io.saver import Saver
 from megatron.cli import EXIT_USAGE, speak_for_the_job
@@ -264,6 +265,8 @@ def _resume(step, config: RunConfig, writer: MetricsWriter, watchdog, ckpt=None,
     with watchdog.watch(f"checkpoint I/O: loading {ckpt.load}", 60 * ckpt.timeout_minutes):
         meta = load_checkpoint(step, ckpt, layout(config.parallel, config.zero.stage),
                                config.runtime.device_type)
+    if meta is not None and RESHARDED in meta:
+        writer.write_text(meta[RESHARDED])
     if meta is None:
         writer.write_text(f"no checkpoint in {ckpt.load}: starting from scratch")
     elif not resumes_schedule(meta, ckpt.finetune) and base_of is not None:
@@ -281,7 +284,7 @@ def _resume(step, config: RunConfig, writer: MetricsWriter, watchdog, ckpt=None,
         except ValueError as e:
             raise CheckpointError(f"--load {ckpt.load}: {e}") from None
         converted = "; converted to this layout: the random generators start afresh" \
-            if meta.get("format") == "weights" else ""
+            if meta.get("format") == "weights" or RESHARDED in meta else ""
         writer.write_text(f"resumed from {ckpt.load} at iteration {state.iteration} "
                           f"({state.consumed_samples} samples consumed{converted})")
     if meta is not None and meta.get("format") != "weights" and MANIFEST not in meta:

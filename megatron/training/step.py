@@ -192,10 +192,12 @@ class TrainStep(abc.ABC):
         """Read root/tag (weights only: no optimizer states); False when the engine found
         nothing to load (collective)."""
 
-    def load_weights(self, folder: Path, optimizer_step: Optional[int] = None) -> None:
+    def load_weights(self, folder: Path, optimizer_step: Optional[int] = None,
+                     open_reader=WeightsReader) -> None:
         """Read the full weights of a weights checkpoint folder (megatron/checkpoint/formats/weights.py)
         into this rank's part of the model (collective under ZeRO-3); with `optimizer_step`,
-        its optimizer states too, Adam's step set to it."""
+        its optimizer states too, Adam's step set to it. `open_reader(folder, prefix)`: what
+        reads the tensors (megatron/checkpoint/io/reshard.py's, from our own files)."""
         raise NotImplementedError(f"{type(self).__name__} cannot load a weights checkpoint")
 
     def watch_nonfinite(self, detect_layers: bool = False) -> None:
@@ -345,11 +347,12 @@ class EngineStep(TrainStep):
             experts.load_expert_files(self.engine.module, root / tag)
         return path is not None
 
-    def load_weights(self, folder: Path, optimizer_step: Optional[int] = None) -> None:
+    def load_weights(self, folder: Path, optimizer_step: Optional[int] = None,
+                     open_reader=WeightsReader) -> None:
         module = self.engine.module
         experts = (parallel_state.get_expert_model_parallel_rank(),
                    parallel_state.get_expert_model_parallel_world_size())
-        problems = load_into(module, self._weight_names(), WeightsReader(folder),
+        problems = load_into(module, self._weight_names(), open_reader(folder),
                              module_vocab_size(module),
                              parallel_state.get_tensor_model_parallel_rank(),
                              parallel_state.get_tensor_model_parallel_world_size(),
@@ -363,7 +366,8 @@ class EngineStep(TrainStep):
             load_optimizer_state(self.engine, self._weight_names(), folder, optimizer_step,
                                  module_vocab_size(module),
                                  parallel_state.get_tensor_model_parallel_rank(),
-                                 parallel_state.get_tensor_model_parallel_world_size(), experts)
+                                 parallel_state.get_tensor_model_parallel_world_size(), experts,
+                                 open_reader)
 
     def _weight_names(self) -> Dict[str, str]:
         """{this rank's parameter name: our full name}."""

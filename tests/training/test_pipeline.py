@@ -99,21 +99,6 @@ def test_resume_is_exact_with_a_pipeline(train_data, tmp_path):
     assert finetune["losses"][1] < straight["losses"][1]  # it started from trained weights
 
 
-def test_loading_another_pipeline_size_is_refused(train_data, tmp_path):
-    """A PP=2 checkpoint loaded by PP=1 (and the reverse) is refused at the command line, naming
-    both sizes and the conversion tool."""
-    from megatron.arguments import ArgumentsError, parse_args
-
-    ckpt = str(tmp_path / "ckpt")
-    run_workers(2, run_pretrain, [base_argv(train_data, "--pipeline-model-parallel-size", "2",
-                                            "--save", ckpt, iters=2)], timeout=600)
-    with pytest.raises(ArgumentsError) as e:
-        parse_args(base_argv(train_data, "--load", ckpt, iters=2),
-                   env={"WORLD_SIZE": "2"})
-    assert "--pipeline-model-parallel-size 2 in the checkpoint, 1 now" in str(e.value)
-    assert "data_tools/convert_checkpoint.py" in str(e.value)
-
-
 def test_optimizer_offload_with_a_pipeline(train_data, single):
     """ZeRO-1 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam) under PP=2 gives the
     one-process fp32 run (as under data parallelism, 1e-4: another Adam)."""

@@ -35,7 +35,8 @@ from typing import Any, Callable, Dict, Iterable, List
 
 import torch
 
-from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError, Files, Shard, joined
+from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError, ExpertParts, Files, \
+    Shard
 
 EXPERT_FILE = "expert_parallel_rank_{ep:02d}_mp_rank_{mp:02d}_model_states.pt"
 """An expert-parallel rank's experts (the trainer writes it; training/experts.py)."""
@@ -93,7 +94,7 @@ def expert_weights(files: Files, layout: Dict[str, Any], model_rank: int,
                 where = files.folder / EXPERT_FILE.format(ep=e, mp=model_rank)
                 raise CheckpointReadError(f"{where}: no tensor {name}")
             parts.append(partial(_clone, state, name))
-        out[name] = partial(joined, parts)
+        out[name] = ExpertParts(parts)
     return out
 
 
@@ -118,5 +119,5 @@ def zero0_expert_moments(files: Files, layout: Dict[str, Any], model_rank: int,
             raise CheckpointReadError(
                 f"{files.folder / EXPERT_OPTIMIZER_FILE.format(ep=missing[0], mp=model_rank)}: "
                 f"no optimizer state for {name}")
-        out[name] = partial(joined, [shards[name] for shards in ranks])
+        out[name] = ExpertParts([shards[name] for shards in ranks])
     return out

@@ -233,7 +233,7 @@ def _zero12(shapes: List[Dict[str, Any]], states: List[Dict[str, Any]], where: s
             reads = [partial(_read_flat, flat, offset, numel, tuple(shape), name, where)
                      for flat in flats]
             # an expert group: each expert rank's experts, joined along the experts dimension
-            out[name] = reads[0] if len(reads) == 1 else partial(joined, reads)
+            out[name] = reads[0] if len(reads) == 1 else ExpertParts(reads)
             offset += numel + pad
         for copy, flat in zip(copies, flats):
             trailing = sum(s["group_paddings"][g] for s in copy) if trailing_saved else 0
@@ -270,9 +270,16 @@ def _check_partitions(state: Dict[str, Any], group: int, ranks: int, where: str)
                                   f"ranks; meta.json's layout gives it {ranks}")
 
 
-def joined(parts: Sequence[Shard]) -> torch.Tensor:
-    """Each expert rank's [E / EP, ...] part of an expert weight as one [E, ...] tensor."""
-    return torch.cat([part() for part in parts])
+class ExpertParts:
+    """An expert weight's Shard: each saved expert rank's [E / EP, ...] part, joined into one
+    [E, ...] tensor when called. `parts` (in expert-rank order) can be read alone: a run of
+    another layout reads only the experts it keeps (megatron/checkpoint/io/reshard.py)."""
+
+    def __init__(self, parts: Sequence[Shard]) -> None:
+        self.parts = list(parts)
+
+    def __call__(self) -> torch.Tensor:
+        return torch.cat([part() for part in self.parts])
 
 
 def _zero3(shapes: List[Dict[str, Any]], states: List[Dict[str, Any]],

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
@@ -90,7 +90,6 @@ def iter_full_tensors(iter_dir: PathLike, source: str = "master"
             f"megatron.generate --load {base} --prompt-load {folder.parent}")
     config = model_config(meta, folder / META)
     check_readable(meta["layout"], folder)
-    divisible = int(meta["model"].get("make_vocab_size_divisible_by", 128))
     tensor_size = meta["layout"]["tensor_model_parallel_size"]
     params = parameter_splits(config)
     if kind.prompt is not None and not kind.prompt_alone:  # a prompt trained with the model
@@ -101,21 +100,31 @@ def iter_full_tensors(iter_dir: PathLike, source: str = "master"
     shards = [tensor_rank_shards(files, meta, source, t, config) for t in range(tensor_size)]
     for t, found in enumerate(shards):
         check_names(found, params, folder, t)
-    padded = config.padded_vocab_size(divisible, tensor_size)
     for name, (shape, split) in params.items():
-        parts = [rank[name]() for rank in shards]
-        tensor = unshard(parts, *split) if split is not None and tensor_size > 1 else parts[0]
-        if name in VOCAB_PARAMETERS:
-            if tensor.shape[0] != padded:
-                raise CheckpointReadError(
-                    f"{folder}: tensor {name} has {tensor.shape[0]} rows; meta.json's vocab_size "
-                    f"{config.vocab_size} padded to a multiple of {divisible} x TP "
-                    f"{tensor_size} is {padded}")
-            tensor = tensor[:config.vocab_size].clone()
-        if tuple(tensor.shape) != shape:
-            raise CheckpointReadError(f"{folder}: tensor {name} has shape {tuple(tensor.shape)}; "
-                                      f"the model meta.json describes has {shape}")
-        yield name, tensor
+        yield name, full_tensor(name, shape, split, shards, meta, config, folder)
+
+
+def full_tensor(name: str, shape, split, shards: List[Dict[str, Shard]], meta: Dict[str, Any],
+           config: T5Config, folder: Path) -> torch.Tensor:
+    """Tensor `name` whole (a new tensor) from every tensor rank's `shards`: joined along
+    `split` (parameter_splits'), vocabulary rows unpadded, its shape checked against `shape`
+    (also what megatron/checkpoint/io/reshard.py reads a tensor with)."""
+    divisible = int(meta["model"].get("make_vocab_size_divisible_by", 128))
+    tensor_size = len(shards)
+    parts = [rank[name]() for rank in shards]
+    tensor = unshard(parts, *split) if split is not None and tensor_size > 1 else parts[0]
+    if name in VOCAB_PARAMETERS:
+        padded = config.padded_vocab_size(divisible, tensor_size)
+        if tensor.shape[0] != padded:
+            raise CheckpointReadError(
+                f"{folder}: tensor {name} has {tensor.shape[0]} rows; meta.json's vocab_size "
+                f"{config.vocab_size} padded to a multiple of {divisible} x TP "
+                f"{tensor_size} is {padded}")
+        tensor = tensor[:config.vocab_size].clone()
+    if tuple(tensor.shape) != shape:
+        raise CheckpointReadError(f"{folder}: tensor {name} has shape {tuple(tensor.shape)}; "
+                                  f"the model meta.json describes has {shape}")
+    return tensor
 
 
 def check_names(found: Dict[str, Shard], params, folder: Path, tensor_rank: int) -> None:

@@ -15,11 +15,12 @@ A save (megatron/checkpoint/io/saver.py) writes `iter_N.tmp/`, flushes it to dis
 renamed). A process killed at any moment leaves the previous checkpoint and the tracker that
 points to it intact; the stale `.tmp` folder is removed by the next save.
 
-Loading checks the layout first (tensor, pipeline and expert-parallel sizes must match; the
-data-parallel size too, unless only weights are loaded from a ZeRO 0-2 checkpoint), then has the
-training step (training/step.py, which owns the engine) read its files and restores our own state
-from JSON and `weights_only` tensor files. This module knows no engine and needs no model to
-check a folder.
+Loading checks the layout first: a checkpoint saved with other tensor, pipeline, data or
+expert-parallel sizes or ZeRO stage is resharded as it is read (io/reshard.py; one with a tuned
+prompt must match; DeepSpeed itself reads the weights alone of a ZeRO 0-2 checkpoint at another
+data-parallel size). Otherwise the training step (training/step.py, which owns the engine) reads
+its files, and our own state is restored from JSON and `weights_only` tensor files. This module
+knows no engine and needs no model to check a folder.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from megatron.checkpoint import layout as folder_layout  # (`layout` is the para
 from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError
 from megatron.checkpoint.formats.meta import read_meta
 from megatron.checkpoint.io.completeness import incomplete
+from megatron.checkpoint.io.reshard import load_resharded, reshard_problems, reshardable
 
 TEST_PAUSE_ENV = "MEGATRON_CHECKPOINT_TEST_PAUSE_S"
 """Tests only: "SECONDS" or "ITERATION:SECONDS" to sleep after the engine files of a save are
@@ -205,6 +207,8 @@ def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool,
                                                    label)
         else:
             problems = layout_problems(meta["layout"], now, load, weights_only, label)
+            if problems and reshardable(meta):  # read into this layout: io/reshard.py
+                problems = reshard_problems(meta, weights_only, label)
         if problems or schedule is None or not resumes_schedule(meta, finetune):
             return problems
         resolve_with_checkpoint(schedule, meta["lr_schedule"], lr_policy)
@@ -357,17 +361,21 @@ def load_checkpoint(step, config: CheckpointConfig, layout_now: Dict[str, int],
                           optimizer_step=int(optimizer["step"]) if with_states else None)
         return meta
     problems = layout_problems(meta["layout"], layout_now, config.load, config.weights_only)
-    if problems:  # validate() finds these first; a checkpoint may have appeared since
-        raise CheckpointError(problems[0])
+    resharded = bool(problems) and reshardable(meta)  # read into this layout: io/reshard.py
+    if problems and not resharded:  # validate() finds these first; a checkpoint may have
+        raise CheckpointError(problems[0])  # appeared since
     damaged = [None]
     if dist.get_rank() == 0:  # validate() checked too; the folder may have changed since
         damaged[0] = incomplete(root, iteration, not config.weights_only,
-                                not (config.finetune or config.no_load_rng))
+                                not (config.finetune or config.no_load_rng or resharded))
         damaged[0] = f"--load {config.load}: {damaged[0]}" if damaged[0] else \
             damaged_file(root / tag_for(iteration))
     dist.broadcast_object_list(damaged, src=0)
     if damaged[0] is not None:
         raise CheckpointError(damaged[0])
+    if resharded:
+        return load_resharded(step, root / tag_for(iteration), meta, layout_now,
+                              config.weights_only)
     try:
         loaded = step.load(root, tag_for(iteration), weights_only=config.weights_only)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:

@@ -39,7 +39,8 @@ MOMENTS; all by default), in its full local shape."""
 
 def load_optimizer_state(engine, names: Dict[str, str], folder: Path, step: int,
                          vocab_size: int, tensor_rank: int, tensor_size: int,
-                         experts: Tuple[int, int] = (0, 1)) -> None:
+                         experts: Tuple[int, int] = (0, 1), open_reader=WeightsReader
+                         ) -> None:
     """Put the masters and moments of weights checkpoint `folder` into `engine`'s optimizer.
 
     names: {this rank's parameter name: our full name}.
@@ -48,7 +49,7 @@ def load_optimizer_state(engine, names: Dict[str, str], folder: Path, step: int,
     Raises:
         WeightsError: missing tensors or files, or an optimizer that cannot take them.
     """
-    readers = {"fp32": WeightsReader(folder), **{k: WeightsReader(folder, k) for k in MOMENTS}}
+    readers = {"fp32": open_reader(folder), **{k: open_reader(folder, k) for k in MOMENTS}}
     full = {id(p): names[n] for n, p in engine.module.named_parameters()}
     for key, reader in readers.items():
         absent = sorted(set(full.values()) - set(reader.names()))
