@@ -61,8 +61,8 @@ COMPARED = re.compile(r"^ (iteration +[456]/|moe per layer at iteration [456]|"
                       r"(validation|test) loss at iteration [456]\b)")
 
 
-def run(tree: Path, argv: List[str], log: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
+def run(tree: Path, argv: List[str], log: Path, **env_added: str) -> None:
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1", **env_added)
     with open(log, "w") as out:  # cwd: -m puts it first on sys.path
         proc = subprocess.run(argv, cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
@@ -111,12 +111,7 @@ def compare_printed(old: Path, paths: Dict[str, Path], work: Path) -> bool:
         texts = []
         for label, tree in (("old", old), ("new", REPO)):
             log = work / f"{name.replace(' ', '-')}-{label}.txt"
-            env = dict(os.environ, PYTHONPATH=str(tree), WORLD_SIZE=world)
-            with open(log, "w") as out:
-                proc = subprocess.run([sys.executable, "-m", *argv], cwd=tree, env=env,
-                                      stdout=out, stderr=subprocess.STDOUT)
-            if proc.returncode != 0:
-                sys.exit(f"failed ({proc.returncode}): {' '.join(argv)}; see {log}")
+            run(tree, [sys.executable, "-m", *argv], log, WORLD_SIZE=world)
             texts.append([line for line in log.read_text().splitlines()
                           if "real_accelerator" not in line])
         ok = bool(texts[1]) and texts[0] == texts[1]
