@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -340,3 +341,40 @@ megatron/tensor_parallel/layers.py `counts_in_norm` reads it by name (a lower fl
 def is_pipe_replicated(param: torch.Tensor) -> bool:
     """Whether `param` is a tied copy DeepSpeed's gradient norms leave out (PIPE_REPLICATED)."""
     return bool(getattr(param, PIPE_REPLICATED, False))
+
+
+# Building DeepSpeed's CUDA ops (FusedAdam, CPU Adam) -------------------------------------------
+def arch_list_deepspeed_reads(arch_list: str) -> str:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's JIT builder can parse it: arch-specific entries such as
+    `9.0a` (Hopper's wgmma features, set by many H100/H200 images) become `9.0`, `+PTX` is kept.
+
+    `CUDAOpBuilder.compute_capability_args` (ops/op_builder/builder.py) sorts the entries by
+    `int()` of each dot-separated part and fails with "invalid literal for int() with base 10:
+    '0a'"; DeepSpeed's own kernels use no arch-specific instruction, so sm_90 code is what they
+    need on such a chip."""
+    entries = arch_list.replace(" ", ";").split(";")
+    out = []
+    for entry in (e.strip() for e in entries):
+        if not entry:
+            continue
+        arch, ptx = (entry[:-4], "+PTX") if entry.endswith("+PTX") else (entry, "")
+        arch = arch.rstrip("aAfF") if "." in arch else arch
+        if arch + ptx not in out:
+            out.append(arch + ptx)
+    return ";".join(out)
+
+
+@contextlib.contextmanager
+def deepspeed_op_build_env():
+    """Around the first use of a DeepSpeed op (its JIT build reads TORCH_CUDA_ARCH_LIST and writes
+    it back): the user's list in the form `arch_list_deepspeed_reads` gives, restored after."""
+    saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if saved is not None:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list_deepspeed_reads(saved)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = saved

@@ -82,8 +82,9 @@ def build_optimizer(config: OptimizerConfig, offload_optimizer: str, device_type
         # DeepSpeed is imported where it runs: its import takes seconds and logs on stdout
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(groups, lr=config.lr, betas=betas, eps=config.adam_eps,
-                                weight_decay=config.weight_decay, adamw_mode=True)
+        with deepspeed_internals.deepspeed_op_build_env():  # its op is built on first use
+            return DeepSpeedCPUAdam(groups, lr=config.lr, betas=betas, eps=config.adam_eps,
+                                    weight_decay=config.weight_decay, adamw_mode=True)
     return torch.optim.AdamW(groups, lr=config.lr, betas=betas, eps=config.adam_eps,
                              weight_decay=config.weight_decay,
                              fused=True if device_type == "cuda" else None)
@@ -98,8 +99,10 @@ def initialize_engine(optimizer: OptimizerConfig, zero: ZeroConfig, device_type:
     adamw = build_optimizer(optimizer, zero.offload_optimizer, device_type, model)
     if zero.stage == 0 and experts.uses_deepspeed_experts(model):
         ds_json = {**ds_json, "gradient_clipping": 0.0}  # the step clips (experts.py)
-    engine, adamw, _, _ = deepspeed.initialize(model=model, optimizer=adamw, config=ds_json,
-                                               mpu=parallel_state, dist_init_required=False)
+    with deepspeed_internals.deepspeed_op_build_env():  # NVMe offload builds its aio op
+        engine, adamw, _, _ = deepspeed.initialize(model=model, optimizer=adamw,
+                                                   config=ds_json, mpu=parallel_state,
+                                                   dist_init_required=False)
     return engine, adamw
 
 

@@ -1,7 +1,7 @@
 """On one CUDA GPU (`make gpu-check`; skipped with "needs CUDA" elsewhere): bf16 and fp16 (loss
 scaling) training steps of a small model with ZeRO-1 and ZeRO-3 over NCCL with one rank against
-the same steps in fp32 on the CPU, fused Adam; 'flex' attention forward and backward against
-eager in bf16 (outputs and the bias table's gradient, 1e-2 relative); the --dry-run memory
+the same steps in fp32 on the CPU, fused Adam; 'flex' attention forward and backward in bf16
+as close to fp32 as eager's (outputs and the bias table's gradient); the --dry-run memory
 estimate against torch.cuda.max_memory_allocated on a model whose states and activations, not
 DeepSpeed's buckets, make the total."""
 
@@ -71,11 +71,14 @@ def test_training_steps_on_one_gpu(train_data, cpu_fp32, precision, zero):
 def test_fused_adam_matches_torch_adamw():
     from deepspeed.ops.adam import FusedAdam
 
+    from megatron.deepspeed_internals import deepspeed_op_build_env
+
     torch.manual_seed(0)
     a = torch.nn.Linear(64, 64).cuda()
     b = torch.nn.Linear(64, 64).cuda()
     b.load_state_dict(a.state_dict())
-    fused = FusedAdam(a.parameters(), lr=1e-3, weight_decay=0.01, adam_w_mode=True)
+    with deepspeed_op_build_env():  # H100/H200 images set TORCH_CUDA_ARCH_LIST="...;9.0a"
+        fused = FusedAdam(a.parameters(), lr=1e-3, weight_decay=0.01, adam_w_mode=True)
     plain = torch.optim.AdamW(b.parameters(), lr=1e-3, weight_decay=0.01)
     for _ in range(5):
         x = torch.randn(8, 64, device="cuda")
@@ -88,28 +91,37 @@ def test_fused_adam_matches_torch_adamw():
 
 
 @pytest.mark.parametrize("is_decoder", [False, True])
-def test_flex_forward_and_backward_match_eager_in_bf16(is_decoder):
+def test_flex_forward_and_backward_are_as_close_to_fp32_as_eager_in_bf16(is_decoder):
+    # bf16 against bf16 cannot judge: on an H200 the two backends' logits differed by up to
+    # 0.07 (2 bf16 ulps of logits near 5) in 18 of 1.1 M elements, each within its own rounding.
+    # So both are measured against the same model in fp32, as FlashAttention's tests do: flex's
+    # largest error may be at most twice eager's (plus 1e-3 of the largest value).
     from megatron.model import T5Config, T5Model
 
     torch.manual_seed(0)
     config = T5Config(**FIELDS)
+    reference = T5Model(config, attention_backend="eager").cuda()
     eager = T5Model(config, attention_backend="eager").cuda().to(torch.bfloat16)
     flex = T5Model(config, attention_backend="flex").cuda().to(torch.bfloat16)
-    flex.load_state_dict(eager.state_dict())
+    eager.load_state_dict(reference.state_dict())
+    flex.load_state_dict(reference.state_dict())
     enc = torch.randint(2, 4000, (4, 256), device="cuda")
     dec = torch.randint(2, 4000, (4, 64), device="cuda")
     mask = torch.ones_like(enc)
     mask[1, 200:] = 0
     outs = []
-    for model in (eager, flex):
+    for model in (reference, eager, flex):
         out = model(enc, dec, mask, labels=dec)
         out.loss.backward()
         stack = model.decoder if is_decoder else model.encoder
         table = stack.block[0].layer[0].SelfAttention.relative_attention_bias.weight
         outs.append((out.logits.float(), table.grad.float()))
-    (la, ga), (lb, gb) = outs
-    torch.testing.assert_close(lb, la, rtol=1e-2, atol=1e-2 * la.abs().max().item())
-    torch.testing.assert_close(gb, ga, rtol=1e-2, atol=1e-2 * ga.abs().max().item())
+    (logits, grad), (la, ga), (lb, gb) = outs
+    for want, by_eager, by_flex in ((logits, la, lb), (grad, ga, gb)):
+        eager_error = (by_eager - want).abs().max().item()
+        flex_error = (by_flex - want).abs().max().item()
+        assert flex_error <= 2 * eager_error + 1e-3 * want.abs().max().item(), (
+            flex_error, eager_error)
 
 
 # A T5-large-like model (d_model 1024, 24 + 24 blocks, gated-gelu: 0.73 B parameters on the

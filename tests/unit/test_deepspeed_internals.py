@@ -6,6 +6,7 @@ function promises, computed from the same tensors."""
 
 import inspect
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -457,3 +458,28 @@ def test_frozen_weights_come_from_module_when_the_saved_fragments_are_empty():
         assert engine.checkpoint_engine.load("saved") == {"module": {}}
         assert FROZEN_PARAM_FRAGMENTS in engine.checkpoint_engine.load("kept")
     assert engine.checkpoint_engine is real
+
+
+def test_arch_lists_with_arch_specific_entries_are_read_by_deepspeeds_jit_builder(monkeypatch):
+    # DeepSpeed's CUDA builder (the FusedAdam one; its CPU twin is what the CPU accelerator
+    # resolves) parses the list without building anything: "9.0a" fails there, seen on an H200
+    # image; the rewritten list passes and keeps what it asked for
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+    with pytest.raises(ValueError, match="0a"):
+        builder.compute_capability_args()
+    assert ds.arch_list_deepspeed_reads("8.0 9.0a+PTX;9.0;10.0f") == "8.0;9.0+PTX;9.0;10.0"
+    for user in ("8.0;9.0a", "7.5 8.6 9.0a+PTX"):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", user)
+        with ds.deepspeed_op_build_env():
+            assert builder.compute_capability_args() == []  # jit: torch makes the -gencode flags
+            built = os.environ["TORCH_CUDA_ARCH_LIST"]
+        assert os.environ["TORCH_CUDA_ARCH_LIST"] == user  # restored
+        assert built == {"8.0;9.0a": "8.0;9.0+PTX", "7.5 8.6 9.0a+PTX": "7.5;8.6;9.0+PTX"}[user]
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    with ds.deepspeed_op_build_env():
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0+PTX"  # what a build writes back
+    assert "TORCH_CUDA_ARCH_LIST" not in os.environ
