@@ -198,8 +198,8 @@ def _pretrain(config: RunConfig, signals, watchdog, lock, listeners: Sequence = 
             _final_evaluation(step, config, state, writer, watchdog, loaders.valid,
                               loaders.test)
         loaders.close()  # the workers' memory back before the figures
-        if rank == 0 and ckpt.save is not None and config.logging.plots and not is_remote(ckpt.save) \
-                and not state.exit_reason.startswith("signal"):
+        if rank == 0 and ckpt.save is not None and config.logging.plots \
+                and not is_remote(ckpt.save) and not state.exit_reason.startswith("signal"):
             _plot(config, writer)  # a signal's grace period is the scheduler's, not the figures'
         return state
     finally:
