@@ -227,9 +227,12 @@ class RemoteFolder:
         def check(item: Tuple[str, int]) -> Optional[str]:
             rel, size = item
             url = self.url_of(rel)
-            if not self.objects.exists(url):
-                return f"{url} is missing"
-            found, _ = self.objects.head(url)
+            try:
+                found, _ = self.objects.head(url)  # one HEAD each
+            except ObjectStorageError as e:
+                if "no such" in str(e) or "404" in str(e):
+                    return f"{url} is missing"
+                raise
             return None if found == size else f"{url} has {found} bytes, the save wrote {size}"
 
         with ThreadPoolExecutor(max(1, self.storage.upload_concurrency)) as pool:

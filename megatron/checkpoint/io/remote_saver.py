@@ -136,9 +136,15 @@ class RemoteSaver(Saver):
         write_meta(tmp, meta, self.kind, write=write_atomic)
         self.remote.upload_files([(str(tmp / META), f"{tag}/{META}")])
         self.remote.write_tracker(pending.iteration)  # last: the save is now the one loaded
-        self.remote.abort_incomplete_uploads()
-        if self.keep_remote is not None:
-            self.remote.prune(self.keep_remote, pending.iteration)
+        try:  # housekeeping: the save stands whatever happens here
+            self.remote.abort_incomplete_uploads()
+            if self.keep_remote is not None:
+                self.remote.prune(self.keep_remote, pending.iteration)
+        except (ObjectStorageError, OSError) as e:
+            if self.on_warning is not None:
+                self.on_warning(f"warning: iteration {pending.iteration} is saved, but removing "
+                                f"old objects from {self.remote.url} failed ({e}); the next "
+                                f"save tries again")
 
     def _commit(self, tmp: Path, final: Path, pending: _Pending) -> None:
         pass  # published by _commit_agreed; nothing stays in the staging folder
