@@ -29,6 +29,7 @@ from megatron.checkpoint.io.checkpointing import (
     layout,
 )
 from megatron.checkpoint.io.ownership import lock_problems
+from megatron.checkpoint.io.remote import remote_problems
 from megatron.checkpoint.io.prompt import prompt_checkpoint_problems, \
     prompt_layout_from_checkpoints, resumes_prompt_run
 from megatron.cli import RENAMED_FLAGS, CommandLineParser
@@ -46,6 +47,8 @@ from megatron.pipeline.partition import cut_problems
 from megatron.training import ds_config
 from megatron.config.divergence_args import (add_divergence_args, divergence_config,
                                              divergence_problems)
+from megatron.config.checkpoint_storage import add_checkpoint_storage_args, \
+    checkpoint_storage_from_args
 from megatron.config.flag_checks import command_line_problems, defaults_of
 from megatron.config.given_flags import GIVEN, given_dests, record_given
 from megatron.config.prompt_args import add_prompt_args, prompt_problems
@@ -80,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_precision_args(parser)
     _add_deepspeed_args(parser)
     _add_checkpoint_args(parser)
+    add_checkpoint_storage_args(parser)
     _add_logging_args(parser)
     add_prompt_args(parser)
     add_profile_args(parser)
@@ -401,6 +405,10 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     problems += profile_problems(values, parallel.world_size)
     if values["save"] is not None and not values["dry_run"]:
         problems += lock_problems(values["save"])
+    storage, storage_problems = checkpoint_storage_from_args(values)
+    problems += storage_problems
+    if not problems and not values["dry_run"]:  # requests: only once the flags are right
+        problems += remote_problems(values, storage, given)
     if not problems:
         problems += resume_problems(values, layout(parallel, resolved.zero.stage), lr_schedule)
     if problems:
@@ -424,7 +432,8 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
                                   async_save=values["async_save"],
                                   check_for_nan=values["check_for_nan"],
                                   detect_nan_layers=values["detect_nan_layers"],
-                                  divergence=divergence, ckpt_step=values["ckpt_step"])
+                                  divergence=divergence, ckpt_step=values["ckpt_step"],
+                                  storage=storage)
     logging = LoggingConfig(values["log_interval"], values["log_file"],
                             values["tensorboard_dir"], values["peak_tflops"],
                             values["log_grad_norms_per_layer"], plots=values["plots"])

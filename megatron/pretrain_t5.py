@@ -33,6 +33,8 @@ from megatron.checkpoint.formats.meta import (PROMPT_ALONE, PROMPT_WITH_MODEL, C
 from megatron.checkpoint.io.checkpointing import CheckpointError, layout, load_checkpoint, \
     load_iteration, resumes_schedule, tag_for
 from megatron.checkpoint.io.completeness import MANIFEST
+from megatron.checkpoint.io.remote import is_remote
+from megatron.checkpoint.io.remote_saver import RemoteSaver
 from megatron.checkpoint.io.ownership import SaveLock, SaveLockError, describe, watch_launcher
 from megatron.checkpoint.io.reshard import RESHARDED
 from megatron.checkpoint.io.prompt import resumes_prompt_run
@@ -119,7 +121,7 @@ def pretrain(config: RunConfig, signals=None, watchdog=None, listeners: Sequence
     watchdog = watchdog or Watchdog(dist.get_rank())
     lock, finished = None, False
     try:
-        if config.checkpoint.save is not None:
+        if config.checkpoint.save is not None and not is_remote(config.checkpoint.save):
             with watchdog.watch("collective: the verdict on --save's writer lock",
                                 60 * runtime.distributed_timeout_minutes):
                 lock = _take_save_lock(config.checkpoint.save, runtime.torch_device())
@@ -198,7 +200,7 @@ def _pretrain(config: RunConfig, signals, watchdog, lock, listeners: Sequence = 
                               loaders.test)
         loaders.close()  # the workers' memory back before the figures
         if rank == 0 and ckpt.save is not None and config.logging.plots \
-                and not state.exit_reason.startswith("signal"):
+                and not is_remote(ckpt.save) and not state.exit_reason.startswith("signal"):
             _plot(config, writer)  # a signal's grace period is the scheduler's, not the figures'
         return state
     finally:
@@ -356,9 +358,11 @@ def _saver(step, config: RunConfig, writer: MetricsWriter, watchdog,
     kind = dataclasses.replace(kind, router_type=t5.router_type if t5.is_moe else None)
     if config.parallel.pipeline_model_parallel_size > 1:
         model_meta["pipeline_blocks"] = list(config.pipeline_cut().blocks)
-    saver = Saver(step, ckpt.save, layout(config.parallel, config.zero.stage),
-                  config.runtime.device_type, config.flags, model_meta, ckpt.keep_last,
-                  ckpt.async_save, 60 * ckpt.timeout_minutes, watchdog, kind)
+    remote = {"storage": ckpt.storage} if is_remote(ckpt.save) else {}
+    saver = (RemoteSaver if remote else Saver)(
+        step, ckpt.save, layout(config.parallel, config.zero.stage), config.runtime.device_type,
+        config.flags, model_meta, ckpt.keep_last, ckpt.async_save, 60 * ckpt.timeout_minutes,
+        watchdog, kind, **remote)
     saver.on_commit = lambda path, t: writer.write_text(
         f"saved checkpoint {path} ({t['bytes'] / 2**20:.1f} MiB; the step was held "
         f"{t['blocked_s']:.2f} s" + (f" + {t['waited_s']:.2f} s waiting for the previous "

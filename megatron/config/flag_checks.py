@@ -22,8 +22,8 @@ PATH_FLAGS = {
     "model_config": ("--model-config", LOCAL),
     "deepspeed_config": ("--deepspeed_config", LOCAL),
     "nvme_path": ("--nvme-path", LOCAL),
-    "save": ("--save", LOCAL),  # s3:// checkpoints: not yet (docs/object-storage.md)
-    "load": ("--load", LOCAL),
+    "save": ("--save", ("s3",)),  # megatron/checkpoint/io/remote.py
+    "load": ("--load", ("s3",)),
     "prompt_load": ("--prompt-load", LOCAL),
     "tensorboard_dir": ("--tensorboard-dir", LOCAL),
     "log_file": ("--log-file", LOCAL),
@@ -84,11 +84,13 @@ def objective_flag_problems(values: Mapping[str, object], given: Set[str],
 
 def object_storage_flag_problems(values: Mapping[str, object], given: Set[str],
                                  flag) -> List[str]:
-    """--object-storage-* flags with no s3:// data to read."""
+    """--object-storage-* flags with no s3:// data to read and no s3:// checkpoint."""
     data = values.get("data_path") or ()
-    if any(str(entry).startswith("s3://") for entry in data):
+    if any(str(entry).startswith("s3://") for entry in
+           [*data, values.get("save") or "", values.get("load") or ""]):
         return []
-    return _only(given, OBJECT_STORAGE, flag, "with s3:// data (--data-path names none)")
+    return _only(given, OBJECT_STORAGE, flag, "with s3:// data or an s3:// --save / --load "
+                                              "(--data-path, --save and --load name none)")
 
 
 def moe_flag_problems(t5, values: Mapping[str, object], given: Set[str], flag) -> List[str]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from megatron.config.lr_schedule import LRSchedule
+from megatron.data.storage.object_storage import StorageSettings
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,21 @@ class DivergenceConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointStorage:
+    """How an s3:// --save or --load is written and read (megatron/checkpoint/io/remote.py)."""
+
+    settings: StorageSettings = StorageSettings()
+    """The data's --object-storage-* settings (endpoint and credentials are boto3's)."""
+    staging_path: Optional[str] = None
+    """Node-local folder the files go through (--checkpoint-staging-path; None: a temporary
+    folder)."""
+    part_size_mb: int = 32
+    """Multipart upload part size (--object-storage-part-size-mb)."""
+    upload_concurrency: int = 16
+    """Requests of one rank's upload or download at once (--object-storage-upload-concurrency)."""
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     save: Optional[str] = None
     save_interval: Optional[int] = None
@@ -135,6 +151,8 @@ class CheckpointConfig:
     """Stop, without saving, at a step whose loss, gradient norm or weights show divergence."""
     ckpt_step: Optional[int] = None
     """The iteration of `load` to load (--ckpt-step); None: the one its tracker names."""
+    storage: CheckpointStorage = CheckpointStorage()
+    """How an s3:// `save` or `load` is written and read."""
 
     @property
     def weights_only(self) -> bool:

@@ -122,8 +122,8 @@ def profile_problems(values: Mapping[str, object], world_size: int) -> List[str]
                 for flag in ("profile_step_start", "profile_step_end", "profile_ranks")
                 if values[flag] is not None]
     problems = []
-    if values["save"] is None:
-        problems.append("--profile writes its traces into SAVE/profile/: give --save")
+    if values["save"] is None or "://" in str(values["save"]):
+        problems.append("--profile writes its traces into SAVE/profile/: give a local --save")
     start_flag = f"--profile-step-start {start}" if start is not None else \
         f"--profile-step-start {ProfileConfig.step_start} (the default)"
     end_flag = f"--profile-step-end {end}" if end is not None else \

@@ -265,11 +265,12 @@ CASES = {
     "prompt_tune_on_a_folder_without_checkpoint": Case(
         extra=["--load", "<tmp>/empty", "--prompt-tune"], files={"empty/": None},
         expect=[("--load <tmp>/empty", "holds no checkpoint", "--prompt-tune")]),
-    # Paths with a URL scheme are not local paths (only --data-path reads s3://).
-    "save_and_load_on_s3": Case(
-        extra=["--save", "s3://ckpt/run", "--load", "s3://ckpt/run"],
-        expect=[("--save s3://ckpt/run", "not a s3:// URL", "'s3:/ckpt/run'"),
-                ("--load s3://ckpt/run", "not a s3:// URL")]),
+    # Paths with a URL scheme are not local paths (--data-path, --save and --load read s3://;
+    # another scheme is refused by name).
+    "save_and_load_on_another_scheme": Case(
+        extra=["--save", "gs://ckpt/run", "--load", "hdfs://n/run"],
+        expect=[("--save gs://ckpt/run", "or s3://", "not a gs:// URL", "'gs:/ckpt/run'"),
+                ("--load hdfs://n/run", "not a hdfs:// URL")]),
     "log_paths_with_a_scheme": Case(
         extra=["--tensorboard-dir", "gs://b/tb", "--log-file", "s3://b/log.txt",
                "--data-cache-path", "s3://b/cache"],

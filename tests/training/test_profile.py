@@ -35,7 +35,7 @@ def test_bad_profile_flags_are_named(train_data, tmp_path):
     save = ["--save", str(tmp_path / "ckpt")]
     assert problems(base_argv(train_data, "--profile", "--profile-step-start", "1",
                               "--profile-step-end", "2")) == [
-        "--profile writes its traces into SAVE/profile/: give --save"]
+        "--profile writes its traces into SAVE/profile/: give a local --save"]
     assert problems(base_argv(train_data, "--profile", *save, "--profile-step-end", "3")) == [
         "--profile-step-start 10 (the default) must be less than --profile-step-end 3 (the "
         "trace holds iterations start+1 ... end)"]

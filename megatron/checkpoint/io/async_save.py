@@ -199,13 +199,17 @@ class Writer:
             for i, (path, obj) in enumerate(files):
                 self.current = path
                 try:
+                    if path is None and callable(obj):  # a step after the files: the
+                        self.current = "the upload to object storage"  # upload (remote_saver)
+                        obj()
+                        continue
                     if path is None:  # the tests' pause (checkpointing.TEST_PAUSE_ENV), as if
                         self.current = files[i + 1][0] if i + 1 < len(files) else None
                         time.sleep(obj)  # the next file's write were slow
                         continue
                     self.bytes += write_file(path, obj)
                 except Exception as e:  # noqa: BLE001
-                    self.error = f"{path}: {type(e).__name__}: {e}"
+                    self.error = f"{path}: {type(e).__name__}: {e}" if path else str(e)
                     break
             self.seconds = time.monotonic() - start
             self.current = None

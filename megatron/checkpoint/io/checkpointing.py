@@ -45,6 +45,7 @@ from megatron.checkpoint import layout as folder_layout  # (`layout` is the para
 from megatron.checkpoint.formats.deepspeed_files import CheckpointReadError
 from megatron.checkpoint.formats.meta import read_meta
 from megatron.checkpoint.io.completeness import incomplete
+from megatron.checkpoint.io.remote import fetch_for_load, is_remote
 from megatron.checkpoint.io.reshard import load_resharded, reshard_problems, reshardable
 
 TEST_PAUSE_ENV = "MEGATRON_CHECKPOINT_TEST_PAUSE_S"
@@ -343,6 +344,12 @@ def load_checkpoint(step, config: CheckpointConfig, layout_now: Dict[str, int],
         CheckpointError: a damaged checkpoint or one from another layout.
     """
     root = Path(config.load)
+    if is_remote(config.load):  # this rank's files, into a local folder (remote.py)
+        try:
+            root = fetch_for_load(config)
+        except OSError as e:
+            raise CheckpointError(f"--load {config.load}: {e}",
+                                  rank_local=getattr(e, "rank_local", False)) from None
     iteration = load_iteration(root, config.ckpt_step)
     if iteration is None:
         return None
