@@ -29,10 +29,7 @@ def test_a_run_resumed_from_s3_has_the_losses_of_the_run_straight(s3_server, s3_
     url = "s3://ckpt-resume/runs/a"
     run = lambda *extra: base_argv(train_data, "--zero-stage", "1", *extra,  # noqa: E731
                                    model=train_data.tiny_dropout, iters=6)
-    # the test server (rclone) takes seconds per PUT into a new folder under load: requests
-    # wait longer than the default 30 s, fewer at once
-    staging = ("--checkpoint-staging-path", str(tmp_path / "staging"),
-               "--object-storage-timeout", "120", "--object-storage-upload-concurrency", "4")
+    staging = ("--checkpoint-staging-path", str(tmp_path / "staging"))
     straight, first, second = run_workers(2, run_pretrain, [
         run(), run("--save", url, "--save-interval", "2", "--exit-interval", "3", *staging),
         run("--save", url, "--load", url, "--async-save", *staging),
@@ -48,6 +45,7 @@ def test_a_run_resumed_from_s3_has_the_losses_of_the_run_straight(s3_server, s3_
     assert sorted({o.split("/")[2] for o in objects if "/iter_" in o}) == [
         "iter_0000002", "iter_0000003", "iter_0000006"]
     assert "runs/a/iter_0000006/rng/rank_00001.pt" in objects
+    assert "runs/a/zero_to_fp32.py" in objects  # DeepSpeed's script, as in a local folder
     assert not any(".write-probe" in o for o in objects)
     # nothing is left in the staging folder but empty folders
     assert not [p for p in (tmp_path / "staging").rglob("*") if p.is_file()

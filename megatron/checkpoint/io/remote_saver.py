@@ -129,6 +129,12 @@ class RemoteSaver(Saver):
                   for p in sorted(tmp.rglob("*")) if p.is_file() and p.name != META]
         sizes = {**sizes, **{rel[len(tag) + 1:]: n
                              for rel, n in self.remote.upload_files(extras).items()}}
+        # DeepSpeed's own scripts, which it copies beside the iteration folders (zero_to_fp32.py,
+        # zero_to_torch.py): kept under PREFIX as in a local folder, not in the staging one
+        scripts = [p for p in sorted(self.root.iterdir()) if p.is_file() and p.suffix == ".py"]
+        self.remote.upload_files([(str(p), p.name) for p in scripts])
+        for p in scripts:
+            p.unlink()
         self.remote.confirm({f"{tag}/{rel}": n for rel, n in sizes.items()})
         meta = {**pending.meta, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                 MANIFEST: dict(sorted(sizes.items()))}
