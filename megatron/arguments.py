@@ -39,6 +39,7 @@ from megatron.config.lr_schedule import from_args as lr_from_args
 from megatron.config.training import BatchConfig, CheckpointConfig, LoggingConfig, OptimizerConfig
 from megatron.data.data_args import add_data_args, resolve_data, t5_config_from_args
 from megatron.data.datasets.t5_dataset import T5DatasetConfig
+from megatron.data.storage.object_storage import is_remote
 from megatron.initialize import choose_device
 from megatron.model.settings import ModelConfig, add_moe_args, cpm2_layout_problems, \
     moe_layout_problems, resolve_model
@@ -332,7 +333,7 @@ def resume_problems(values: Dict, now: Dict[str, int], lr_schedule) -> List[str]
     and, for a requeued prompt-tuning job, --save's (which it resumes from), found before any
     process starts."""
     problems = []
-    if values["load"] is not None:
+    if values["load"] is not None and not is_remote(values["load"]):  # s3://: at the load
         problems += checkpoint_problems(values["load"], now,
                                         values["finetune"] or values["no_load_optim"],
                                         lr_schedule, values["lr_policy"], values["finetune"],

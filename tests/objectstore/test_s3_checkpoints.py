@@ -3,6 +3,7 @@ resumed from there has the losses of the same run straight, bit for bit; the tra
 written last, so a save that fails before it leaves --load at the previous iteration; wrong
 credentials are refused before anything starts."""
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -49,8 +50,29 @@ def test_a_run_resumed_from_s3_has_the_losses_of_the_run_straight(s3_server, s3_
     assert not any(".write-probe" in o for o in objects)
     # nothing is left in the staging folder but empty folders
     assert not [p for p in (tmp_path / "staging").rglob("*") if p.is_file()
-                and "load-rank" not in str(p)]
+                and not p.relative_to(tmp_path / "staging").parts[0].startswith("load-")]
     assert not (Path.cwd() / "s3:").exists()
+
+    # iteration 3 loaded at another layout (TP 2, DP 1): from s3:// as from a local copy of the
+    # same objects (io/reshard.py; tests/training/test_load_at_another_layout.py holds the local
+    # load against the offline route). Resharded, every saved rank's files are downloaded, once
+    # per host: the two ranks share the host's staging folder.
+    local = tmp_path / "copy"
+    shutil.copytree(s3_server.root / "ckpt-resume/runs/a", local)
+    tp2 = ("--tensor-model-parallel-size", "2", "--ckpt-step", "3")
+    from_disk, from_s3 = run_workers(2, run_pretrain, [
+        run("--load", str(local), *tp2, "--log-file", str(tmp_path / "disk.log")),
+        run("--load", url, *tp2, *staging, "--log-file", str(tmp_path / "s3.log")),
+    ], timeout=600)[0]
+    assert from_s3["losses"] == from_disk["losses"] and sorted(from_s3["losses"]) == [4, 5, 6]
+    assert from_s3["evals"] == from_disk["evals"]
+    line = "resharding the checkpoint from TP 1 PP 1 DP 2 EP 1 to TP 2 PP 1 DP 1 EP 1"
+    assert line in (tmp_path / "s3.log").read_text()
+    host = [p for p in (tmp_path / "staging").iterdir() if p.name.startswith("load-")]
+    assert len(host) == 1, host  # one folder for the host's two ranks
+    staged = sorted(p.name for p in (host[0] / "ckpt-resume/runs/a/iter_0000003").rglob("*.pt"))
+    assert staged == sorted(p.name for p in (local / "iter_0000003").rglob("*.pt")
+                            if "rng" not in p.parts), staged
 
 
 def test_wrong_credentials_are_refused_before_start(s3_server, s3_env,

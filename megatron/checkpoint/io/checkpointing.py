@@ -346,7 +346,9 @@ def load_checkpoint(step, config: CheckpointConfig, layout_now: Dict[str, int],
     root = Path(config.load)
     if is_remote(config.load):  # this rank's files, into a local folder (remote.py)
         try:
-            root = fetch_for_load(config)
+            root = fetch_for_load(config, lambda meta: meta.get("format") != "weights" and bool(
+                layout_problems(meta["layout"], layout_now, config.load, config.weights_only))
+                and reshardable(meta))  # read into this layout: every saved rank's files
         except OSError as e:
             raise CheckpointError(f"--load {config.load}: {e}",
                                   rank_local=getattr(e, "rank_local", False)) from None

@@ -291,19 +291,28 @@ class RemoteFolder:
 
 
 def stage_for_load(url: str, storage: CheckpointStorage, ckpt_step: Optional[int],
-                   ranks: Tuple[int, int, int], needed, broadcast) -> Path:
-    """Download what this rank reads of the checkpoint `url` into its node-local staging
-    folder, laid out as a local checkpoint folder; returns that folder (holding no tracker when
-    `url` holds no checkpoint). Collective: rank 0 reads the tracker and meta.json and checks
-    every object the run needs; `broadcast(obj)` hands rank 0's answer to every rank.
+                   ranks: Tuple[int, int, int], needed, broadcast, gather=None,
+                   other_layout=None) -> Path:
+    """Download what the ranks of this host read of the checkpoint `url` into the host's
+    staging folder, laid out as a local checkpoint folder; returns that folder (holding no
+    tracker when `url` holds no checkpoint). Collective: rank 0 reads the tracker and meta.json
+    and checks every object the run needs; `broadcast(obj)` hands rank 0's answer to every rank.
+
+    The ranks of one host (by host name) share one folder: each object one of them reads is
+    downloaded once, by one of them (DeepSpeed's ZeRO load reads every data-parallel rank's
+    optimizer files of a model-parallel rank, so a node's ranks would fetch the same files).
+    `gather(obj)` returns every rank's `obj` (an all-gather); without it this rank is alone.
 
     ranks: (global rank, DeepSpeed's model-parallel rank, tensor-parallel rank) (`reads`).
     needed(name, meta): whether the run reads that file of the checkpoint of meta.json `meta`
         at all (its --no-load-optim / --no-load-rng: completeness.needed).
+    other_layout(meta): whether the checkpoint is loaded into another layout (io/reshard.py):
+        then every model-parallel rank's files are read, and no RNG file.
     Raises:
         ObjectStorageError: the storage could not be read, or an object is missing or short
-            (naming its key; on every rank).
+            (naming its key; on every rank of the host).
     """
+    gather = gather or (lambda obj: [obj])
     rank = ranks[0]
     folder = RemoteFolder(url, storage)
     answer: List[object] = [None, None, None]  # iteration, meta, problem
@@ -315,30 +324,51 @@ def stage_for_load(url: str, storage: CheckpointStorage, ckpt_step: Optional[int
     iteration, meta, problem = broadcast(answer)
     if problem is not None:
         raise ObjectStorageError(problem)
-    root = staging_root(storage, url, f"load-rank_{rank:05d}")
-    if root.exists():
-        import shutil
-
-        shutil.rmtree(root)
-    root.mkdir(parents=True)
+    host = socket.gethostname()
+    root = staging_root(storage, url, f"load-{host}")
     if iteration is None:
+        gather(None)
+        root.mkdir(parents=True, exist_ok=True)
         return root
     tag = iteration_folder_name(iteration)
-    mine = {rel: size for rel, size in (meta.get("file_sizes") or {}).items()
-            if needed(rel, meta) and reads(rel, *ranks)}
-    try:
-        folder.download_files((f"{tag}/{rel}", root / tag / rel) for rel in mine)
+    whole = other_layout is not None and other_layout(meta)
+    mine = sorted(rel for rel in (meta.get("file_sizes") or {}) if needed(rel, meta) and (
+        not _RNG.match(rel) if whole else reads(rel, *ranks)))
+    hosts = gather((host, rank, mine))
+    here = sorted((r, files) for h, r, files in hosts if h == host)
+    sizes = meta.get("file_sizes") or {}
+    wanted = sorted({rel for _, files in here for rel in files})
+    if here[0][0] == rank:  # the host's first rank empties the folder
+        if root.exists():
+            import shutil
+
+            shutil.rmtree(root)
+        root.mkdir(parents=True)
+    gather(None)
+    position = [r for r, _ in here].index(rank)
+    error = None
+    try:  # this rank's share of the host's files
+        folder.download_files((f"{tag}/{rel}", root / tag / rel)
+                              for rel in wanted[position::len(here)])
     except ObjectStorageError as e:
-        e.rank_local = True  # this rank's download; the others may have theirs
-        raise
-    # the staged meta.json lists the staged files: the local checks see a whole folder
-    (root / tag / META).write_text(json.dumps({**meta, "file_sizes": mine}), encoding="utf-8")
-    (root / TRACKER).write_text(f"{iteration}\n", encoding="utf-8")
+        error = str(e)
+    errors = [(h, e) for h, e in gather((host, error)) if h == host and e is not None]
+    if errors:
+        failed = ObjectStorageError(errors[0][1])
+        failed.rank_local = True  # this host's download; the others may have theirs
+        raise failed
+    if here[0][0] == rank:
+        # the staged meta.json lists the staged files: the local checks see a whole folder
+        (root / tag / META).write_text(json.dumps({**meta, "file_sizes": {
+            rel: sizes[rel] for rel in wanted}}), encoding="utf-8")
+        (root / TRACKER).write_text(f"{iteration}\n", encoding="utf-8")
+    gather(None)
     return root
 
 
-def fetch_for_load(config) -> Path:
-    """stage_for_load for the run's --load (a CheckpointConfig), in its process groups.
+def fetch_for_load(config, other_layout=None) -> Path:
+    """stage_for_load for the run's --load (a CheckpointConfig), in its process groups;
+    `other_layout(meta)` as there.
 
     Raises:
         ObjectStorageError: as stage_for_load (`rank_local` set on a download's)."""
@@ -357,10 +387,15 @@ def fetch_for_load(config) -> Path:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather(obj):
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
     ranks = (dist.get_rank(), parallel_state.get_model_parallel_rank(),
              parallel_state.get_tensor_model_parallel_rank())
     return stage_for_load(config.load, config.storage, config.ckpt_step, ranks, needed,
-                          broadcast)
+                          broadcast, gather, other_layout)
 
 
 def _checked_meta(folder: RemoteFolder, ckpt_step: Optional[int], needed):
