@@ -47,6 +47,9 @@ class RemoteSaver(Saver):
     """A Saver whose checkpoints go to the object-storage folder `url` (every method is
     collective, as Saver's)."""
 
+    FAILED_SAVE_LEFT = ("the tracker still names the previous checkpoint (the objects already "
+                        "uploaded stay, unread)")
+
     def __init__(self, step, url: str, layout, device_type: str, flags, model=None,
                  keep_last: Optional[int] = None, async_save: bool = False,
                  timeout_s: float = 1800.0, watchdog=None, kind=None,
@@ -56,6 +59,7 @@ class RemoteSaver(Saver):
                          flags, model, None, async_save, timeout_s, watchdog, kind)
         self.keep_remote = keep_last
         self.remote = RemoteFolder(url, storage)
+        self.destination = self.remote.url
         self.uploaded: Dict[int, Dict[str, int]] = {}
         """iteration -> {path inside its folder: bytes} this rank uploaded (not yet committed)."""
         if async_save:

@@ -81,12 +81,18 @@ class _Pending:
 class Saver:
     """Saves checkpoints of one run into `save_dir` (every method is collective)."""
 
+    FAILED_SAVE_LEFT = ("the partial folder is removed and the previous checkpoint stays the one "
+                        "the tracker names")
+    """What a failed save's message says is left."""
+
     def __init__(self, step, save_dir: str, layout: Dict[str, int], device_type: str,
                  flags: Dict[str, Any], model: Optional[Dict[str, Any]] = None,
                  keep_last: Optional[int] = None, async_save: bool = False,
                  timeout_s: float = 1800.0, watchdog=None,
                  kind: Optional[CheckpointKind] = None) -> None:
         self.step, self.root, self.layout = step, Path(save_dir), layout
+        self.destination = str(save_dir)
+        """Where the checkpoints go, as the messages name it (remote_saver.py: the s3:// URL)."""
         self.kind = kind
         """What the checkpoints are (meta.json's "checkpoint" section; formats/meta.py)."""
         self.device_type, self.flags, self.model = device_type, flags, model
@@ -254,7 +260,7 @@ class Saver:
         if stuck:
             where = self.writer.current if self.writer is not None else None
             raise CheckpointError(
-                f"saving iteration {pending.iteration} to {self.root}: a rank's checkpoint "
+                f"saving iteration {pending.iteration} to {self.destination}: a rank's checkpoint "
                 f"writer made no progress for {self.timeout_s / 60:g} minutes"
                 + (f" (this rank: still writing {where})" if where and not self.writer.done()
                    else "") + " (--checkpoint-timeout-minutes)")
@@ -266,9 +272,8 @@ class Saver:
             if dist.get_rank() == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             mine = f" (this rank: {error})" if error else ""
-            raise SaveFailed(f"saving iteration {pending.iteration} to {self.root} failed on "
-                             f"some rank{mine}; the partial folder is removed and the previous "
-                             f"checkpoint stays the one the tracker names",
+            raise SaveFailed(f"saving iteration {pending.iteration} to {self.destination} failed "
+                             f"on some rank{mine}; {self.FAILED_SAVE_LEFT}",
                              rank_local=error is not None)
         if self.writer is not None:
             pending.bytes, pending.written_s = self.writer.bytes, self.writer.seconds
