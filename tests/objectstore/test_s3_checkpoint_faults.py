@@ -138,3 +138,54 @@ def test_a_stalled_server_fails_the_save_naming_the_key(s3_server, fault_proxy,
     assert "the tracker still names the previous checkpoint" in message
     assert not (s3_server.root / "ckpt-stalled" / "run" / "latest_checkpointed_iteration.txt"
                 ).exists()
+
+
+def test_a_job_killed_mid_upload_resumes_from_the_tracked_checkpoint(
+        s3_server, fault_proxy, train_data, tmp_path):
+    """SIGKILL of the job (`python -m megatron.pretrain_t5`, one process) while iteration 4's
+    objects are being uploaded (the proxy slows each request then): the tracker still names
+    iteration 2, iteration 4 has objects but no meta.json, and the next launch resumes from
+    iteration 2 and saves on to the end."""
+    import os
+    import signal
+    import subprocess
+
+    bucket = s3_server.make_bucket("ckpt-killed")
+    url, on_disk = f"s3://{bucket}/run", s3_server.root / bucket / "run"
+    tracker, log = on_disk / "latest_checkpointed_iteration.txt", tmp_path / "run.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WORLD_SIZE", "RANK"))}
+    env.update(s3_server.env(fault_proxy.endpoint), OMP_NUM_THREADS="1",
+               PYTHONPATH=str(HERE.parents[1]))
+    cmd = [sys.executable, "-m", "megatron.pretrain_t5",
+           *base_argv(train_data, "--save", url, "--load", url, "--save-interval", "2",
+                      "--checkpoint-staging-path", str(tmp_path / "staging"),
+                      "--log-file", str(log), iters=6)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        killed, deadline = False, time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            if tracker.is_file() and tracker.read_text() == "2\n":
+                fault_proxy.latency(0.3)  # iteration 4's upload: 0.3 s per request
+            if any((on_disk / "iter_0000004").rglob("*.pt")):  # some of its objects are up
+                os.killpg(proc.pid, signal.SIGKILL)
+                killed = True
+                break
+            time.sleep(0.02)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(60)
+        fault_proxy.clear()
+    assert killed, f"the job ended before iteration 4's upload (rc {proc.returncode}): " + \
+        proc.stderr.read()[-3000:]
+    assert tracker.read_text() == "2\n"
+    assert not (on_disk / "iter_0000004" / "meta.json").exists()
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    text = log.read_text()
+    assert f"resumed from {url} at iteration 2" in text, text[-3000:]
+    assert tracker.read_text() == "6\n"
+    assert (on_disk / "iter_0000004" / "meta.json").is_file()  # saved again, whole
