@@ -1,5 +1,6 @@
 """Session fixtures shared by the test suite: the real-text corpora, a small SentencePiece model,
-and a small preprocessed dataset with tiny model configs for the training and launch tests."""
+and a small preprocessed dataset with tiny model configs for the training and launch tests; a
+one-process gloo group."""
 
 import json
 import os
@@ -91,3 +92,16 @@ def train_data(spm_model, corpora_dir, tmp_path_factory):
         configs[name] = str(path)
     return SimpleNamespace(prefix=str(out / "mix_text_document"), spm=str(spm_model),
                            cache=str(out / "cache"), root=out, **configs)
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    """torch.distributed joined as the only rank of a gloo group, left at the end."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

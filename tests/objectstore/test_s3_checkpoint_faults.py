@@ -23,7 +23,7 @@ sys.path.insert(0, str(HERE.parent / "distributed"))  # the process harness
 sys.path.insert(0, str(HERE.parent / "training"))  # its training workers
 
 from harness import run_workers  # noqa: E402
-from test_s3_checkpoints import FilesStep, one_process_group  # noqa: E402, F401
+from test_s3_checkpoints import FilesStep  # noqa: E402
 from train_workers import base_argv, run_pretrain_until_error  # noqa: E402
 
 from megatron.checkpoint.io.saver import SaveFailed  # noqa: E402

@@ -14,7 +14,7 @@ sys.path.insert(0, str(HERE.parent / "distributed"))  # the process harness
 sys.path.insert(0, str(HERE.parent / "training"))  # its training workers
 
 from harness import run_workers  # noqa: E402
-from train_workers import base_argv, run_pretrain, run_pretrain_until_error  # noqa: E402
+from train_workers import base_argv, run_pretrain  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -101,18 +101,6 @@ class FilesStep:
         folder.mkdir(parents=True, exist_ok=True)
         state = {"weights": torch.full((1000,), float(iteration))}
         return [(str(folder / "model.pt"), snapshot_with(state) if snapshot_with else state)]
-
-
-@pytest.fixture
-def one_process_group(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])

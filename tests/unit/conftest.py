@@ -1,22 +1,9 @@
-"""Fixtures the unit tests share: a one-process gloo group, and a real TCPStore standing for
-torchrun's agent store."""
+"""Fixtures the unit tests share: a real TCPStore standing for torchrun's agent store (the
+one-process gloo group is tests/conftest.py's)."""
 
 from datetime import timedelta
 
 import pytest
-
-
-@pytest.fixture
-def one_process_group(tmp_path):
-    """torch.distributed joined as the only rank of a gloo group, left at the end."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture
