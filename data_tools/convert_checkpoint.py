@@ -47,6 +47,8 @@ runs; fp16 without ZeRO gives its fp16 weights, with a warning); experts split o
 read whole. `--to megatron` from one of our checkpoints carries Adam's states too, so that the
 run resumes in the new layout (any TP, PP, EP, DP and ZeRO stage; an upcycled model is weights
 only). Output is written to OUT.tmp and renamed; an existing OUT is refused without --force.
+--load and --inspect take s3://BUCKET/PREFIX (downloaded whole first), and so does --to megatron
+(uploaded, the tracker last): data_tools/convert_remote.py, docs/checkpoints.md.
 Exit status: 0 done, 2 bad command line, 1 a checkpoint that cannot be read or written (one
 message naming the file and the tensor).
 

@@ -26,6 +26,8 @@ experts of each Mixture-of-Experts layer and its expert-parallel group decodes i
 With a tuned prompt (megatron/generation/prompt.py): `--prompt-load P` puts the prompt of a
 prompt-tuning run's --save on --load, its base (refused, naming both, on another); a
 --prompt-train-model checkpoint decodes with the prompt it holds.
+--load and --prompt-load also take s3://BUCKET/PREFIX: checked, then downloaded into the
+staging folder (megatron/checkpoint/io/remote_tools.py) and removed at the end.
 The output is written to a temporary name and renamed. Every problem found before decoding
 (the flags, --input's lines, --load, the tokenizer) is listed at once, one line each, exit 2; a
 checkpoint that fails while it is read, or an output that cannot be written, exit 1; Ctrl-C or
