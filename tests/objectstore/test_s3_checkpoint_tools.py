@@ -177,3 +177,25 @@ def test_a_truncated_object_or_refused_credentials_are_named(s3_server, on_s3, t
     assert _convert("--inspect", on_s3["prompt"]) == 2
     err = capsys.readouterr().err
     assert f"--inspect {on_s3['prompt']}" in err and "access denied" in err, err
+
+
+def test_prompt_tuning_on_an_s3_base_from_an_s3_prompt(train_data, ckpts, on_s3, tmp_path):
+    """The trainer's --load s3://BASE --finetune --prompt-tune --prompt-load s3://PROMPT: the
+    run of the local folders, loss for loss, and the same base identity recorded (the digest of
+    the base checkpoint's full tensors, not of the model in memory)."""
+    from megatron.checkpoint.formats.deepspeed import find_iteration, read_meta
+
+    def run(base, prompt, save):
+        return base_argv(train_data, "--zero-stage", "1", "--load", base, "--finetune",
+                         "--save", str(save), *PROMPT, "--prompt-load", prompt, "--lr", "0.05",
+                         iters=2)
+
+    local, remote = run_workers(1, run_pretrain, [
+        run(str(ckpts["base"]), str(ckpts["prompt"]), tmp_path / "local"),
+        run(on_s3["base"], on_s3["prompt"], tmp_path / "remote")], timeout=600)[0]
+    assert remote["losses"] == local["losses"]
+    bases = [read_meta(find_iteration(tmp_path / name))["model"]["prompt_base"]
+             for name in ("local", "remote")]
+    assert bases[1]["load"] == on_s3["base"]
+    assert [(b["digest"], b.get("of")) for b in bases[1:]] == \
+        [(b["digest"], b.get("of")) for b in bases[:1]]

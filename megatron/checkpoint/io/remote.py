@@ -70,6 +70,16 @@ def staging_root(storage: CheckpointStorage, url: str, what: str) -> Path:
     return root / what / bucket / key.strip("/")
 
 
+def load_staging_root(storage: CheckpointStorage, url: str, rank: Optional[int] = None) -> Path:
+    """The folder stage_for_load downloads rank `rank`'s files of `url` into (default: this
+    process's rank), laid out as a local checkpoint folder; it stays until the next load."""
+    if rank is None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    return staging_root(storage, url, f"load-rank_{rank:05d}")
+
+
 def reads(name: str, rank: int, mp_rank: int, tp_rank: int) -> bool:
     """Whether a rank (global `rank`, DeepSpeed's model-parallel rank `mp_rank`, tensor-parallel
     rank `tp_rank`) reads the file `name` of an iteration folder (a path inside it): another
@@ -315,7 +325,7 @@ def stage_for_load(url: str, storage: CheckpointStorage, ckpt_step: Optional[int
     iteration, meta, problem = broadcast(answer)
     if problem is not None:
         raise ObjectStorageError(problem)
-    root = staging_root(storage, url, f"load-rank_{rank:05d}")
+    root = load_staging_root(storage, url, rank)
     if root.exists():
         import shutil
 
