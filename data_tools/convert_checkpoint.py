@@ -197,7 +197,7 @@ def check(args) -> List[str]:
     if args.inspect is not None:
         if args.to is not None:
             problems.append("--inspect stops after describing; --to has no effect with it")
-        return problems + (convert_remote.problems(args) if not problems else [])
+        return problems + convert_remote.problems(args, problems)
     if args.from_format == "hf" and args.source_dir is None:
         problems.append("--from hf needs the Hugging Face folder: --from hf DIR")
     if args.from_format == "cpm2":
@@ -256,7 +256,7 @@ def check(args) -> List[str]:
         problems.append("--iteration needs --load (or --from cpm2)")
     if Path(out).exists() and not args.force:
         problems.append(f"{out} exists; pass --force to replace it")
-    return problems + (convert_remote.problems(args) if not problems else [])
+    return problems + convert_remote.problems(args, problems)
 
 
 def _extend_vocab_problems(args, kind: str) -> List[str]:

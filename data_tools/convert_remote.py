@@ -31,11 +31,12 @@ def output_is_remote(args) -> bool:
     return args.to is not None and args.to[0] == "megatron" and is_remote(args.to[1])
 
 
-def problems(args) -> List[str]:
-    """The storage flags' problems, and with an s3:// source or --to megatron output: what the
-    server says of them (the checkpoint found and its objects confirmed; --to's prefix
-    writable and, without --force, empty). Sets args.storage, and args.remote (the source's
-    RemoteCheckpoint) for `localized`."""
+def problems(args, others: List[str]) -> List[str]:
+    """The storage flags' problems, and with an s3:// source or --to megatron output and no
+    problem found so far (`others`: the command line's): what the server says of them (the
+    checkpoint found and its objects confirmed; --to's prefix writable and, without --force,
+    empty). Sets args.storage, and args.remote (the source's RemoteCheckpoint) for
+    `localized`."""
     from megatron.checkpoint.io.remote import RemoteFolder
     from megatron.checkpoint.io.remote_tools import find_checkpoint, prefix_is_empty
     from megatron.config.checkpoint_storage import tool_storage_from_args
@@ -45,7 +46,7 @@ def problems(args) -> List[str]:
     args.storage, found = tool_storage_from_args(vars(args), remote_in or output_is_remote(args),
                                                  FLAGS)
     args.remote = None
-    if found:
+    if found or others:
         return found
     if remote_in:
         try:

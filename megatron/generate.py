@@ -385,8 +385,7 @@ def prepare(args, world_size: int, staged=None):
         GenerateFailure: an s3:// checkpoint that could not be downloaded.
     """
     problems = flag_problems(args, world_size)
-    if not problems:
-        args = _downloaded(args, problems, staged)
+    args = _downloaded(args, problems, staged)
     load_problems = [] if args.load is None else folder_problems("--load", args.load)
     problems += load_problems
     if args.prompt_load is not None:
@@ -422,9 +421,10 @@ def prepare(args, world_size: int, staged=None):
 def _downloaded(args, problems: List[str], staged):
     """`args` with an s3:// --load or --prompt-load replaced by its download into `staged`
     (--load whole, --prompt-load's model file and meta.json), and `shown(text)` putting the URLs
-    back into messages; the problems found on the server (refused credentials, no checkpoint,
-    a missing or short object: each naming the flag and the key) are added to `problems`, and
-    nothing is downloaded where there are any.
+    back into messages. The object-storage flags' problems are added to `problems`; where there
+    are none so far, those found on the server (refused credentials, no checkpoint, a missing or
+    short object: each naming the flag and the key), and nothing is downloaded where there are
+    any.
 
     Raises:
         GenerateFailure: a download that failed (naming the key)."""
@@ -437,7 +437,7 @@ def _downloaded(args, problems: List[str], staged):
               if is_remote(getattr(args, dest))}
     storage, found = tool_storage_from_args(vars(args), bool(remote), REMOTE_FLAGS)
     problems += found
-    if not remote or found:
+    if not remote or problems:  # the flags first: nothing is asked of the server before
         return args
     checkpoints = {}
     for dest, url in remote.items():

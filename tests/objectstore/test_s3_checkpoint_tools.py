@@ -199,3 +199,43 @@ def test_prompt_tuning_on_an_s3_base_from_an_s3_prompt(train_data, ckpts, on_s3,
     assert bases[1]["load"] == on_s3["base"]
     assert [(b["digest"], b.get("of")) for b in bases[1:]] == \
         [(b["digest"], b.get("of")) for b in bases[:1]]
+
+
+def test_an_upload_that_fails_leaves_no_tracker(ckpts, on_s3, s3_server, tmp_path, capsys,
+                                                monkeypatch):
+    """--to megatron s3://: an object the server does not confirm stops the upload before the
+    tracker objects (exit 1, the key named): --load there finds no checkpoint."""
+    from megatron.checkpoint.io.remote import RemoteFolder
+    from megatron.data.storage.object_storage import ObjectStorageError
+
+    def short(self, sizes):
+        key = self.url_of(sorted(sizes)[0])
+        raise ObjectStorageError(f"{key} has 1 bytes, the save wrote {sorted(sizes.values())[0]}")
+
+    confirm = RemoteFolder.confirm
+    monkeypatch.setattr(RemoteFolder, "confirm", short)
+    url = f"s3://{BUCKET}/{tmp_path.name}/failed"
+    assert _convert("--load", str(ckpts["base"]), "--to", "megatron", url) == 1
+    assert f"error: {url}/" in capsys.readouterr().err
+    monkeypatch.setattr(RemoteFolder, "confirm", confirm)
+    uploaded = s3_server.root / BUCKET / tmp_path.name / "failed"
+    assert uploaded.is_dir() and not (uploaded / "latest_checkpointed_iteration.txt").exists()
+    assert not (uploaded / "latest").exists()
+    assert _convert("--inspect", url) == 2
+    assert f"{url}/latest_checkpointed_iteration.txt is missing" in capsys.readouterr().err
+
+
+def test_iteration_and_flag_checks_of_generate(train_data, on_s3, tmp_path, capsys):
+    assert _convert("--inspect", on_s3["base"], "--iteration", "1") == 2
+    assert f"{on_s3['base']}/iter_0000001/meta.json is missing; the iterations saved there: 2" \
+        in capsys.readouterr().err
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"text": "a"}) + "\n")
+    argv = ["--input", str(inp), "--output", str(tmp_path / "o.jsonl"), "--tokenizer-model",
+            train_data.spm]
+    assert generate.main(["--load", str(tmp_path), "--checkpoint-staging-path", "x", *argv]) == 2
+    assert "--checkpoint-staging-path has effect only with an s3:// --load / --prompt-load" in \
+        capsys.readouterr().err
+    assert generate.main(["--load", on_s3["base"], "--iteration", "1", *argv]) == 2
+    assert f"--load {on_s3['base']}: {on_s3['base']}/iter_0000001/meta.json is missing" in \
+        capsys.readouterr().err
