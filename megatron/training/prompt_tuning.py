@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron import deepspeed_internals
 from megatron.checkpoint.io.checkpointing import CheckpointError
 from megatron.checkpoint.io.prompt import DIGEST_OF, checkpoint_digest, read_prompt
-from megatron.checkpoint.io.remote_tools import Staged, find_checkpoint
+from megatron.checkpoint.io.remote_tools import Staged, download_checkpoint
 from megatron.config.training import CheckpointStorage
 from megatron.data.storage.object_storage import is_remote
 from megatron.config.prompt_args import DEFAULT_TOKENS, RANDOM, PromptSettings
@@ -95,8 +95,9 @@ def _read_prompt(prompt_load: str, storage: CheckpointStorage):
 
     try:
         with Staged() as staged:
-            return read_prompt(staged.download(find_checkpoint(
-                prompt_load, storage, None, lambda name: needed(name, False, False))))
+            return read_prompt(download_checkpoint(
+                prompt_load, storage, root=staged.folder(storage, prompt_load, "download"),
+                needed=lambda name: needed(name, False, False)))
     except OSError as e:
         raise CheckpointError(f"--prompt-load {prompt_load}: {e}") from None
 
@@ -129,8 +130,9 @@ def loaded_base_identity(module: torch.nn.Module, load: Optional[str],
     if dist.get_rank() == 0:
         try:
             with Staged() as staged:
-                root = Path(load) if not is_remote(load) else staged.download(find_checkpoint(
-                    load, storage, iteration, lambda name: needed(name, True, False)))
+                root = Path(load) if not is_remote(load) else download_checkpoint(
+                    load, storage, iteration, staged.folder(storage, load, "download"),
+                    lambda name: needed(name, True, False))
                 found[0] = (checkpoint_digest(find_iteration(root, iteration)), None)
         except (CheckpointReadError, OSError) as e:
             found[0] = (None, f"--load {load}: {e}")

@@ -7,6 +7,7 @@ truncated object and refused credentials are one message naming the key or the f
 before anything is written."""
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -49,7 +50,10 @@ def ckpts(train_data, tmp_path_factory):
 def on_s3(s3_server, s3_env, ckpts, tmp_path, monkeypatch):
     """name -> the s3:// URL of that local checkpoint, copied onto the server (objects are
     plain files there); the staging folder under tmp_path."""
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    import tempfile
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # (the training workers')
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # (this process's, cached)
     (tmp_path / "tmp").mkdir()
     s3_server.make_bucket(BUCKET)
     urls = {}
@@ -104,7 +108,7 @@ def test_a_conversion_from_s3_writes_the_local_ones(kind, ckpts, on_s3, tmp_path
     if kind in ("megatron", "fp32"):
         source = json.loads(next(remote.glob("iter_*/meta.json")).read_text())["source"]
         assert source["path"] == on_s3["base"] + "/iter_0000002"
-    assert not [p for p in (tmp_path / "tmp").rglob("*") if p.is_file()]  # staging removed
+    assert not list((tmp_path / "tmp" / f"t5-pretrain-staging-{os.getuid()}").iterdir())
 
 
 def test_inspect_of_s3_prints_the_local_text(ckpts, on_s3, capsys):
@@ -160,7 +164,7 @@ def test_generate_from_s3_decodes_the_local_ids(train_data, ckpts, on_s3, tmp_pa
                        "--prompt-load", on_s3["prompt"], *spm)
     plain = _generate(tmp_path, capsys, "plain", "--load", on_s3["base"], *spm)
     assert remote == local and plain != local  # the prompt was read
-    assert not [p for p in (tmp_path / "tmp").rglob("*") if p.is_file()]  # staging removed
+    assert not list((tmp_path / "tmp" / f"t5-pretrain-staging-{os.getuid()}").iterdir())
 
 
 def test_a_truncated_object_or_refused_credentials_are_named(s3_server, on_s3, tmp_path,
@@ -190,13 +194,17 @@ def test_prompt_tuning_on_an_s3_base_from_an_s3_prompt(train_data, ckpts, on_s3,
                          "--save", str(save), *PROMPT, "--prompt-load", prompt, "--lr", "0.05",
                          iters=2)
 
+    staging = tmp_path / "staging"
     local, remote = run_workers(1, run_pretrain, [
         run(str(ckpts["base"]), str(ckpts["prompt"]), tmp_path / "local"),
-        run(on_s3["base"], on_s3["prompt"], tmp_path / "remote")], timeout=600)[0]
+        run(on_s3["base"], on_s3["prompt"], tmp_path / "remote") +
+        ["--checkpoint-staging-path", str(staging)]], timeout=600)[0]
     assert remote["losses"] == local["losses"]
     bases = [read_meta(find_iteration(tmp_path / name))["model"]["prompt_base"]
              for name in ("local", "remote")]
     assert bases[1]["load"] == on_s3["base"]
+    # the load's own staged files stay (until the next load); the digest's download is gone
+    assert sorted(p.name for p in staging.iterdir()) == ["load-rank_00000"]
     assert [(b["digest"], b.get("of")) for b in bases[1:]] == \
         [(b["digest"], b.get("of")) for b in bases[:1]]
 

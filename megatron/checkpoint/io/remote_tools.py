@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional
 
 from megatron.checkpoint.formats.meta import META
 from megatron.checkpoint.io.completeness import MANIFEST
-from megatron.checkpoint.io.remote import RemoteFolder, staging_root
+from megatron.checkpoint.io.remote import RemoteFolder, default_staging_path, staging_root
 from megatron.checkpoint.layout import DEEPSPEED_LATEST, TRACKER, iteration_folder_name
 from megatron.config.training import CheckpointStorage
 from megatron.data.storage.object_storage import ObjectStorageError
@@ -203,12 +203,15 @@ class Staged:
         self.roots: List[Path] = []
 
     def folder(self, storage: CheckpointStorage, url: str, what: str) -> Path:
-        """A fresh folder of this process for `url` (`what`: "download", "convert")."""
-        root = staging_root(storage, url, f"{what}-{os.getpid()}-{len(self.roots)}")
-        if root.exists():
-            shutil.rmtree(root)
+        """A fresh folder of this process for `url` (`what`: "download", "convert"):
+        STAGING/WHAT-PID-N/BUCKET/PREFIX, STAGING/WHAT-PID-N removed at the end."""
+        name = f"{what}-{os.getpid()}-{len(self.roots)}"
+        top = Path(storage.staging_path or default_staging_path()) / name
+        if top.exists():
+            shutil.rmtree(top)
+        root = staging_root(storage, url, name)
         root.parent.mkdir(parents=True, exist_ok=True)
-        self.roots.append(root)
+        self.roots.append(top)
         return root
 
     def download(self, checkpoint: RemoteCheckpoint) -> Path:
