@@ -408,14 +408,14 @@ def remote_problems(values: Dict, storage: CheckpointStorage, given=()) -> List[
     """Before anything starts: an s3:// --save whose bucket this job cannot write (a probe object
     put and deleted), an s3:// --load whose tracker cannot be read (refused credentials, no such
     bucket: the message says which), and the flags of checkpoints on object storage given
-    without either. `values`: `vars(namespace)`; `given`: the destinations the command line
+    without an s3:// --save, --load or --prompt-load. `values`: `vars(namespace)`; `given`: the destinations the command line
     set."""
     save, load = values.get("save"), values.get("load")
-    if not (is_remote(save) or is_remote(load)):
+    if not (is_remote(save) or is_remote(load) or is_remote(values.get("prompt_load"))):
         from megatron.config.checkpoint_storage import REMOTE_ONLY
 
-        return [f"--{d.replace('_', '-')} has effect only with an s3:// --save or --load"
-                for d in REMOTE_ONLY if d in given]
+        return [f"--{d.replace('_', '-')} has effect only with an s3:// --save, --load or "
+                f"--prompt-load" for d in REMOTE_ONLY if d in given]
     problems = []
     objects = ObjectStorage(storage.settings)
     for flag, url in (("--save", save), ("--load", load)):
