@@ -2,9 +2,11 @@
 what it writes from the local folder (byte for byte, but meta.json's time and source path),
 `--inspect s3://...` prints the local text (the URL for the path), `--to megatron s3://...`
 uploads the local conversion (meta.json adds its manifest; the tracker objects last), and
-`python -m megatron.generate --load s3://... --prompt-load s3://...` decodes the local ids. A
-truncated object and refused credentials are one message naming the key or the flag, exit 2,
-before anything is written."""
+`python -m megatron.generate --load s3://... --prompt-load s3://...` decodes the local ids, and
+the trainer's prompt tuning on an s3:// base from an s3:// prompt is the local run. A checkpoint
+copied up by hand (no manifest) reads as its listing. A truncated or missing object and refused
+credentials are one message naming the key or the flag, exit 2, before anything is written; an
+upload that fails leaves no tracker."""
 
 import json
 import os
@@ -135,6 +137,13 @@ def test_to_megatron_s3_uploads_the_local_conversion(s3_server, ckpts, on_s3, tm
     assert meta["file_sizes"] == {name: path.stat().st_size for name, path in
                                   _files(uploaded / "iter_0000002").items()
                                   if name != "meta.json"}
+    # the local conversion copied up by hand (no file_sizes: its listing is the checkpoint)
+    shutil.copytree(local, s3_server.root / BUCKET / tmp_path.name / "copied")
+    copied = f"s3://{BUCKET}/{tmp_path.name}/copied"
+    assert _convert("--load", str(local), "--to", "fp32", str(tmp_path / "fp32_local")) == 0
+    assert _convert("--load", copied, "--to", "fp32", str(tmp_path / "fp32_copied")) == 0
+    assert_same_folder(tmp_path / "fp32_copied", tmp_path / "fp32_local")
+    capsys.readouterr()
     # a second conversion there is refused without --force, before anything is written
     assert _convert("--load", on_s3["base"], "--to", "megatron", url) == 2
     assert f"--to megatron {url}: objects exist under that prefix; pass --force" in \
@@ -177,6 +186,11 @@ def test_a_truncated_object_or_refused_credentials_are_named(s3_server, on_s3, t
     assert _convert("--load", on_s3["base"], "--to", "fp32", str(out)) == 2
     assert f"--load {on_s3['base']}: {key} has 100 bytes" in capsys.readouterr().err
     assert not out.exists()
+    rng = s3_server.root / BUCKET / tmp_path.name / "prompt/iter_0000002/rng/rank_00000.pt"
+    rng.unlink()
+    assert _convert("--inspect", on_s3["prompt"]) == 2
+    assert f"--inspect {on_s3['prompt']}: {on_s3['prompt']}/iter_0000002/rng/rank_00000.pt " \
+        f"is missing" in capsys.readouterr().err
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     assert _convert("--inspect", on_s3["prompt"]) == 2
     err = capsys.readouterr().err
