@@ -408,8 +408,8 @@ def remote_problems(values: Dict, storage: CheckpointStorage, given=()) -> List[
     """Before anything starts: an s3:// --save whose bucket this job cannot write (a probe object
     put and deleted), an s3:// --load whose tracker cannot be read (refused credentials, no such
     bucket: the message says which), and the flags of checkpoints on object storage given
-    without an s3:// --save, --load or --prompt-load. `values`: `vars(namespace)`; `given`: the destinations the command line
-    set."""
+    without an s3:// --save, --load or --prompt-load. `values`: `vars(namespace)`; `given`: the
+    destinations the command line set."""
     save, load = values.get("save"), values.get("load")
     if not (is_remote(save) or is_remote(load) or is_remote(values.get("prompt_load"))):
         from megatron.config.checkpoint_storage import REMOTE_ONLY

@@ -51,10 +51,6 @@ class RemoteCheckpoint:
     sizes: Dict[str, int]
     """{path inside the iteration folder: bytes} of the files to download (meta.json aside)."""
 
-    @property
-    def url(self) -> str:
-        return self.folder.url_of(iteration_folder_name(self.iteration))
-
 
 def find_checkpoint(url: str, storage: CheckpointStorage, iteration: Optional[int] = None,
                     needed: Optional[Needed] = None) -> RemoteCheckpoint:
