@@ -47,6 +47,8 @@ runs; fp16 without ZeRO gives its fp16 weights, with a warning); experts split o
 read whole. `--to megatron` from one of our checkpoints carries Adam's states too, so that the
 run resumes in the new layout (any TP, PP, EP, DP and ZeRO stage; an upcycled model is weights
 only). Output is written to OUT.tmp and renamed; an existing OUT is refused without --force.
+--load and --inspect take s3://BUCKET/PREFIX (downloaded whole first), and so does --to megatron
+(uploaded, the tracker last): data_tools/convert_remote.py, docs/checkpoints.md.
 Exit status: 0 done, 2 bad command line, 1 a checkpoint that cannot be read or written (one
 message naming the file and the tensor).
 
@@ -71,6 +73,7 @@ if str(_REPO) not in sys.path:
 from megatron.cli import CommandLineParser, folder_problems  # noqa: E402 - after the path is set
 from megatron.data.storage.paths import path_flag_problems, scheme_problems  # noqa: E402
 from megatron.stdout import logs_to_stderr  # noqa: E402 - after the path is set
+from data_tools import convert_remote  # noqa: E402
 from data_tools.convert_tokenizers import (  # noqa: E402 - after the path is set
     cpm2_tokenizer_files,
     cpm2_vocab_export,
@@ -163,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seed of the random old rows of new tokens without an old prefix "
                             "(default 1234)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    convert_remote.add_args(p)
     return p
 
 
@@ -170,17 +174,20 @@ class CommandLineError(ValueError):
     pass
 
 
-PATH_FLAGS = {"load": ("--load", ()), "inspect": ("--inspect", ()), "source_dir": ("DIR", ()),
+PATH_FLAGS = {"load": ("--load", ("s3",)), "inspect": ("--inspect", ("s3",)),
+              "source_dir": ("DIR", ()),
               "model_config": ("--model-config", ()), "vocab": ("--tokenizer-path", ()),
               "tokenizer_model": ("--tokenizer-model", ()),
               "extend_vocab": ("--extend-vocab", ())}
-"""Every path flag: local paths only (megatron/data/storage/paths.py)."""
+"""Every path flag: local paths only (megatron/data/storage/paths.py), but s3:// checkpoints
+(data_tools/convert_remote.py)."""
 
 
 def check(args) -> List[str]:
     problems = path_flag_problems(vars(args), PATH_FLAGS)
     if args.to is not None:
-        problems += scheme_problems(f"--to {args.to[0]}", args.to[1])
+        problems += scheme_problems(f"--to {args.to[0]}", args.to[1],
+                                    ("s3",) if args.to[0] == "megatron" else ())
     if problems:  # (a URL would be taken for a local path)
         return problems
     for flag, path in (("--load", args.load), ("--inspect", args.inspect),
@@ -190,7 +197,7 @@ def check(args) -> List[str]:
     if args.inspect is not None:
         if args.to is not None:
             problems.append("--inspect stops after describing; --to has no effect with it")
-        return problems
+        return problems + convert_remote.problems(args, problems)
     if args.from_format == "hf" and args.source_dir is None:
         problems.append("--from hf needs the Hugging Face folder: --from hf DIR")
     if args.from_format == "cpm2":
@@ -249,7 +256,7 @@ def check(args) -> List[str]:
         problems.append("--iteration needs --load (or --from cpm2)")
     if Path(out).exists() and not args.force:
         problems.append(f"{out} exists; pass --force to replace it")
-    return problems
+    return problems + convert_remote.problems(args, problems)
 
 
 def _extend_vocab_problems(args, kind: str) -> List[str]:
@@ -495,13 +502,16 @@ def to_cpm2(args, out: Path, model_meta: dict, tensors, source: dict, progress) 
     return 0
 
 
-def run(args) -> int:
+def run(args, staged=None) -> int:
+    """The conversion (or --inspect) of a checked command line; `staged`: the folders of an
+    s3:// --to megatron output (convert_remote)."""
     if args.inspect is not None:
         from megatron.checkpoint.formats.deepspeed import describe, find_iteration
 
         with logs_to_stderr():  # stdout holds the JSON alone
             info = describe(find_iteration(Path(args.inspect), args.iteration))
-        print(json.dumps(info, indent=1, sort_keys=True, default=str))
+        print(convert_remote.shown_text(args, json.dumps(info, indent=1, sort_keys=True,
+                                                         default=str)))
         return 0
     kind, out = args.to[0], Path(args.to[1])
     model_meta, tensors, source, total = read_source(args)
@@ -520,9 +530,13 @@ def run(args) -> int:
             optimizer[key] = extended_tensors(optimizer[key], plan, zero_new_rows=True)
     if optimizer is not None:
         total *= 3  # the weights, then each moment
+    shown = convert_remote.shown_source(args, source)  # an s3:// source by its URL
     progress = _progress(not args.no_progress, total, f"--to {kind}")
+    if kind == "megatron" and convert_remote.output_is_remote(args):
+        return convert_remote.to_remote_megatron(args, staged, lambda local: to_megatron(
+            args, local, model_meta, tensors, shown, progress, optimizer))
     if kind == "megatron":
-        return to_megatron(args, out, model_meta, tensors, source, progress, optimizer)
+        return to_megatron(args, out, model_meta, tensors, shown, progress, optimizer)
     if kind == "cpm2":
         return to_cpm2(args, out, model_meta, tensors, source, progress)
     if kind == "fp32":
@@ -532,7 +546,7 @@ def run(args) -> int:
 
         fp32 = ((name, t.to(torch.float32)) for name, t in tensors)
         write_weights_checkpoint(out, fp32, model_meta, iteration=source.get("iteration") or 0,
-                                 source=source, max_shard_size=args.max_shard_size,
+                                 source=shown, max_shard_size=args.max_shard_size,
                                  force=args.force, progress=progress)
         print(f"wrote {out}: full fp32 tensors under our names (safetensors in "
               f"{out}/iter_*/); it also loads into the trainer with --finetune")
@@ -581,7 +595,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # (its logger then writes to stderr for the rest of the run)
         with logs_to_stderr():
             importlib.import_module("deepspeed")
-        return run(args)
+        with convert_remote.staging() as staged:  # s3:// checkpoints go through it
+            return run(convert_remote.localized(args, staged), staged)
     except CommandLineError as e:  # found once the source is read
         print(f"error: the command line cannot run: {e}", file=sys.stderr)
         return 2

@@ -26,6 +26,8 @@ experts of each Mixture-of-Experts layer and its expert-parallel group decodes i
 With a tuned prompt (megatron/generation/prompt.py): `--prompt-load P` puts the prompt of a
 prompt-tuning run's --save on --load, its base (refused, naming both, on another); a
 --prompt-train-model checkpoint decodes with the prompt it holds.
+--load and --prompt-load also take s3://BUCKET/PREFIX: checked, then downloaded into the
+staging folder (megatron/checkpoint/io/remote_tools.py) and removed at the end.
 The output is written to a temporary name and renamed. Every problem found before decoding
 (the flags, --input's lines, --load, the tokenizer) is listed at once, one line each, exit 2; a
 checkpoint that fails while it is read, or an output that cannot be written, exit 1; Ctrl-C or
@@ -117,7 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--attention-backend", default="auto", choices=("auto", "sdpa", "eager"))
     r.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="the weights' dtype while decoding")
+    from megatron.config.checkpoint_storage import add_tool_storage_args
+
+    add_tool_storage_args(p, REMOTE_FLAGS, uploads=False)
     return p
+
+
+REMOTE_FLAGS = "--load / --prompt-load"
+"""The flags that take an s3:// checkpoint (downloaded into the staging folder first)."""
 
 
 def flag_problems(args, world_size: int) -> List[str]:
@@ -126,10 +135,10 @@ def flag_problems(args, world_size: int) -> List[str]:
 
     out = [f"--{name} is required" for name in ("load", "input", "output")
            if getattr(args, name) is None]
-    out += path_flag_problems(vars(args), {  # all local (megatron/data/storage/paths.py)
-        "load": ("--load", ()), "tokenizer_model": ("--tokenizer-model", ()),
+    out += path_flag_problems(vars(args), {  # local but checkpoints (megatron/data/storage/
+        "load": ("--load", ("s3",)), "tokenizer_model": ("--tokenizer-model", ()),  # paths.py)
         "input": ("--input", ()), "output": ("--output", ()),
-        "prompt_load": ("--prompt-load", ())})
+        "prompt_load": ("--prompt-load", ("s3",))})
     if args.micro_batch_size < 1:
         out.append(f"--micro-batch-size must be at least 1, not {args.micro_batch_size}")
     out += decoding_settings(args).problems()
@@ -365,15 +374,18 @@ def write_jsonl(path: str, records: List[dict]) -> None:
         raise
 
 
-def prepare(args, world_size: int):
+def prepare(args, world_size: int, staged=None):
     """(texts, (folder, meta, config), cut, prompt, tokenizer): everything read and checked
-    before any process group or model exists.
+    before any process group or model exists. An s3:// --load or --prompt-load is downloaded
+    into `staged` (remote_tools.Staged) once every other problem is ruled out, and read there.
 
     Raises:
         GenerateError: listing every problem found (the flags', --input's, --load's, the
             tokenizer's), one a line.
+        GenerateFailure: an s3:// checkpoint that could not be downloaded.
     """
     problems = flag_problems(args, world_size)
+    args = _downloaded(args, problems, staged)
     load_problems = [] if args.load is None else folder_problems("--load", args.load)
     problems += load_problems
     if args.prompt_load is not None:
@@ -382,7 +394,7 @@ def prepare(args, world_size: int):
     texts = checkpoint = cut = prompt = tokenizer = None
     if args.input is not None and Path(args.input).is_file():
         texts = _collect(problems, read_inputs, args.input, args.input_key)
-    if args.load is not None and not load_problems:
+    if args.load is not None and not load_problems and "://" not in args.load:
         ep_size = max(args.expert_model_parallel_size, 1)
         checkpoint = _collect(problems, read_checkpoint, args.load, args.iteration, ep_size)
     if checkpoint is not None:
@@ -400,9 +412,59 @@ def prepare(args, world_size: int):
                         f"model's vocab_size {checkpoint[2].vocab_size}: not this run's "
                         f"tokenizer")
     if problems:
+        problems = [getattr(args, "shown", lambda text: text)(p) for p in problems]
         raise GenerateError("the command line cannot run:\n" +
                             "\n".join(f"  - {p}" for p in problems))
     return texts, checkpoint, cut, prompt, tokenizer
+
+
+def _downloaded(args, problems: List[str], staged):
+    """`args` with an s3:// --load or --prompt-load replaced by its download into `staged`
+    (--load whole, --prompt-load's model file and meta.json), and `shown(text)` putting the URLs
+    back into messages. The object-storage flags' problems are added to `problems`; where there
+    are none so far, those found on the server (refused credentials, no checkpoint, a missing or
+    short object: each naming the flag and the key), and nothing is downloaded where there are
+    any.
+
+    Raises:
+        GenerateFailure: a download that failed (naming the key)."""
+    from megatron.checkpoint.io.completeness import needed
+    from megatron.checkpoint.io.remote_tools import find_checkpoint
+    from megatron.config.checkpoint_storage import tool_storage_from_args
+    from megatron.data.storage.object_storage import ObjectStorageError, is_remote
+
+    remote = {dest: getattr(args, dest) for dest in ("load", "prompt_load")
+              if is_remote(getattr(args, dest))}
+    storage, found = tool_storage_from_args(vars(args), bool(remote), REMOTE_FLAGS)
+    problems += found
+    if not remote or problems:  # the flags first: nothing is asked of the server before
+        return args
+    checkpoints = {}
+    for dest, url in remote.items():
+        iteration, files = (args.iteration, None) if dest == "load" else \
+            (None, lambda name: needed(name, False, False))  # the prompt's model file
+        try:
+            checkpoints[dest] = find_checkpoint(url, storage, iteration, files)
+        except ObjectStorageError as e:
+            problems.append(f"--{dest.replace('_', '-')} {url}: {e}")
+    if problems:
+        return args
+    local, names = argparse.Namespace(**vars(args)), {}
+    for dest, checkpoint in checkpoints.items():
+        try:
+            root = staged.download(checkpoint)
+        except ObjectStorageError as e:
+            raise GenerateFailure(f"--{dest.replace('_', '-')} {remote[dest]}: {e}") from None
+        setattr(local, dest, str(root))
+        names[str(root)] = remote[dest]
+
+    def shown(text: str) -> str:
+        for path, url in names.items():
+            text = text.replace(path, url)
+        return text
+
+    local.shown = shown
+    return local
 
 
 def _collect(problems: List[str], read, *args):
@@ -415,6 +477,14 @@ def _collect(problems: List[str], read, *args):
 
 
 def run(args) -> int:
+    from megatron.checkpoint.io.remote_tools import Staged
+
+    with Staged() as staged:  # s3:// checkpoints' downloads, removed at the end
+        return _decode(args, staged)
+
+
+def _decode(args, staged) -> int:
+    """Decode (`staged`: where s3:// checkpoints are downloaded: prepare)."""
     from datetime import timedelta
 
     import torch
@@ -426,7 +496,7 @@ def run(args) -> int:
     from megatron.tensor_parallel.group import ExpertParallel, TensorParallel
 
     world_size = int(distributed_env(os.environ)["WORLD_SIZE"])  # torchrun's, or Slurm's
-    texts, (folder, meta, config), cut, prompt, tokenizer = prepare(args, world_size)
+    texts, (folder, meta, config), cut, prompt, tokenizer = prepare(args, world_size, staged)
     ep_size, pp_size = args.expert_model_parallel_size, args.pipeline_model_parallel_size
     tp_size = args.tensor_model_parallel_size or world_size // (ep_size * pp_size)
     device_type, backend, _ = choose_device(None)

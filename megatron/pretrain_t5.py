@@ -313,10 +313,13 @@ def _start_prompt(step, config: RunConfig, writer: MetricsWriter, resumed=None):
     if settings is None:
         return None
     from megatron.data.tokenizers.tokenizer import build_tokenizer
+    from megatron.checkpoint.io.remote import is_remote, load_staging_root
     from megatron.training.prompt_tuning import init_token_id, start_prompt
 
     token = init_token_id(settings, build_tokenizer(config.data.tokenizer))
     load = Path(config.checkpoint.load) if config.checkpoint.load else None
+    if load is not None and is_remote(config.checkpoint.load):  # what the load staged here
+        load = load_staging_root(config.checkpoint.storage, config.checkpoint.load)
     iteration = load_iteration(load, config.checkpoint.ckpt_step) if load is not None else None
     try:  # (the load has read it already: a folder changed since)
         meta = read_meta(load / tag_for(iteration)) if iteration is not None else {}
@@ -332,7 +335,7 @@ def _start_prompt(step, config: RunConfig, writer: MetricsWriter, resumed=None):
         return identity
     resume = None if resumed is None else (config.checkpoint.save, resumed.prompt_base)
     identity = start_prompt(step.engine, settings, token, config.checkpoint.load,
-                            meta.get("iteration"), loaded, resume)
+                            meta.get("iteration"), loaded, resume, config.checkpoint.storage)
     source = f"--save {config.checkpoint.save} (resumed below)" if resume else \
         f"--prompt-load {settings.load}" if settings.load else "--load" if loaded else \
         ("random" if token is None else f"token id {token}")

@@ -24,7 +24,7 @@ PATH_FLAGS = {
     "nvme_path": ("--nvme-path", LOCAL),
     "save": ("--save", ("s3",)),  # megatron/checkpoint/io/remote.py
     "load": ("--load", ("s3",)),
-    "prompt_load": ("--prompt-load", LOCAL),
+    "prompt_load": ("--prompt-load", ("s3",)),  # megatron/training/prompt_tuning.py
     "tensorboard_dir": ("--tensorboard-dir", LOCAL),
     "log_file": ("--log-file", LOCAL),
 }
@@ -87,10 +87,11 @@ def object_storage_flag_problems(values: Mapping[str, object], given: Set[str],
     """--object-storage-* flags with no s3:// data to read and no s3:// checkpoint."""
     data = values.get("data_path") or ()
     if any(str(entry).startswith("s3://") for entry in
-           [*data, values.get("save") or "", values.get("load") or ""]):
+           [*data, *(values.get(d) or "" for d in ("save", "load", "prompt_load"))]):
         return []
-    return _only(given, OBJECT_STORAGE, flag, "with s3:// data or an s3:// --save / --load "
-                                              "(--data-path, --save and --load name none)")
+    return _only(given, OBJECT_STORAGE, flag, "with s3:// data or an s3:// --save / --load / "
+                                              "--prompt-load (--data-path, --save, --load and "
+                                              "--prompt-load name none)")
 
 
 def moe_flag_problems(t5, values: Mapping[str, object], given: Set[str], flag) -> List[str]:

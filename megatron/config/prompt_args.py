@@ -53,7 +53,8 @@ def add_prompt_args(parser) -> None:
                         "else <extra_id_0>)")
     g.add_argument("--prompt-load", default=None, metavar="DIR",
                    help="start from the prompt of a prompt-tuning run's --save (its latest "
-                        "checkpoint), refused unless --load is the base it was trained on")
+                        "checkpoint; a folder or s3://BUCKET/PREFIX), refused unless --load is "
+                        "the base it was trained on")
     g.add_argument("--prompt-train-model", action="store_true",
                    help="with --prompt-tune: train the model too, the prompt with it (the "
                         "second stage of CPM-2-Finetune's two-stage tuning: --load BASE "

@@ -244,11 +244,16 @@ def objective_of(args: argparse.Namespace) -> str:
     return args.t5_objective
 
 
-def add_object_storage_args(parser: argparse.ArgumentParser) -> None:
-    """How s3:// data is read (megatron/data/storage/object_storage.py)."""
+def add_object_storage_args(parser: argparse.ArgumentParser, group=None, only=None) -> None:
+    """How s3:// data is read (megatron/data/storage/object_storage.py). `group`: the argument
+    group to add them to (default: their own); `only`: the flags to add (default: all; the
+    checkpoint tools take those that matter to a download)."""
     d = StorageSettings()
-    g = parser.add_argument_group("data on object storage (s3:// prefixes; endpoint and keys "
-                                  "from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_PROFILE, ~/.aws)")
+    g = group or parser.add_argument_group(
+        "data on object storage (s3:// prefixes; endpoint and keys from AWS_ENDPOINT_URL, "
+        "AWS_ACCESS_KEY_ID, AWS_PROFILE, ~/.aws)")
+    if only is not None:
+        g = _Only(g, only)
     g.add_argument("--object-storage-cache-path", default=None,
                    help="node-local folder for the downloaded .idx files (default: "
                         "--data-cache-path/object-storage, else ~/.cache/t5-pretrain/"
@@ -269,6 +274,17 @@ def add_object_storage_args(parser: argparse.ArgumentParser) -> None:
                    help="what sends the data files' ranged GETs: sigv4 (signed requests over "
                         "kept-alive connections, a fraction of boto3's CPU per request) or "
                         "boto3 (endpoint and credentials are boto3's either way)")
+
+
+class _Only:
+    """An argument group that adds only the flags named in `only`."""
+
+    def __init__(self, group, only) -> None:
+        self.group, self.only = group, set(only)
+
+    def add_argument(self, flag: str, **kwargs) -> None:
+        if flag in self.only:
+            self.group.add_argument(flag, **kwargs)
 
 
 def storage_settings_from_args(flags: Mapping[str, Any]) -> StorageSettings:

@@ -16,6 +16,9 @@ import torch.distributed as dist
 from megatron import deepspeed_internals
 from megatron.checkpoint.io.checkpointing import CheckpointError
 from megatron.checkpoint.io.prompt import DIGEST_OF, checkpoint_digest, read_prompt
+from megatron.checkpoint.io.remote_tools import Staged, download_checkpoint
+from megatron.config.training import CheckpointStorage
+from megatron.data.storage.object_storage import is_remote
 from megatron.config.prompt_args import DEFAULT_TOKENS, RANDOM, PromptSettings
 from megatron.model.prompt import (attach_prompt, base_identity, base_mismatch,
                                    freeze_all_but_prompt)
@@ -49,7 +52,8 @@ def init_token_id(settings: PromptSettings, tokenizer) -> Optional[int]:
 
 def start_prompt(engine, settings: PromptSettings, token_id: Optional[int],
                  load: Optional[str], iteration: Optional[int],
-                 loaded_prompt: bool = False, resume: Optional[tuple] = None) -> Dict:
+                 loaded_prompt: bool = False, resume: Optional[tuple] = None,
+                 storage: CheckpointStorage = CheckpointStorage()) -> Dict:
     """After the base model is loaded: the prompt from `prompt_load` (a prompt-tuning run's
     --save), kept as loaded (`loaded_prompt`: --load held the model and a prompt, a second
     stage's checkpoint) or from the token's embedding; returns the base's identity (for
@@ -57,18 +61,19 @@ def start_prompt(engine, settings: PromptSettings, token_id: Optional[int],
 
     resume: (--save, the base identity its checkpoint records) when the run resumes from
         --save's checkpoint next: the prompt is left to that load, the bases must agree.
+    storage: how an s3:// --load or --prompt-load is read (downloaded: remote_tools.py).
     Raises:
         CheckpointError: `prompt_load` holds no prompt, or one trained on another base; the
             checkpoint to resume from was trained on another base."""
     module = engine.module
-    identity = loaded_base_identity(module, load, iteration)
+    identity = loaded_base_identity(module, load, iteration, storage)
     if resume is not None:
         save, saved = resume
         _refuse_unless_same_base(saved, identity, f"--save {save}")
         return identity
     prompt_load = settings.load
     if prompt_load is not None:
-        weight, saved = read_prompt(Path(prompt_load))
+        weight, saved = _read_prompt(prompt_load, storage)
         _refuse_unless_same_base(saved, identity, prompt_load)
         with torch.no_grad():
             module.prompt.weight.copy_(weight.to(module.prompt.weight))
@@ -76,6 +81,25 @@ def start_prompt(engine, settings: PromptSettings, token_id: Optional[int],
         module.prompt.init_from_token(token_id, module.shared)
     deepspeed_internals.refresh_masters(engine.optimizer)
     return identity
+
+
+def _read_prompt(prompt_load: str, storage: CheckpointStorage):
+    """read_prompt of --prompt-load; an s3:// one downloaded first (its model file and
+    meta.json), into a staging folder removed after.
+
+    Raises:
+        CheckpointError: as read_prompt; the download failed (naming the key)."""
+    if not is_remote(prompt_load):
+        return read_prompt(Path(prompt_load))
+    from megatron.checkpoint.io.completeness import needed
+
+    try:
+        with Staged() as staged:
+            return read_prompt(download_checkpoint(
+                prompt_load, storage, root=staged.folder(storage, prompt_load, "download"),
+                needed=lambda name: needed(name, False, False)))
+    except OSError as e:
+        raise CheckpointError(f"--prompt-load {prompt_load}: {e}") from None
 
 
 def _refuse_unless_same_base(saved: Dict, identity: Dict, prompt_path: str) -> None:
@@ -87,22 +111,30 @@ def _refuse_unless_same_base(saved: Dict, identity: Dict, prompt_path: str) -> N
 
 
 def loaded_base_identity(module: torch.nn.Module, load: Optional[str],
-                         iteration: Optional[int]) -> Dict:
+                         iteration: Optional[int],
+                         storage: CheckpointStorage = CheckpointStorage()) -> Dict:
     """The identity of the base model just loaded from --load (base_identity's keys): the digest
     of its checkpoint's full tensors (`checkpoint_digest`, on rank 0, sent to every rank); of the
-    model in memory (this rank's shards: a model from scratch) where --load holds none.
+    model in memory (this rank's shards: a model from scratch) where --load holds none. An
+    s3:// --load's model files are downloaded for it on rank 0 (`storage`), then removed.
 
     Raises:
         CheckpointError: --load's files cannot be read."""
     from megatron.checkpoint.formats.deepspeed import CheckpointReadError, find_iteration
+
+    from megatron.checkpoint.io.completeness import needed
 
     if load is None or iteration is None:
         return base_identity(module, load, iteration)
     found = [None]  # (digest, None) or (None, the problem)
     if dist.get_rank() == 0:
         try:
-            found[0] = (checkpoint_digest(find_iteration(Path(load), iteration)), None)
-        except CheckpointReadError as e:
+            with Staged() as staged:
+                root = Path(load) if not is_remote(load) else download_checkpoint(
+                    load, storage, iteration, staged.folder(storage, load, "download"),
+                    lambda name: needed(name, True, False))
+                found[0] = (checkpoint_digest(find_iteration(root, iteration)), None)
+        except (CheckpointReadError, OSError) as e:
             found[0] = (None, f"--load {load}: {e}")
     dist.broadcast_object_list(found, src=0)
     digest, problem = found[0]

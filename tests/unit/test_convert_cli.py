@@ -22,6 +22,12 @@ from data_tools import convert_checkpoint
     (["--inspect", "CKPT", "--to", "hf", "OUT"], "--to has no effect"),
     (["--load", "CKPT", "--to", "fp32", "OUT", "--weights-only"],
      "--weights-only has effect only with --to megatron"),
+    (["--load", "CKPT", "--to", "fp32", "OUT", "--object-storage-retries", "3"],
+     "--object-storage-retries has effect only with an s3:// --load / --inspect / --to"),
+    (["--load", "s3://b/ckpt", "--to", "fp32", "OUT", "--object-storage-timeout", "0"],
+     "--object-storage-timeout 0.0 must be positive"),
+    (["--load", "s3://b/ckpt", "--to", "fp32", "s3://b/out"],
+     "--to fp32 s3://b/out: --to fp32 takes a local path"),
 ])
 def test_bad_command_lines(argv, expect, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

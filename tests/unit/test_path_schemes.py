@@ -1,8 +1,9 @@
 """A path with a URL scheme that its flag does not read is refused by name, exit 2, before
 anything is written: Python would otherwise take `s3://ckpt/run` for the local folder
 `s3:/ckpt/run`. Every entry point and data_tools/ tool (the trainer's flags are in
-tests/training/test_bad_configs.py); --data-path, inspect_dataset's PREFIX and
-preprocess_data's --output-prefix keep s3://."""
+tests/training/test_bad_configs.py); --data-path, inspect_dataset's PREFIX,
+preprocess_data's --output-prefix and the checkpoint tools' checkpoints (generate's --load and
+--prompt-load, convert_checkpoint's --load, --inspect and --to megatron) keep s3://."""
 
 import importlib
 from pathlib import Path
@@ -24,8 +25,8 @@ def test_the_helper_names_the_flag_and_the_local_path_it_would_be():
 
 
 CASES = [
-    ("megatron.generate", ["--load", "s3://b/ckpt", "--input", "in.jsonl", "--output",
-                           "hdfs://n/out.jsonl"], ["--load s3://b/ckpt", "--output hdfs://"]),
+    ("megatron.generate", ["--load", "gs://b/ckpt", "--input", "in.jsonl", "--output",
+                           "hdfs://n/out.jsonl"], ["--load gs://b/ckpt", "--output hdfs://"]),
     ("megatron.plot.__main__", ["s3://b/run", "--output", "plots"], ["RUN s3://b/run"]),
     ("megatron.plan.__main__", ["--model-config", "s3://b/t5.json", "--global-batch-size",
                                 "8", "--cluster", "1x8xa100-80gb"], ["--model-config s3://"]),

@@ -76,6 +76,28 @@ def prompt_checkpoint(folder: Optional[str]) -> Optional[CheckpointKind]:
     return kind if kind.prompt is not None else None
 
 
+def remote_prompt_checkpoint(values: Mapping[str, object], url: str
+                             ) -> Optional[CheckpointKind]:
+    """prompt_checkpoint of an s3:// folder (its tracker and meta.json read there, with the
+    --object-storage-* settings of `values`).
+
+    Raises:
+        ObjectStorageError: refused credentials, no such bucket (naming the key)."""
+    import json
+
+    from megatron.checkpoint.io.remote import RemoteFolder
+    from megatron.config.checkpoint_storage import checkpoint_storage_from_args
+
+    folder = RemoteFolder(url, checkpoint_storage_from_args(values)[0])
+    try:
+        iteration = folder.read_tracker()
+        text = None if iteration is None else folder.get_text(f"{tag_for(iteration)}/meta.json")
+        kind = None if text is None else kind_of(json.loads(text))
+    except ValueError:  # a garbled tracker or meta.json: not a prompt checkpoint to read
+        return None
+    return kind if kind is not None and kind.prompt is not None else None
+
+
 def holds_prompt_alone(folder) -> bool:
     """Whether an iteration folder holds a prompt alone (False where its meta.json cannot be
     read)."""
@@ -143,8 +165,14 @@ def prompt_layout_from_checkpoints(values: Mapping[str, object], given: Set[str]
     taken: Dict[str, object] = {}
     problems: List[str] = []
     source = values.get("prompt_load")
-    if source is not None and "://" not in str(source):  # (a URL: refused by its scheme)
-        kind = prompt_checkpoint(str(source))
+    if source is not None and "://" in str(source) and not str(source).startswith("s3://"):
+        source = None  # refused by its scheme
+    if source is not None:
+        try:
+            kind = remote_prompt_checkpoint(values, str(source)) if \
+                str(source).startswith("s3://") else prompt_checkpoint(str(source))
+        except OSError as e:  # the server's refusal, naming the key
+            return {}, [f"--prompt-load {source}: {e}"]
         if kind is None:
             return {}, [f"--prompt-load {source} holds no prompt-tuning checkpoint: give the "
                         f"--save of a --prompt-tune run"]

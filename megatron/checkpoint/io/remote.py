@@ -70,6 +70,12 @@ def staging_root(storage: CheckpointStorage, url: str, what: str) -> Path:
     return root / what / bucket / key.strip("/")
 
 
+def load_staging_root(storage: CheckpointStorage, url: str) -> Path:
+    """The folder stage_for_load downloads the files of `url` that this host's ranks read into
+    (one per host), laid out as a local checkpoint folder; it stays until the next load."""
+    return staging_root(storage, url, f"load-{socket.gethostname()}")
+
+
 def reads(name: str, rank: int, mp_rank: int, tp_rank: int) -> bool:
     """Whether a rank (global `rank`, DeepSpeed's model-parallel rank `mp_rank`, tensor-parallel
     rank `tp_rank`) reads the file `name` of an iteration folder (a path inside it): another
@@ -325,7 +331,7 @@ def stage_for_load(url: str, storage: CheckpointStorage, ckpt_step: Optional[int
     if problem is not None:
         raise ObjectStorageError(problem)
     host = socket.gethostname()
-    root = staging_root(storage, url, f"load-{host}")
+    root = load_staging_root(storage, url)
     if iteration is None:
         gather(None)
         root.mkdir(parents=True, exist_ok=True)
@@ -433,14 +439,14 @@ def remote_problems(values: Dict, storage: CheckpointStorage, given=()) -> List[
     """Before anything starts: an s3:// --save whose bucket this job cannot write (a probe object
     put and deleted), an s3:// --load whose tracker cannot be read (refused credentials, no such
     bucket: the message says which), and the flags of checkpoints on object storage given
-    without either. `values`: `vars(namespace)`; `given`: the destinations the command line
-    set."""
+    without an s3:// --save, --load or --prompt-load. `values`: `vars(namespace)`; `given`: the
+    destinations the command line set."""
     save, load = values.get("save"), values.get("load")
-    if not (is_remote(save) or is_remote(load)):
+    if not (is_remote(save) or is_remote(load) or is_remote(values.get("prompt_load"))):
         from megatron.config.checkpoint_storage import REMOTE_ONLY
 
-        return [f"--{d.replace('_', '-')} has effect only with an s3:// --save or --load"
-                for d in REMOTE_ONLY if d in given]
+        return [f"--{d.replace('_', '-')} has effect only with an s3:// --save, --load or "
+                f"--prompt-load" for d in REMOTE_ONLY if d in given]
     problems = []
     objects = ObjectStorage(storage.settings)
     for flag, url in (("--save", save), ("--load", load)):
