@@ -11,6 +11,7 @@ upload that fails leaves no tracker."""
 import json
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -218,7 +219,7 @@ def test_prompt_tuning_on_an_s3_base_from_an_s3_prompt(train_data, ckpts, on_s3,
              for name in ("local", "remote")]
     assert bases[1]["load"] == on_s3["base"]
     # the load's own staged files stay (until the next load); the digest's download is gone
-    assert sorted(p.name for p in staging.iterdir()) == ["load-rank_00000"]
+    assert sorted(p.name for p in staging.iterdir()) == [f"load-{socket.gethostname()}"]
     assert [(b["digest"], b.get("of")) for b in bases[1:]] == \
         [(b["digest"], b.get("of")) for b in bases[:1]]
 
