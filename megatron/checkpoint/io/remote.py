@@ -247,15 +247,35 @@ class RemoteFolder:
                     raise ObjectStorageError(problem)
 
     def download_files(self, files: Iterable[Tuple[str, Path]]) -> None:
-        """Download (relative key, local path) pairs in parallel (the data's ranged GETs,
-        each file to a temporary name, then renamed)."""
-        def get(item: Tuple[str, Path]) -> None:
-            rel, path = item
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.objects.download(self.url_of(rel), str(path))
+        """Download (relative key, local path) pairs through one transfer manager, as
+        upload_files uploads (ranged GETs of `part_size_mb` of every file at once, at most
+        `upload_concurrency`; each file to a temporary name, then renamed; not fsynced: a
+        staging copy, read at once). A file that failed is tried again, alone, with the data's
+        retries (bench/RESULTS.md "S3 checkpoints": file by file, 64 MiB ranges and an fsync
+        each took twice boto3's download_file).
 
-        with ThreadPoolExecutor(max(1, self.storage.upload_concurrency)) as pool:
-            list(pool.map(get, list(files)))
+        Raises:
+            ObjectStorageError: a file that could not be downloaded (naming its key)."""
+        files = list(files)
+        for _, path in files:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        with self._manager() as manager:
+            futures = [(rel, path, manager.download(self.bucket, self.key(rel), str(path)))
+                       for rel, path in files]
+            failed = []
+            for rel, path, future in futures:
+                try:
+                    future.result()
+                except Exception as e:  # noqa: BLE001 - retried below, classified there
+                    failed.append((rel, path, e))
+        for rel, path, error in failed:
+            self.objects._with_retries(
+                f"downloading {self.url_of(rel)}",
+                lambda r=rel, p=path: self._download_one(r, p), error)
+
+    def _download_one(self, relative: str, path: Path) -> None:
+        with self._manager() as manager:
+            manager.download(self.bucket, self.key(relative), str(path)).result()
 
     # housekeeping ----------------------------------------------------------------------------
     def abort_incomplete_uploads(self) -> List[str]:
