@@ -15,7 +15,7 @@ The server is `rclone serve s3` (tests/objectstore/s3_server.py, `--etag-hash ""
 2. The files of the synchronous run's last checkpoint (iteration 12, as the trainer wrote them)
    go up `--repeats` times, then come back as often, this process pinned to core 1, ours and
    boto3's in alternating order: ours (RemoteFolder.upload_files, 32 MiB parts and 16 requests
-   at once as the trainer's defaults, then confirm: a HEAD per object) against boto3's
+   at once as the trainer's defaults, then confirm: a listing of the folder) against boto3's
    `upload_file` (s3transfer's default TransferConfig: 8 MiB parts, 10 threads) of the same
    files one by one; ours (RemoteFolder.download_files, what stage_for_load calls) against
    boto3's `download_file`, and download_files as it was before this bench's fix. Medians, the
@@ -392,7 +392,8 @@ def _estimate(data: Dict) -> str:
         return 1 if size <= part else 2 + -(-int(size) // part)
     objects = 1 + 2 * 256  # in the manifest: the model states, each rank's shard and RNG file
     per_rank = puts(shard) + puts(rng)
-    # rank 0's other requests, as counted: HEADs (one per object of the manifest) apart
+    # rank 0's other requests, as counted (the commit's confirm: one listing of the iteration
+    # folder per 1000 objects, a HEAD only for an object the listing does not show whole)
     counted = {str(i): data["runs"]["sync"]["requests"][str(i)]["rank 0"] for i in SAVES[1:]}
     middle = counted[str(SAVES[1])]
     heads = sum(c for k, (c, _) in middle.items() if k.startswith("HeadObject "))
@@ -401,7 +402,7 @@ def _estimate(data: Dict) -> str:
     others = sum(c for c, _ in middle.values()) - heads - own
     pruned = sum(c for c, _ in counted[str(SAVES[-1])].values()) - \
         sum(c for c, _ in middle.values())
-    rank0 = per_rank + puts(model) + objects + others
+    rank0 = per_rank + puts(model) + heads + others  # one listing: up to 1000 objects
     return (
         f"**At 256 ranks** (on paper, from the counts above; the same model and layout, ZeRO-1 "
         f"over 256 data-parallel ranks, 32 MiB parts): a save is {objects} objects in the "
@@ -411,15 +412,16 @@ def _estimate(data: Dict) -> str:
         f"scripts and the two tracker objects. Each rank other than 0 sends {per_rank} "
         f"requests ({'a PUT each' if per_rank == 2 else 'multipart for the shard'}) and "
         f"{(shard + rng) / MIB:.2f} MiB; rank 0 sends about {rank0} ({puts(model)} for the "
-        f"model states, one HEAD per object of the manifest at the commit, {objects} (counted "
-        f"here: {heads} for {1 + 2 * 2} objects), and {others} others as counted here: "
+        f"model states, {heads} HEADs at the commit (counted here for {1 + 2 * 2} objects: "
+        f"the commit confirms them by one listing of the iteration folder, 1000 objects a "
+        f"request, and so {objects}), and {others} others as counted here: that listing, "
         f"meta.json, the scripts, the tracker's 2 PUTs, the multipart listing and the "
         f"iterations' listing) and {(shard + rng + model) / MIB:.1f} MiB; a save that prunes "
         f"(`--keep-last`) adds {pruned} here (the old folder's listing, 1000 keys a page, and "
         f"a batch delete per 1000 keys: still 2 for {objects} objects). The whole job: about "
         f"{255 * per_rank + rank0} requests and {(256 * (shard + rng) + model) / MIB:.0f} MiB "
-        f"per save. The commit's {objects} HEADs go 16 at a time from rank 0: at 5 ms a "
-        f"request, about {objects / 16 * 0.005:.2f} s; the {256 * per_rank} PUTs of the ranks "
+        f"per save (before the listing, the commit sent a HEAD per object: {objects} from "
+        f"rank 0 alone). The {256 * per_rank} PUTs of the ranks "
         f"are well under the 3,500 PUTs a second S3 takes per prefix even when sent in the "
         f"same second. "
         f"For a larger model the bytes per rank are its optimizer states / 256 (12 bytes a "
@@ -530,7 +532,7 @@ def report(data: Dict) -> str:
         "Model: 21 M parameters (d_model 512, d_ff 1024 gated-gelu, 2 + 2 layers, vocabulary "
         "8100 padded to 8192), fp32, ZeRO-1, `torchrun --nproc_per_node 2` (gloo, CPU). "
         "Ours: RemoteFolder.upload_files (one s3transfer manager for all files, 32 MiB parts, "
-        "16 requests at once: the trainer's defaults) then confirm (a HEAD per object), and "
+        "16 requests at once: the trainer's defaults) then confirm (a listing of the folder), and "
         "RemoteFolder.download_files (what stage_for_load calls). boto3: `upload_file` / "
         "`download_file` of the same files one after another, default TransferConfig (8 MiB "
         f"parts, 10 threads), a client from the environment. {data['repeats']} repeats of the "
@@ -546,10 +548,10 @@ def report(data: Dict) -> str:
         "The third row: the upload again on a server with rclone's default "
         "`--etag-hash MD5`, which hashes a new object's whole file at the first HEAD or "
         "listing that shows it (0.18 s of the server's core for 120 MiB, then cached): our "
-        "confirm (the HEADs that make sure every object is there, whole, before the tracker "
-        "moves) pays an MD5 of the whole checkpoint on the server's one core, boto3's "
-        "upload_file sends no HEAD. S3, Ceph RGW and MinIO store the ETag at the write and "
-        "answer a HEAD from metadata, so the first two rows, on a server without ETags, are "
+        "confirm (the listing that makes sure every object is there, whole, before the "
+        "tracker moves) pays an MD5 of the whole checkpoint on the server's one core, boto3's "
+        "upload_file sends no request after the upload. S3, Ceph RGW and MinIO store the ETag "
+        "at the write and answer from metadata, so the first two rows, on a server without ETags, are "
         "the ones that stand for them. The row \"load, before the fix\": "
         "RemoteFolder.download_files as it was (each file on a thread through the data's "
         "ObjectStorage.download: 64 MiB ranged GETs one after another, then an fsync), "

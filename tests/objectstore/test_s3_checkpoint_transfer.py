@@ -70,3 +70,25 @@ def test_a_download_whose_requests_fail_is_tried_again(s3_server, fault_proxy, t
         assert (down / rel).read_bytes() == open(path, "rb").read(), rel
     with pytest.raises(ObjectStorageError, match=f"s3://{bucket}/run/iter_0000001/gone.pt"):
         folder.download_files([("iter_0000001/gone.pt", down / "gone.pt")])
+
+
+def test_confirming_a_save_lists_its_folder_instead_of_a_head_per_object(s3_server, s3_env,
+                                                                         tmp_path):
+    """At 256 ranks a save has 500 objects: confirmed by one listing (1000 objects a request),
+    not 500 HEADs; an object the listing shows at another size is asked for by HEAD, then
+    named."""
+    from megatron.data.storage.object_storage import ObjectStorageError
+
+    bucket = s3_server.make_bucket("ckpt-confirm")
+    folder = _folder(f"s3://{bucket}/run")
+    sizes = folder.upload_files(_files(tmp_path))
+    sent = collections.Counter()
+    folder.objects.client().meta.events.register(
+        "before-send.s3", lambda request, **_: sent.update([request.method]))
+    folder.confirm(sizes)
+    assert sent == {"GET": 1}  # ListObjectsV2 of iter_0000001/, no HEAD
+    (s3_server.root / bucket / "run/iter_0000001/optim.pt").write_bytes(b"x" * 100)
+    sent.clear()
+    with pytest.raises(ObjectStorageError, match=r"iter_0000001/optim.pt has 100 bytes"):
+        folder.confirm(sizes)
+    assert sent == {"GET": 1, "HEAD": 1}

@@ -7,8 +7,8 @@ staging folder, and this module moves that folder's files.
 A save (remote_saver.py): every rank writes its files into the staging folder as locally, then
 uploads its OWN files (s3transfer's manager: files and multipart parts in parallel, part size
 and concurrency settable); after every rank has uploaded, rank 0 confirms each object of the
-manifest (HEAD: its size against meta.json's `file_sizes`), uploads meta.json and only then the
-tracker objects. A job killed before that leaves the tracker on the previous iteration: what
+manifest (one listing of the folder, a HEAD where it does not show the size written), uploads
+meta.json and only then the tracker objects. A job killed before that leaves the tracker on the previous iteration: what
 `--load` reads does not change. Incomplete multipart uploads under PREFIX are aborted at the
 next commit; `--keep-last` deletes old iterations' objects in batches (never the tracker's).
 
@@ -180,13 +180,7 @@ class RemoteFolder:
         return sorted(found)
 
     def _keys(self, relative_folder: str) -> List[str]:
-        client, keys = self.objects.client(), []
-        paginator = client.get_paginator("list_objects_v2")
-        pages = self._call(f"listing {self.url_of(relative_folder)}/", lambda: list(
-            paginator.paginate(Bucket=self.bucket, Prefix=self.key(relative_folder) + "/")))
-        for page in pages:
-            keys += [o["Key"] for o in page.get("Contents", [])]
-        return keys
+        return sorted(self._sizes(relative_folder))
 
     # large objects ---------------------------------------------------------------------------
     def _manager(self):
@@ -226,15 +220,26 @@ class RemoteFolder:
             manager.upload(path, self.bucket, self.key(relative)).result()
 
     def confirm(self, sizes: Dict[str, int]) -> None:
-        """Every object of `sizes` ({relative: bytes}) is there, of that size (HEAD each).
+        """Every object of `sizes` ({relative: bytes}) is there, of that size: one listing of
+        each folder they are in (1000 objects a request), then a HEAD of each object the listing
+        does not show at its size (a server whose listing lags its writes; one without listing).
 
         Raises:
             ObjectStorageError: the first missing or short object, naming its key."""
+        listed: Dict[str, int] = {}
+        for folder in sorted({rel.split("/", 1)[0] for rel in sizes if "/" in rel}):
+            try:
+                listed.update(self._sizes(folder))
+            except ObjectStorageError:
+                pass  # each object is checked by a HEAD below
+        unsure = sorted((rel, size) for rel, size in sizes.items()
+                        if listed.get(self.key(rel)) != size)
+
         def check(item: Tuple[str, int]) -> Optional[str]:
             rel, size = item
             url = self.url_of(rel)
             try:
-                found, _ = self.objects.head(url)  # one HEAD each
+                found, _ = self.objects.head(url)
             except ObjectStorageError as e:
                 if "no such" in str(e) or "404" in str(e):
                     return f"{url} is missing"
@@ -242,9 +247,19 @@ class RemoteFolder:
             return None if found == size else f"{url} has {found} bytes, the save wrote {size}"
 
         with ThreadPoolExecutor(max(1, self.storage.upload_concurrency)) as pool:
-            for problem in pool.map(check, sorted(sizes.items())):
+            for problem in pool.map(check, unsure):
                 if problem is not None:
                     raise ObjectStorageError(problem)
+
+    def _sizes(self, relative_folder: str) -> Dict[str, int]:
+        """{key: bytes} of every object under the folder (ListObjectsV2, paginated)."""
+        client, found = self.objects.client(), {}
+        paginator = client.get_paginator("list_objects_v2")
+        pages = self._call(f"listing {self.url_of(relative_folder)}/", lambda: list(
+            paginator.paginate(Bucket=self.bucket, Prefix=self.key(relative_folder) + "/")))
+        for page in pages:
+            found.update((o["Key"], int(o["Size"])) for o in page.get("Contents", []))
+        return found
 
     def download_files(self, files: Iterable[Tuple[str, Path]]) -> None:
         """Download (relative key, local path) pairs through one transfer manager, as
