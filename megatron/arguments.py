@@ -27,9 +27,10 @@ from megatron.checkpoint.io.checkpointing import (
     checkpoint_flag_problems,
     checkpoint_problems,
     layout,
+    meta_problems,
 )
 from megatron.checkpoint.io.ownership import lock_problems
-from megatron.checkpoint.io.remote import remote_problems
+from megatron.checkpoint.io.remote import remote_meta, remote_problems
 from megatron.checkpoint.io.prompt import prompt_checkpoint_problems, \
     prompt_layout_from_checkpoints, resumes_prompt_run
 from megatron.cli import RENAMED_FLAGS, CommandLineParser
@@ -39,7 +40,7 @@ from megatron.config.lr_schedule import from_args as lr_from_args
 from megatron.config.training import BatchConfig, CheckpointConfig, LoggingConfig, OptimizerConfig
 from megatron.data.data_args import add_data_args, resolve_data, t5_config_from_args
 from megatron.data.datasets.t5_dataset import T5DatasetConfig
-from megatron.data.storage.object_storage import is_remote
+from megatron.data.storage.object_storage import ObjectStorageError, is_remote
 from megatron.initialize import choose_device
 from megatron.model.settings import ModelConfig, add_moe_args, cpm2_layout_problems, \
     moe_layout_problems, resolve_model
@@ -286,12 +287,16 @@ def parse_args(argv: Optional[Sequence[str]] = None,
     return config
 
 
-def resume_problems(values: Dict, now: Dict[str, int], lr_schedule) -> List[str]:
+def resume_problems(values: Dict, now: Dict[str, int], lr_schedule, storage=None
+                    ) -> List[str]:
     """What the checkpoints this run reads contradict in its flags (layout, LR schedule): --load's
-    and, for a requeued prompt-tuning job, --save's (which it resumes from), found before any
-    process starts."""
+    (an s3:// one's meta.json read from `storage`, but for --dry-run) and, for a requeued
+    prompt-tuning job, --save's (which it resumes from), found before any process starts."""
     problems = []
-    if values["load"] is not None and not is_remote(values["load"]):  # s3://: at the load
+    if is_remote(values["load"]):
+        if storage is not None and not values["dry_run"]:
+            problems += _remote_resume_problems(values, now, lr_schedule, storage)
+    elif values["load"] is not None:
         problems += checkpoint_problems(values["load"], now,
                                         values["finetune"] or values["no_load_optim"],
                                         lr_schedule, values["lr_policy"], values["finetune"],
@@ -301,6 +306,19 @@ def resume_problems(values: Dict, now: Dict[str, int], lr_schedule) -> List[str]
         problems += checkpoint_problems(save, now, False, lr_schedule, values["lr_policy"],
                                         label=f"--save {save} (resumed)")
     return problems
+
+
+def _remote_resume_problems(values: Dict, now: Dict[str, int], lr_schedule, storage
+                            ) -> List[str]:
+    load = values["load"]
+    try:
+        meta = remote_meta(load, storage, values["ckpt_step"])
+    except (ObjectStorageError, ValueError) as e:
+        return [f"--load {load}: {e}"]
+    if meta is None:
+        return []
+    return meta_problems(meta, load, now, values["finetune"] or values["no_load_optim"],
+                         lr_schedule, values["lr_policy"], values["finetune"])
 
 
 def validate(args: argparse.Namespace, env: Mapping[str, str]
@@ -369,7 +387,8 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     if not problems and not values["dry_run"]:  # requests: only once the flags are right
         problems += remote_problems(values, storage, given)
     if not problems:
-        problems += resume_problems(values, layout(parallel, resolved.zero.stage), lr_schedule)
+        problems += resume_problems(values, layout(parallel, resolved.zero.stage), lr_schedule,
+                                    storage)
     if problems:
         return None, problems
     batch = BatchConfig(resolved.batch.micro_batch_size, global_batch,

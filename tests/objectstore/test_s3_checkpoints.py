@@ -170,3 +170,33 @@ def test_the_tracker_is_written_last(s3_server, fault_proxy, one_process_group, 
     model.write_bytes(model.read_bytes()[:100])
     with pytest.raises(ObjectStorageError, match=f"{url}/iter_0000003/model.pt has 100 bytes"):
         stage_for_load(url, storage, None, (0, 0, 0), every, lambda x: x)
+
+
+def test_an_s3_load_that_contradicts_the_flags_is_refused_before_start(
+        s3_server, s3_env, train_data, tmp_path, capsys):
+    """meta.json of an s3:// --load is read before start, as a local folder's: another learning
+    rate than the checkpoint's (without --override-lr-scheduler) is one message naming the
+    --load and the field, exit 2, before any process group; --ckpt-step naming an iteration
+    the prefix does not hold too. The same flags with the checkpoint's learning rate pass."""
+    from megatron.arguments import ArgumentsError, parse_args
+    from megatron.pretrain_t5 import main
+
+    bucket = s3_server.make_bucket("ckpt-contradicts")
+    local = tmp_path / "ckpt"
+    run_workers(1, run_pretrain, [base_argv(train_data, "--save", str(local), iters=2)],
+                timeout=300)
+    shutil.copytree(local, s3_server.root / bucket / "run")
+    url = f"s3://{bucket}/run"
+    argv = base_argv(train_data, "--load", url, "--checkpoint-staging-path",
+                     str(tmp_path / "staging"), iters=2)
+    assert main([*argv, "--lr", "1e-2"]) == 2
+    text = "".join(capsys.readouterr())
+    assert f"--load {url}" in text and "learning-rate schedule in the checkpoint" in text, text
+    assert "lr: flags 0.01 vs checkpoint 0.003" in text, text
+    assert main([*argv, "--ckpt-step", "5"]) == 2
+    text = "".join(capsys.readouterr())
+    assert f"{url}/iter_0000005/meta.json is missing" in text, text
+    with pytest.raises(ArgumentsError):  # the local folder's check says the same
+        parse_args([*base_argv(train_data, "--load", str(local), iters=2), "--lr", "1e-2"],
+                   env={})
+    assert parse_args(argv, env={}).checkpoint.load == url

@@ -203,6 +203,19 @@ def checkpoint_problems(load: str, now: Dict[str, int], weights_only: bool,
         if problem is not None:
             return [f"{label}: {problem}"]
         meta = read_meta(root / tag_for(iteration))
+    except (CheckpointError, ValueError, KeyError) as e:
+        return [f"{label}: {e}"]
+    return meta_problems(meta, load, now, weights_only, schedule, lr_policy, finetune, label)
+
+
+def meta_problems(meta: Dict[str, Any], load: str, now: Dict[str, int], weights_only: bool,
+                  schedule: Optional[LRSchedule] = None, lr_policy: str = "check",
+                  finetune: bool = False, label: Optional[str] = None) -> List[str]:
+    """What the checkpoint of meta.json `meta` contradicts in a run of layout `now` (another
+    layout it cannot be resharded from; a learning-rate schedule, under `lr_policy`): the part
+    of checkpoint_problems that needs only meta.json (an s3:// --load's, before start)."""
+    label = label or f"--load {load}"
+    try:
         if meta.get("format") == "weights":
             problems = weights_checkpoint_problems(load, weights_only, "optimizer" in meta,
                                                    label)

@@ -439,6 +439,17 @@ def fetch_for_load(config, other_layout=None) -> Path:
                           broadcast, gather, other_layout)
 
 
+def remote_meta(url: str, storage: CheckpointStorage, ckpt_step: Optional[int]
+                ) -> Optional[Dict]:
+    """meta.json of the iteration an s3:// --load reads (`ckpt_step`, else the tracker's); None
+    when the folder holds no checkpoint yet. Before start: arguments.py checks the layout and
+    the schedule against it.
+
+    Raises:
+        ObjectStorageError, ValueError: naming the key."""
+    return _checked_meta(RemoteFolder(url, storage), ckpt_step, lambda name, meta: False)[1]
+
+
 def _checked_meta(folder: RemoteFolder, ckpt_step: Optional[int], needed):
     """(iteration, meta) of the checkpoint a run loads from `folder` ((None, None): none), with
     every object it reads confirmed.
@@ -466,8 +477,8 @@ def _checked_meta(folder: RemoteFolder, ckpt_step: Optional[int], needed):
     return iteration, meta
 
 
-__all__ = ["RemoteFolder", "default_staging_path", "is_remote", "reads", "stage_for_load",
-           "staging_root"]
+__all__ = ["RemoteFolder", "default_staging_path", "is_remote", "reads", "remote_meta",
+           "stage_for_load", "staging_root"]
 
 
 def remote_problems(values: Dict, storage: CheckpointStorage, given=()) -> List[str]:
