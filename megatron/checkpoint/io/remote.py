@@ -180,7 +180,7 @@ class RemoteFolder:
         return sorted(found)
 
     def _keys(self, relative_folder: str) -> List[str]:
-        return sorted(self._sizes(relative_folder))
+        return sorted(self.sizes(relative_folder))
 
     # large objects ---------------------------------------------------------------------------
     def _manager(self):
@@ -229,7 +229,7 @@ class RemoteFolder:
         listed: Dict[str, int] = {}
         for folder in sorted({rel.split("/", 1)[0] for rel in sizes if "/" in rel}):
             try:
-                listed.update(self._sizes(folder))
+                listed.update(self.sizes(folder))
             except ObjectStorageError:
                 pass  # each object is checked by a HEAD below
         unsure = sorted((rel, size) for rel, size in sizes.items()
@@ -251,7 +251,7 @@ class RemoteFolder:
                 if problem is not None:
                     raise ObjectStorageError(problem)
 
-    def _sizes(self, relative_folder: str) -> Dict[str, int]:
+    def sizes(self, relative_folder: str) -> Dict[str, int]:
         """{key: bytes} of every object under the folder (ListObjectsV2, paginated)."""
         client, found = self.objects.client(), {}
         paginator = client.get_paginator("list_objects_v2")

@@ -96,12 +96,8 @@ def find_checkpoint(url: str, storage: CheckpointStorage, iteration: Optional[in
 
 def _listing(folder: RemoteFolder, tag: str) -> Dict[str, int]:
     """{path inside the folder `tag`: bytes} of its objects."""
-    client = folder.objects.client()
-    pages = folder._call(f"listing {folder.url_of(tag)}/", lambda: list(
-        client.get_paginator("list_objects_v2").paginate(
-            Bucket=folder.bucket, Prefix=folder.key(tag) + "/")))
     start = len(folder.key(tag)) + 1
-    return {o["Key"][start:]: int(o["Size"]) for page in pages for o in page.get("Contents", [])}
+    return {key[start:]: size for key, size in folder.sizes(tag).items()}
 
 
 def download(checkpoint: RemoteCheckpoint, root: Path) -> Path:
