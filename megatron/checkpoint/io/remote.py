@@ -312,13 +312,17 @@ class RemoteFolder:
 
     def delete_iteration(self, iteration: int) -> int:
         """Delete every object of `iteration`'s folder (batches of 1000); how many."""
+        tag = iteration_folder_name(iteration)
+        return self.delete_keys(self._keys(tag), f"{self.url_of(tag)}/")
+
+    def delete_keys(self, keys: List[str], what: str) -> int:
+        """Delete the objects `keys` (full keys) in batches of 1000 (DeleteObjects); how many.
+        `what` names them in a failure's message."""
         client = self.objects.client()
-        keys = self._keys(iteration_folder_name(iteration))
         for start in range(0, len(keys), 1000):
             batch = [{"Key": k} for k in keys[start:start + 1000]]
-            self._call(f"deleting {self.url_of(iteration_folder_name(iteration))}/",
-                       lambda b=batch: client.delete_objects(
-                           Bucket=self.bucket, Delete={"Objects": b, "Quiet": True}))
+            self._call(f"deleting {what}", lambda b=batch: client.delete_objects(
+                Bucket=self.bucket, Delete={"Objects": b, "Quiet": True}))
         return len(keys)
 
     def prune(self, keep_last: int, current: int) -> List[int]:

@@ -177,13 +177,8 @@ def upload_checkpoint(local: Path, url: str, storage: CheckpointStorage,
     if replace:
         remote.prune(1, iteration)
         keep = {remote.key(rel) for rel in [*sizes, f"{tag}/{META}"]}
-        stale = [k for k in remote._keys(tag) if k not in keep]
-        client = remote.objects.client()
-        for start in range(0, len(stale), 1000):
-            batch = [{"Key": k} for k in stale[start:start + 1000]]
-            remote._call(f"deleting stale objects of {remote.url_of(tag)}/",
-                         lambda b=batch: client.delete_objects(
-                             Bucket=remote.bucket, Delete={"Objects": b, "Quiet": True}))
+        remote.delete_keys([k for k in remote._keys(tag) if k not in keep],
+                           f"stale objects of {remote.url_of(tag)}/")
     return len(sizes) + 3
 
 
