@@ -43,6 +43,7 @@ from bench.common import (  # noqa: E402
     markdown_table,
     prepare_data,
     run_torchrun,
+    saves_in_log,
     train_flags,
     write_section,
 )
@@ -50,9 +51,6 @@ from bench.common import (  # noqa: E402
 MODEL = dict(vocab_size=8100, d_model=768, d_kv=64, d_ff=2048, num_layers=4,
              num_decoder_layers=4, num_heads=12, feed_forward_proj="gated-gelu",
              tie_word_embeddings=False, dropout_rate=0.0)
-SAVE_RE = re.compile(r"saved checkpoint \S+/iter_(\d+) \(([\d.]+) MiB; the step was held "
-                     r"([\d.]+) s(?: \+ ([\d.]+) s waiting for the previous save)?; state "
-                     r"taken in ([\d.]+) s; written in ([\d.]+) s per rank")
 STEP_RE = re.compile(r" iteration\s+(\d+)/.*\| step: ([\d.]+) s")
 MIB = 2 ** 20
 
@@ -67,10 +65,7 @@ def run(paths, work: Path, name: str, extra: List[str]) -> Dict:
     log = work / f"{name}.log"
     result = run_torchrun(flags, log)
     text = log.read_text()
-    saves = {int(m.group(1)): {"mib": float(m.group(2)), "held_s": float(m.group(3)),
-                               "waited_s": float(m.group(4) or 0.0),
-                               "capture_s": float(m.group(5)), "written_s": float(m.group(6))}
-             for m in SAVE_RE.finditer(text)}
+    saves = saves_in_log(text)
     steps = {int(m.group(1)): float(m.group(2)) for m in STEP_RE.finditer(text)}
     if extra and sorted(saves) != [2, 4, 6]:
         sys.exit(f"{name}: expected saves at 2, 4, 6 in {log}, found {sorted(saves)}")

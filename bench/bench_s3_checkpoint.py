@@ -52,6 +52,7 @@ from bench.common import (  # noqa: E402
     markdown_table,
     prepare_data,
     run_torchrun,
+    saves_in_log,
     train_flags,
     write_section,
 )
@@ -61,9 +62,6 @@ MODEL = dict(vocab_size=8100, d_model=512, d_kv=64, d_ff=1024, num_layers=2,
              tie_word_embeddings=False, dropout_rate=0.0)
 BUCKET = "t5bench"
 SAVES = (4, 8, 12)
-SAVE_RE = re.compile(r"saved checkpoint \S+/iter_(\d+) \(([\d.]+) MiB; the step was held "
-                     r"([\d.]+) s(?: \+ ([\d.]+) s waiting for the previous save)?; state "
-                     r"taken in ([\d.]+) s; written in ([\d.]+) s per rank")
 ITER_RE = re.compile(r"/iter_(\d+)/")
 MIB = 2 ** 20
 
@@ -116,10 +114,7 @@ def trainer_run(paths, work: Path, server, name: str, extra: List[str]) -> Dict:
                                            os.environ.get("PYTHONPATH", "")]))
     result = run_torchrun(flags, log, env=env)
     text = log.read_text()
-    saves = {m.group(1).lstrip("0"): {"mib": float(m.group(2)), "held_s": float(m.group(3)),
-                               "waited_s": float(m.group(4) or 0.0),
-                               "written_s": float(m.group(6))}
-             for m in SAVE_RE.finditer(text)}
+    saves = {str(i): save for i, save in saves_in_log(text).items()}
     if sorted(map(int, saves)) != list(SAVES):
         sys.exit(f"{name}: expected saves at {SAVES} in {log}, found {sorted(saves)}")
     sent = sorted((json.loads(line) for f in requests.glob("*.jsonl")

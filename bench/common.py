@@ -176,6 +176,20 @@ TINY = dict(MODEL, d_model=64, d_kv=32, d_ff=128, num_layers=1, num_decoder_laye
 CORPORA = ("en_wikitext2.jsonl", "en_shakespeare.jsonl")
 MICRO_BATCH, ENC_LEN = 4, 256
 GIB = 2 ** 30
+SAVE_LINE = re.compile(r"saved checkpoint \S+/iter_(\d+) \(([\d.]+) MiB; the step was held "
+                       r"([\d.]+) s(?: \+ ([\d.]+) s waiting for the previous save)?; state "
+                       r"taken in ([\d.]+) s; written in ([\d.]+) s per rank")
+
+
+def saves_in_log(text: str) -> Dict[int, Dict[str, float]]:
+    """{iteration: MiB, seconds the step was held, waited for the previous save, taken, written}
+    of each `saved checkpoint` line of a trainer's log."""
+    return {int(m.group(1)): {"mib": float(m.group(2)), "held_s": float(m.group(3)),
+                              "waited_s": float(m.group(4) or 0.0),
+                              "capture_s": float(m.group(5)), "written_s": float(m.group(6))}
+            for m in SAVE_LINE.finditer(text)}
+
+
 
 CONFIGS = [
     ("ZeRO 0", ["--zero-stage", "0"]),

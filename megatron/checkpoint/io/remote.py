@@ -200,24 +200,28 @@ class RemoteFolder:
         Raises:
             ObjectStorageError: a file that could not be uploaded (naming it and its key)."""
         files = list(files)
+        self._transfer(files, lambda manager, f: manager.upload(f[0], self.bucket,
+                                                                self.key(f[1])),
+                       lambda f: f"uploading {f[0]} to {self.url_of(f[1])}")
+        return {rel: os.path.getsize(path) for path, rel in files}
+
+    def _transfer(self, items: List, start, what) -> None:
+        """Start the transfer of every item through one manager (`start(manager, item)`: its
+        future); an item whose transfer failed is tried again, alone, with the data's retries
+        (`what(item)` names it in the message)."""
         with self._manager() as manager:
-            futures = [(path, rel, manager.upload(path, self.bucket, self.key(rel)))
-                       for path, rel in files]
+            futures = [(item, start(manager, item)) for item in items]
             failed = []
-            for path, rel, future in futures:
+            for item, future in futures:
                 try:
                     future.result()
                 except Exception as e:  # noqa: BLE001 - retried below, classified there
-                    failed.append((path, rel, e))
-        for path, rel, error in failed:
-            self.objects._with_retries(
-                f"uploading {path} to {self.url_of(rel)}",
-                lambda p=path, r=rel: self._upload_one(p, r), error)
-        return {rel: os.path.getsize(path) for path, rel in files}
-
-    def _upload_one(self, path: str, relative: str) -> None:
-        with self._manager() as manager:
-            manager.upload(path, self.bucket, self.key(relative)).result()
+                    failed.append((item, e))
+        for item, error in failed:
+            def again(item=item):
+                with self._manager() as manager:
+                    start(manager, item).result()
+            self.objects._with_retries(what(item), again, error)
 
     def confirm(self, sizes: Dict[str, int]) -> None:
         """Every object of `sizes` ({relative: bytes}) is there, of that size: one listing of
@@ -274,23 +278,9 @@ class RemoteFolder:
         files = list(files)
         for _, path in files:
             path.parent.mkdir(parents=True, exist_ok=True)
-        with self._manager() as manager:
-            futures = [(rel, path, manager.download(self.bucket, self.key(rel), str(path)))
-                       for rel, path in files]
-            failed = []
-            for rel, path, future in futures:
-                try:
-                    future.result()
-                except Exception as e:  # noqa: BLE001 - retried below, classified there
-                    failed.append((rel, path, e))
-        for rel, path, error in failed:
-            self.objects._with_retries(
-                f"downloading {self.url_of(rel)}",
-                lambda r=rel, p=path: self._download_one(r, p), error)
-
-    def _download_one(self, relative: str, path: Path) -> None:
-        with self._manager() as manager:
-            manager.download(self.bucket, self.key(relative), str(path)).result()
+        self._transfer(files, lambda manager, f: manager.download(self.bucket, self.key(f[0]),
+                                                                  str(f[1])),
+                       lambda f: f"downloading {self.url_of(f[0])}")
 
     # housekeeping ----------------------------------------------------------------------------
     def abort_incomplete_uploads(self) -> List[str]:
