@@ -54,7 +54,16 @@ from megatron.data.storage.indexed_dataset import (
     optimal_dtype,
 )
 from megatron.data.preprocess.jsonl import BadLine, Chunk, expand_inputs, parse_line, read_chunks
+from megatron.data.preprocess.manifest import ManifestError, write_manifest_if_complete
 from megatron.data.preprocess.sentence_splitter import make_splitter
+from megatron.data.preprocess.sharding import (
+    ShardFlagError,
+    progress_starts,
+    read_piece_chunks,
+    shard_from_env,
+    shard_plan,
+    shard_prefix,
+)
 from megatron.data.tokenizers.tokenizer import TOKENIZER_TYPES, build_tokenizer, resolve_tokenizer
 
 
@@ -115,6 +124,13 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "unnecessary, so the output is the same for any value")
     g.add_argument("--keep-sequential-samples", action="store_true",
                    help="accepted for Megatron compatibility: documents always keep input order")
+    g.add_argument("--num-shards", type=int, default=None,
+                   help="write shard --shard-index of this many (PREFIX-iiiii-of-nnnnn_...): the "
+                        "input cut into contiguous parts balanced by bytes; default: from a "
+                        "Slurm array or srun step, else one unsharded output")
+    g.add_argument("--shard-index", type=int, default=None,
+                   help="which shard (0-based) with --num-shards; default: from "
+                        "SLURM_ARRAY_TASK_ID or SLURM_PROCID")
     g.add_argument("--log-interval", type=int, default=1000,
                    help="documents between progress lines when stderr is not a terminal")
     g.add_argument("--chunk-mb", type=float, default=1.0,
@@ -138,6 +154,10 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.lang != "english" and args.split_sentences and not args.punkt_params:
         problems.append(f"--lang {args.lang}: no shipped Punkt parameters; train them with "
                         "data_tools/train_punkt.py and pass --punkt-params")
+    try:
+        args.shard = shard_from_env(args.num_shards, args.shard_index, os.environ)
+    except ShardFlagError as e:
+        problems.append(str(e))
     if len(set(args.json_keys)) != len(args.json_keys):
         problems.append("--json-keys has a key twice")
     try:
@@ -424,9 +444,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: --partitions {args.partitions} is not needed (input is streamed); "
               "output is identical", file=sys.stderr)
 
-    # Where each file starts in the concatenated input, for the progress bar.
-    file_starts = np.concatenate([[0], np.cumsum([os.path.getsize(p) for p in paths])])
-    progress = Progress(int(file_starts[-1]), args.log_interval, enabled=not args.no_progress)
+    chunk_bytes = int(args.chunk_mb * (1 << 20))
+    shard = getattr(args, "shard", None)
+    if shard is None:
+        # Where each file starts in the concatenated input, for the progress bar.
+        file_starts = np.concatenate([[0], np.cumsum([os.path.getsize(p) for p in paths])])
+        total_bytes = int(file_starts[-1])
+        chunks = read_chunks(paths, chunk_bytes=chunk_bytes)
+    else:
+        pieces = shard_plan(paths, shard.count)[shard.index]
+        file_starts = progress_starts(pieces, len(paths))
+        total_bytes = sum(p.nbytes for p in pieces)
+        chunks = read_piece_chunks(pieces, chunk_bytes=chunk_bytes)
+        print(f"{shard.describe()}: {total_bytes} bytes of input in {len(pieces)} pieces",
+              file=sys.stderr)
+    progress = Progress(total_bytes, args.log_interval, enabled=not args.no_progress)
     stats = collections.Counter()
     start = time.time()
     report_tmp = f"{report_path}.tmp-{os.getpid()}"
@@ -443,11 +475,13 @@ def run(args: argparse.Namespace) -> int:
             builders.append(IndexedDatasetBuilder(data_file_path(prefix), dtype=dtype))
         with _sigterm_held():
             pool, stop = _start_pool(args, tokenizer)
-        _stream(args, paths, pool, builders, report, stats, progress, file_starts)
+        _stream(args, paths, chunks, pool, builders, report, stats, progress, file_starts)
         pool.close()
         pool.join()
         pool = None
-        if stats["documents"] == 0:
+        if stats["documents"] == 0 and not (shard is not None and total_bytes == 0):
+            # (a shard given no input, fewer compressed files than shards, writes an empty
+            # dataset so that the set is complete)
             raise BadLine("no usable document in the input")
         meta = DatasetMeta(
             tokenizer={"type": args.tokenizer.tokenizer_type,
@@ -508,12 +542,12 @@ def _inputs(args: argparse.Namespace):
     return paths, tokenizer
 
 
-def _stream(args, paths, pool, builders, report, stats, progress, file_starts) -> None:
+def _stream(args, paths, chunks, pool, builders, report, stats, progress,
+            file_starts) -> None:
     """Feed the chunks to the workers (at most 2 x workers + 2 in flight: bounded memory) and
     append their results in input order."""
     pending: collections.deque = collections.deque()
     max_pending = 2 * args.workers + 2
-    chunks = read_chunks(paths, chunk_bytes=int(args.chunk_mb * (1 << 20)))
     exhausted = False
     while True:
         while not exhausted and len(pending) < max_pending:
@@ -580,11 +614,33 @@ def _summary(args, stats, progress, elapsed: float, files: int, report_path: str
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = get_args(argv)
+    set_prefix = args.output_prefix
+    if args.shard is not None:
+        args.output_prefix = shard_prefix(set_prefix, args.shard.index, args.shard.count)
     if str(args.output_prefix).startswith("s3://"):
         from data_tools.preprocess_to_s3 import run_to_object_storage
 
-        return run_to_object_storage(args, run)
-    return run(args)
+        code = run_to_object_storage(args, run)
+    else:
+        code = run(args)
+    if code == 0 and args.shard is not None:
+        return _manifest_if_complete(args, set_prefix)
+    return code
+
+
+def _manifest_if_complete(args: argparse.Namespace, set_prefix: str) -> int:
+    """Write the set's manifests if this shard completed it (megatron/data/preprocess/manifest)."""
+    level = "sentence" if args.split_sentences else "document"
+    for key in args.json_keys:
+        try:
+            path = write_manifest_if_complete(set_prefix, f"_{key}_{level}", args.shard.count)
+        except (ManifestError, OSError, ValueError) as e:
+            print(f"error: this shard is written, but the set's manifest is not: {e}",
+                  file=sys.stderr)
+            return 1
+        if path is not None:
+            print(f"the set is complete: wrote {path}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
