@@ -22,7 +22,13 @@ vocab.txt), or `--tokenizer-type CPM2Tokenizer --vocab-file bpe_cn/vocab.txt` (n
   Training reads it instead of scanning the data for which documents end with EOD;
 - `--output-prefix s3://bucket/key`: the destination is checked writable (a probe object put and
   deleted) before any work; the outputs are written to a local staging folder (`--staging-dir`),
-  then uploaded, each `.bin` first and each `.idx` last.
+  then uploaded, each `.bin` first and each `.idx` last;
+- `--num-shards N --shard-index I` (or a Slurm array or srun step): this task writes shard I of N,
+  `PREFIX-iiiii-of-nnnnn_...`, from its contiguous part of the input; the shard that completes
+  the set writes its manifest (docs/data.md, "Preprocessing in shards").
+
+The pipeline is megatron/data/preprocess/ (workers.py, pipeline.py, sharding.py, manifest.py,
+object_output.py); this file holds the flags, the run and its summary.
 """
 
 from __future__ import annotations
@@ -204,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
     remove_stale_temporaries(finals + [report_path])
     if args.partitions > 1:
         print(f"note: --partitions {args.partitions} is not needed (input is streamed); "
-              "output is identical", file=sys.stderr)
+              "output is identical; to split the work over tasks use --num-shards/--shard-index",
+              file=sys.stderr)
 
     chunk_bytes = int(args.chunk_mb * (1 << 20))
     shard = getattr(args, "shard", None)

@@ -271,3 +271,25 @@ def test_bad_shard_flags_exit_2_before_anything_is_written(inputs, tmp_path, spm
     assert e.value.code == 2
     assert message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_more_shards_than_compressed_files_leaves_empty_shards(corpora_dir, tmp_path, spm_model):
+    # two gzip files, four shards: two shards get no input and write empty datasets, so that the
+    # set is complete and still concatenates to one process's run
+    with open(corpora_dir / "en_shakespeare.jsonl", "rb") as f:
+        lines = f.readlines()
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name, part in (("a", lines[:30]), ("b", lines[30:50])):
+        with gzip.open(folder / f"{name}.jsonl.gz", "wb") as f:
+            f.write(b"".join(part))
+    assert preprocess(spm_model, folder, tmp_path / "one" / "mix") == 0
+    out = tmp_path / "set" / "mix"
+    for i in range(4):
+        assert preprocess(spm_model, folder, out, "--num-shards", 4, "--shard-index", i) == 0
+    shards = [f"{shard_prefix(out, i, 4)}_text_document" for i in range(4)]
+    assert sorted(IndexedDataset(s).num_documents == 0 for s in shards) == [False, False, True,
+                                                                             True]
+    assert concatenated(shards) == concatenated([f"{tmp_path}/one/mix_text_document"])
+    listed = json.loads(Path(f"{out}_text_document.shards.json").read_text())
+    assert listed["documents"] == 50
