@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_tools import preprocess_data
+from data_tools import merge_datasets, preprocess_data
 from megatron.data.preprocess import manifest as manifest_mod
 from megatron.data.preprocess.jsonl import read_chunks
 from megatron.data.preprocess.sharding import (
@@ -236,7 +236,7 @@ def test_a_rerun_rewrites_its_own_files_with_the_same_bytes(inputs, tmp_path, sp
 
 
 def test_the_manifest_is_written_once_by_the_last_shard(inputs, tmp_path, spm_model,
-                                                        monkeypatch):
+                                                        monkeypatch, capsys):
     out = tmp_path / "mix"
     manifest = Path(f"{out}_text_document.shards.json")
     writes = []
@@ -253,11 +253,15 @@ def test_the_manifest_is_written_once_by_the_last_shard(inputs, tmp_path, spm_mo
     manifest.unlink()
     base, suffix, count = manifest_mod.find_set(f"{out}_text_document")
     assert (base, suffix, count) == (str(out), "_text_document", 3)
-    assert Path(manifest_mod.write_manifest(base, suffix, count)).read_text() == text
+    assert merge_datasets.main(["--manifest-only", f"{out}_text_document"]) == 0
+    assert manifest.read_text() == text
     # a missing shard is named
+    manifest.unlink()
     os.unlink(f"{shard_prefix(out, 1, 3)}_text_document.idx")
-    with pytest.raises(manifest_mod.ManifestError, match="mix-00001-of-00003_text_document"):
-        manifest_mod.write_manifest(base, suffix, count)
+    assert merge_datasets.main(["--manifest-only", f"{out}_text_document"]) == 1
+    assert "shard " + f"{shard_prefix(out, 1, 3)}_text_document is missing" in \
+        capsys.readouterr().err
+    assert not manifest.exists()
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -167,3 +167,14 @@ def find_set(dataset_prefix: str) -> tuple:
                             f"({', '.join(map(str, sorted(counts)))}) share this name; remove "
                             "the stale ones")
     return found[0], found[1], counts.pop()
+
+
+def write_manifest_of_set(dataset_prefix: str) -> str:
+    """Write the manifest of the local shard set named DIR/NAME_text_document (its shards found
+    beside it, `find_set`); returns its path. For `merge_datasets.py --manifest-only`.
+
+    Raises:
+        ManifestError: no shard of that name, a missing shard, shards that disagree.
+    """
+    base, suffix, count = find_set(dataset_prefix)
+    return write_manifest(base, suffix, count)
