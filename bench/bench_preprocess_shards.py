@@ -9,7 +9,8 @@ cut it mid-file) and the same 2 cores:
 Tokens/s = the tokens written / wall time from the first start to the last exit (interpreter
 start-up included in both). Trials alternate the two so that a neighbour's load hits both alike;
 the median of each is kept, with the CPU seconds
-the process trees used (what neighbours' load does not change). The shards' tokens are checked equal to the single run's.
+the process trees used (what neighbours' load does not change). The shards' tokens are checked
+equal to the single run's.
 Results go to bench/RESULTS.md.
 """
 

@@ -120,6 +120,15 @@ def test_pieces_read_the_same_lines_with_their_line_numbers(tmp_path):
     ({}, {}, {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"},
      ShardChoice(1, 4, "SLURM_PROCID")),
     ({}, {}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, None),  # the batch script itself
+    # srun -n 2 inside task 3 of --array=1-3:2 (as a real Slurm sets them): shard 1 * 2 + 1 of 4
+    ({}, {}, {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_STEP": "2",
+              "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "2",
+              "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"},
+     ShardChoice(3, 4, "SLURM_ARRAY_TASK_ID and SLURM_PROCID")),
+    # the batch script of that array task (no step): the array alone
+    ({}, {}, {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_STEP": "2",
+              "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"},
+     ShardChoice(1, 2, "SLURM_ARRAY_TASK_ID")),
     ({}, {}, {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0"}, None),
     (None, 1, {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"},
      ShardChoice(1, 4, "--shard-index and SLURM_PROCID")),

@@ -221,7 +221,8 @@ def shard_from_env(num_shards: Optional[int], shard_index: Optional[int],
     SLURM_ARRAY_TASK_MIN in steps of SLURM_ARRAY_TASK_STEP, of SLURM_ARRAY_TASK_COUNT: `--array
     1-8` is shards 0..7 of 8), else a task of an `srun -n N` step (SLURM_PROCID of
     SLURM_STEP_NUM_TASKS or SLURM_NTASKS; only inside a step, SLURM_STEP_ID set, since a batch
-    script sees its allocation's SLURM_NTASKS while running once). A count of 1 from the
+    script sees its allocation's SLURM_NTASKS while running once); both (`srun -n K` in each of
+    M array tasks): shard array_index * K + SLURM_PROCID of M * K. A count of 1 from the
     environment is an ordinary run.
 
     Raises:
@@ -255,30 +256,46 @@ def shard_from_env(num_shards: Optional[int], shard_index: Optional[int],
 
 
 def _from_slurm(env: Mapping[str, str]) -> Optional[ShardChoice]:
+    array = _from_array(env)
+    step = _from_step(env)
+    if array is not None and step is not None and step.count > 1:
+        # srun -n K inside each task of an array of M: K x M shards, an array task's K together
+        return ShardChoice(array.index * step.count + step.index, array.count * step.count,
+                           "SLURM_ARRAY_TASK_ID and SLURM_PROCID")
+    return array if array is not None else step
+
+
+def _from_array(env: Mapping[str, str]) -> Optional[ShardChoice]:
     task = _env_int(env, "SLURM_ARRAY_TASK_ID")
-    if task is not None:
-        count = _env_int(env, "SLURM_ARRAY_TASK_COUNT")
-        low = _env_int(env, "SLURM_ARRAY_TASK_MIN") or 0
-        step = _env_int(env, "SLURM_ARRAY_TASK_STEP") or 1
-        if count is None:
-            raise ShardFlagError("SLURM_ARRAY_TASK_ID is set without SLURM_ARRAY_TASK_COUNT; "
-                                 "give --num-shards and --shard-index")
-        index, rest = divmod(task - low, step)
-        if rest or not 0 <= index < count:
-            raise ShardFlagError(
-                f"SLURM_ARRAY_TASK_ID={task} is not task k of a regular --array "
-                f"(min {low}, step {step}, count {count}); submit --array=0-{count - 1} or give "
-                "--num-shards and --shard-index")
-        return ShardChoice(index, count, "SLURM_ARRAY_TASK_ID")
-    if env.get("SLURM_STEP_ID") is not None and env.get("SLURM_PROCID") is not None:
-        count = _env_int(env, "SLURM_STEP_NUM_TASKS") or _env_int(env, "SLURM_NTASKS")
-        index = _env_int(env, "SLURM_PROCID")
-        if count is None or index is None:
-            return None
-        if not 0 <= index < count:
-            raise ShardFlagError(f"SLURM_PROCID={index} is not below the step's {count} tasks")
-        return ShardChoice(index, count, "SLURM_PROCID")
-    return None
+    if task is None:
+        return None
+    count = _env_int(env, "SLURM_ARRAY_TASK_COUNT")
+    low = _env_int(env, "SLURM_ARRAY_TASK_MIN") or 0
+    step = _env_int(env, "SLURM_ARRAY_TASK_STEP") or 1
+    if count is None:
+        raise ShardFlagError("SLURM_ARRAY_TASK_ID is set without SLURM_ARRAY_TASK_COUNT; "
+                             "give --num-shards and --shard-index")
+    index, rest = divmod(task - low, step)
+    if rest or not 0 <= index < count:
+        raise ShardFlagError(
+            f"SLURM_ARRAY_TASK_ID={task} is not task k of a regular --array "
+            f"(min {low}, step {step}, count {count}); submit --array=0-{count - 1} or give "
+            "--num-shards and --shard-index")
+    return ShardChoice(index, count, "SLURM_ARRAY_TASK_ID")
+
+
+def _from_step(env: Mapping[str, str]) -> Optional[ShardChoice]:
+    # Only inside an srun step (SLURM_STEP_ID set): the batch script itself also sees
+    # SLURM_PROCID=0 and its allocation's SLURM_NTASKS (checked under a real Slurm).
+    if env.get("SLURM_STEP_ID") is None or env.get("SLURM_PROCID") is None:
+        return None
+    count = _env_int(env, "SLURM_STEP_NUM_TASKS") or _env_int(env, "SLURM_NTASKS")
+    index = _env_int(env, "SLURM_PROCID")
+    if count is None or index is None:
+        return None
+    if not 0 <= index < count:
+        raise ShardFlagError(f"SLURM_PROCID={index} is not below the step's {count} tasks")
+    return ShardChoice(index, count, "SLURM_PROCID")
 
 
 def progress_starts(pieces: Sequence[Piece], num_files: int) -> List[int]:
