@@ -91,7 +91,7 @@ def main() -> int:
              f"{total / cpu['two']:,.0f}", f"{cpu_ratio:.2f}"]]
     table = "\n".join(markdown_table(["run", "wall s", "tokens/s", "ratio", "CPU s",
                                       "tokens/CPU s", "ratio"], rows))
-    body = f"""## Preprocessing in shards (2 single-worker shards against one process with 2 workers)
+    body = f"""## Preprocessing in shards (2 one-worker shards against one 2-worker process)
 
 Command: `python bench/bench_preprocess_shards.py --mb {args.mb:g} --trials {args.trials}`
 Machine: {machine_line()}, shared with other sessions (load average at the end:

@@ -306,3 +306,23 @@ def test_more_shards_than_compressed_files_leaves_empty_shards(corpora_dir, tmp_
     assert concatenated(shards) == concatenated([f"{tmp_path}/one/mix_text_document"])
     listed = json.loads(Path(f"{out}_text_document.shards.json").read_text())
     assert listed["documents"] == 50
+
+
+def test_strict_stops_only_the_shard_holding_the_bad_line(inputs, tmp_path, spm_model, capsys):
+    # b.jsonl's line 61 is "not json"; with 3 shards it lies in one of them: that shard stops
+    # naming file and line and leaves nothing, the others are written
+    paths = sorted(str(p) for p in inputs.glob("*.jsonl*"))
+    plan = shard_plan(paths, 3)
+    out = tmp_path / "mix"
+    codes = [preprocess(spm_model, inputs, out, "--num-shards", 3, "--shard-index", i, "--strict")
+             for i in range(3)]
+    with open(paths[1], "rb") as f:
+        bad_at = f.read().index(b"not json\n")
+    holder = next(i for i, shard in enumerate(plan) for p in shard
+                  if p.file_index == 1 and p.start <= bad_at < p.end)
+    assert codes == [1 if i == holder else 0 for i in range(3)]
+    assert f"{paths[1]}:61: invalid JSON" in capsys.readouterr().err
+    assert not list(tmp_path.glob(f"mix-{holder:05d}-of-00003*"))
+    assert all(Path(f"{shard_prefix(out, i, 3)}_text_document.idx").exists()
+               for i in range(3) if i != holder)
+    assert not Path(f"{out}_text_document.shards.json").exists()
