@@ -13,6 +13,7 @@ Shard I of N writes `PREFIX-{I:05d}-of-{N:05d}_{key}_{level}.{bin,idx,meta.json}
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import os
 from dataclasses import dataclass
@@ -103,19 +104,19 @@ def shard_plan(paths: Sequence[str], num_shards: int,
     plan: List[List[Piece]] = []
     for lo, hi in zip(cuts[:-1], cuts[1:]):
         pieces = []
-        for i, path in enumerate(paths):
+        i = bisect.bisect_right(starts, lo) - 1  # the file holding byte lo (bisect: 1,000s of
+        while i < len(paths) and starts[i] < hi:  # shards over 10,000s of files stay fast)
             a, b = max(lo, starts[i]), min(hi, starts[i + 1])
             if a < b:
-                pieces.append(Piece(i, path, a - starts[i], b - starts[i]))
+                pieces.append(Piece(i, paths[i], a - starts[i], b - starts[i]))
+            i += 1
         plan.append(pieces)
     return plan
 
 
 def _cut_near(paths, sizes, starts, target: int, share: float) -> int:
     """Where the cut aimed at global byte `target` goes (see shard_plan)."""
-    i = 0  # the file holding byte `target`: starts[i] <= target < starts[i + 1]
-    while i + 1 < len(starts) and starts[i + 1] <= target:
-        i += 1
+    i = bisect.bisect_right(starts, target) - 1  # starts[i] <= target < starts[i + 1]
     if i >= len(sizes):
         return starts[-1]
     lo, hi = starts[i], starts[i + 1]
