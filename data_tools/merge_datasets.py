@@ -42,9 +42,16 @@ def expand_prefixes(inputs: Sequence[str]) -> List[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = CommandLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--input", nargs="+", required=True, help="dataset prefixes or directories")
-    p.add_argument("--output-prefix", required=True)
+    p.add_argument("--input", nargs="+", help="dataset prefixes or directories")
+    p.add_argument("--output-prefix")
+    p.add_argument("--manifest-only", metavar="PREFIX", default=None,
+                   help="merge nothing: write the manifest of the shard set PREFIX_text_document "
+                        "(its PREFIX-iiiii-of-nnnnn shards beside it) instead")
     args = p.parse_args(argv)
+    if args.manifest_only is not None:
+        return _manifest_only(args.manifest_only)
+    if not args.input or not args.output_prefix:
+        p.error("--input and --output-prefix are required (or --manifest-only PREFIX)")
     problems = scheme_problems("--input", args.input) + \
         scheme_problems("--output-prefix", args.output_prefix)  # local files only
     if problems:
@@ -62,6 +69,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     print(f"merged {len(prefixes)} datasets: {merged.num_documents} documents, {len(merged)} "
           f"sequences, {merged.num_tokens} tokens -> {args.output_prefix}.bin/.idx", file=sys.stderr)
+    return 0
+
+
+def _manifest_only(prefix: str) -> int:
+    from megatron.data.preprocess.manifest import ManifestError, write_manifest_of_set
+
+    try:
+        print(f"wrote {write_manifest_of_set(prefix)}", file=sys.stderr)
+    except (ManifestError, OSError) as e:
+        print(f"error: --manifest-only {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -22,40 +22,39 @@ vocab.txt), or `--tokenizer-type CPM2Tokenizer --vocab-file bpe_cn/vocab.txt` (n
   Training reads it instead of scanning the data for which documents end with EOD;
 - `--output-prefix s3://bucket/key`: the destination is checked writable (a probe object put and
   deleted) before any work; the outputs are written to a local staging folder (`--staging-dir`),
-  then uploaded, each `.bin` first and each `.idx` last.
+  then uploaded, each `.bin` first and each `.idx` last;
+- `--num-shards N --shard-index I` (or a Slurm array or srun step): this task writes shard I of N,
+  `PREFIX-iiiii-of-nnnnn_...`, from its contiguous part of the input; the shard that completes
+  the set writes its manifest (docs/data.md, "Preprocessing in shards").
+
+The pipeline is megatron/data/preprocess/ (preprocess.py: one run; workers.py, pipeline.py,
+sharding.py, manifest.py, object_output.py); this file holds the flags and what a shard adds.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
-import itertools
-import multiprocessing
 import os
-import signal
 import sys
-import time
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np
-
 from megatron.cli import CommandLineParser
 from megatron.data.storage.paths import path_flag_problems
-from megatron.data.storage.data_meta import DatasetMeta, meta_file_path, tokenizer_identity
-from megatron.data.storage.indexed_dataset import (
-    IndexedDatasetBuilder,
-    data_file_path,
-    index_file_path,
-    optimal_dtype,
+from megatron.data.preprocess.manifest import ManifestError, write_manifest_if_complete
+from megatron.data.preprocess.preprocess import run
+from megatron.data.preprocess.sharding import ShardFlagError, shard_from_env, shard_prefix
+from megatron.data.preprocess.workers import (  # the pool's parts, under the names tests use
+    on_sigterm as _on_sigterm,  # noqa: F401
+    process_chunk as _process_chunk,  # noqa: F401
+    sigterm_held as _sigterm_held,  # noqa: F401
+    start_pool as _start_pool,  # noqa: F401
+    stop_pool as _stop_pool,  # noqa: F401
+    worker_state as _worker,  # noqa: F401
 )
-from megatron.data.preprocess.jsonl import BadLine, Chunk, expand_inputs, parse_line, read_chunks
-from megatron.data.preprocess.sentence_splitter import make_splitter
-from megatron.data.tokenizers.tokenizer import TOKENIZER_TYPES, build_tokenizer, resolve_tokenizer
+from megatron.data.tokenizers.tokenizer import TOKENIZER_TYPES, resolve_tokenizer
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -115,6 +114,13 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "unnecessary, so the output is the same for any value")
     g.add_argument("--keep-sequential-samples", action="store_true",
                    help="accepted for Megatron compatibility: documents always keep input order")
+    g.add_argument("--num-shards", type=int, default=None,
+                   help="write shard --shard-index of this many (PREFIX-iiiii-of-nnnnn_...): the "
+                        "input cut into contiguous parts balanced by bytes; default: from a "
+                        "Slurm array or srun step, else one unsharded output")
+    g.add_argument("--shard-index", type=int, default=None,
+                   help="which shard (0-based) with --num-shards; default: from "
+                        "SLURM_ARRAY_TASK_ID or SLURM_PROCID")
     g.add_argument("--log-interval", type=int, default=1000,
                    help="documents between progress lines when stderr is not a terminal")
     g.add_argument("--chunk-mb", type=float, default=1.0,
@@ -138,6 +144,10 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.lang != "english" and args.split_sentences and not args.punkt_params:
         problems.append(f"--lang {args.lang}: no shipped Punkt parameters; train them with "
                         "data_tools/train_punkt.py and pass --punkt-params")
+    try:
+        args.shard = shard_from_env(args.num_shards, args.shard_index, os.environ)
+    except ShardFlagError as e:
+        problems.append(str(e))
     if len(set(args.json_keys)) != len(args.json_keys):
         problems.append("--json-keys has a key twice")
     try:
@@ -156,435 +166,35 @@ def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-# ---------------------------------------------------------------------------------------------
-# Worker side: parse, split and tokenize one chunk of lines.
-
-_worker: Dict[str, object] = {}
-
-
-def _init_worker(args: argparse.Namespace, stop, tokenizer=None) -> None:
-    # A worker ignores SIGINT (the main process decides what an interrupt means) and dies on
-    # SIGTERM, which is how Pool.terminate() would stop it; it must not inherit the main
-    # process's handler. SIGTERM comes blocked (see _sigterm_held): one sent before this point is
-    # delivered now.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    # The main process's tokenizer: forked, it comes ready (CPM-2's with jieba's dictionary
-    # loaded once for all workers); spawned, a pickled copy.
-    if tokenizer is None:
-        tokenizer = build_tokenizer(args.tokenizer, extra_ids=args.vocab_extra_ids)
-    _worker["tokenizer"] = tokenizer
-    _worker["keys"] = list(args.json_keys)
-    _worker["append_eod"] = args.append_eod
-    _worker["strict"] = args.strict
-    _worker["stop"] = stop  # shared with the main process; set: skip what is left (_stop_pool)
-    splitter = None
-    if args.split_sentences:
-        splitter = make_splitter(args.punkt_params, keep_newlines=args.keep_newlines)
-    _worker["splitter"] = splitter
-
-
-@dataclass
-class ChunkResult:
-    lines: int
-    bad: List[Tuple[int, str]]  # (line number, reason)
-    documents: int
-    # per key: tokens of all sequences back to back, the length of each sequence, and the number
-    # of sequences of each document
-    tokens: List[np.ndarray] = field(default_factory=list)
-    lengths: List[np.ndarray] = field(default_factory=list)
-    per_doc: List[np.ndarray] = field(default_factory=list)
-
-
-def _process_chunk(chunk: Chunk) -> ChunkResult:
-    if _worker["stop"].value:  # the run is over: its results would be thrown away
-        return ChunkResult(lines=0, bad=[], documents=0)
-    tokenizer = _worker["tokenizer"]
-    keys = _worker["keys"]
-    splitter = _worker["splitter"]
-    append_eod = _worker["append_eod"]
-    bad: List[Tuple[int, str]] = []
-    docs: List[List[str]] = []
-    for k, line in enumerate(chunk.lines):
-        try:
-            docs.append(parse_line(line, keys))
-        except BadLine as e:
-            bad.append((chunk.first_line + k, str(e)))
-            if _worker["strict"]:  # the run stops here: nothing of this chunk will be written
-                return ChunkResult(lines=len(chunk.lines), bad=bad, documents=0)
-    result = ChunkResult(lines=len(chunk.lines), bad=bad, documents=len(docs))
-    dtype = tokenizer.token_dtype
-    eod = tokenizer.eod
-    for key_index in range(len(keys)):
-        if splitter is None:
-            pieces = [[doc[key_index]] for doc in docs]
-        else:
-            pieces = [splitter.split(doc[key_index]) for doc in docs]
-        flat = list(itertools.chain.from_iterable(pieces))
-        ids = tokenizer.encode_batch(flat, num_threads=1)
-        lengths: List[int] = []
-        per_doc: List[int] = []
-        it = iter(ids)
-        for doc_pieces in pieces:
-            kept = 0
-            for _ in doc_pieces:
-                seq = next(it)
-                if seq:  # a sentence that tokenizes to nothing is dropped, as Megatron does
-                    lengths.append(len(seq))
-                    kept += 1
-            if append_eod:
-                if kept:
-                    lengths[-1] += 1
-                else:
-                    lengths.append(1)
-                    kept = 1
-            per_doc.append(kept)
-        if append_eod:
-            ids = _with_eod(ids, pieces, eod)
-        total = sum(lengths)
-        result.tokens.append(
-            np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=total)
-        )
-        result.lengths.append(np.asarray(lengths, dtype=np.int32))
-        result.per_doc.append(np.asarray(per_doc, dtype=np.int64))
-    return result
-
-
-def _with_eod(ids: List[List[int]], pieces: List[List[str]], eod: int) -> List[List[int]]:
-    """`ids` with EOD appended after the last sequence of each document."""
-    out: List[List[int]] = []
-    it = iter(ids)
-    for doc_pieces in pieces:
-        for _ in doc_pieces:
-            out.append(next(it))
-        out.append([eod])
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Main process: read, hand out, write in order.
-
-
-class Progress:
-    """A tqdm bar on a terminal, plain lines every --log-interval documents otherwise."""
-
-    def __init__(self, total_bytes: int, log_interval: int, enabled: bool) -> None:
-        self.start = time.time()
-        self.first: Optional[Tuple[float, int]] = None
-        self.last = self.start
-        self.docs = 0
-        self.bytes = 0
-        self.log_interval = log_interval
-        self._next_log = log_interval
-        self._bar = None
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-                             desc="preprocess", dynamic_ncols=True)
-        self._quiet = not enabled
-
-    def update(self, nbytes: int, docs: int, disk_offset: int) -> None:
-        if self.first is None:  # the pipeline is full from here on: steady state starts
-            self.first = (time.time(), nbytes)
-        self.last = time.time()
-        self.docs += docs
-        self.bytes += nbytes
-        if self._bar is not None:
-            self._bar.update(disk_offset - self._bar.n)
-            rate = self.docs / max(time.time() - self.start, 1e-9)
-            self._bar.set_postfix_str(f"{self.docs} docs, {rate:.0f} docs/s", refresh=False)
-        elif not self._quiet and self.docs >= self._next_log:
-            elapsed = max(time.time() - self.start, 1e-9)
-            print(f"processed {self.docs} documents ({self.docs / elapsed:.0f} docs/s, "
-                  f"{self.bytes / elapsed / 1e6:.2f} MB/s)", file=sys.stderr, flush=True)
-            self._next_log = (self.docs // self.log_interval + 1) * self.log_interval
-
-    def steady_rate(self) -> Optional[float]:
-        """MB/s from the first finished chunk to the last (start-up excluded)."""
-        if self.first is None or self.last <= self.first[0] or self.bytes <= self.first[1]:
-            return None  # a single chunk: no steady state to speak of
-        return (self.bytes - self.first[1]) / 1e6 / (self.last - self.first[0])
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
-class _Interrupted(BaseException):
-    """SIGTERM, raised in the main thread wherever it is. A BaseException, like
-    KeyboardInterrupt, so that no `except Exception` (ours around a worker's result, or a
-    library's) takes it for an error."""
-
-
-def _on_sigterm(signum, frame):
-    raise _Interrupted(f"signal {signum}")
-
-
-def _remove_stale_temporaries(final_paths: Sequence[str]) -> None:
-    """Remove `PATH.tmp-PID` files left by runs that were killed (their PID is gone)."""
-    for path in final_paths:
-        directory = os.path.dirname(path) or "."
-        base = os.path.basename(path) + ".tmp-"
-        for name in os.listdir(directory):
-            if not name.startswith(base) or not name[len(base):].isdigit():
-                continue
-            pid = int(name[len(base):])
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                os.unlink(os.path.join(directory, name))
-            except PermissionError:
-                pass
-
-
-@contextlib.contextmanager
-def _sigterm_held():
-    """SIGTERM blocked in the calling thread inside the block, and in the threads and processes
-    made there; one that arrives meanwhile is taken on leaving the block. Start the pool in it
-    (`pool, stop = _start_pool(...)`): the signal then finds the pool assigned, to be stopped.
-
-    The pool forks workers from its own thread as well, to replace any that exited, and does so
-    even while terminate() runs, which _stop_pool falls back to (a race in CPython's Pool: the
-    task thread sends the workers their stop sentinel while the worker thread, already past its
-    state check, refills the pool). A fork carries this process's Python SIGTERM handler, under
-    which a SIGTERM that reaches the child before _init_worker is lost, and terminate() then
-    waits for that worker forever. With SIGTERM blocked until _init_worker has restored the
-    default action, it is only delayed.
-    """
-    if not hasattr(signal, "pthread_sigmask"):  # Windows: no fork, no inherited handler
-        yield
-        return
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-
-
-def _start_pool(args: argparse.Namespace, tokenizer=None):
-    """The worker pool and the flag, shared with its workers, that `_stop_pool` sets. Call it
-    inside `_sigterm_held`."""
-    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    stop = ctx.RawValue("b", 0)
-    pool = ctx.Pool(args.workers, initializer=_init_worker, initargs=(args, stop, tokenizer))
-    return pool, stop
-
-
-def _stop_pool(pool, stop) -> None:
-    """Stop the workers the way a finished run does, close() then join(), after telling them to
-    skip the chunks they have not started: they finish the ones in hand (a chunk's work at most).
-
-    Not Pool.terminate() (CPython's multiprocessing/pool.py, read in 3.11): _help_stuff_finish
-    takes the task pipe's read lock and drains the pipe only until it finds it empty, then keeps
-    the lock and kills the workers; the pool's task thread may by then have taken the next
-    chunk and be about to write it, and a chunk is bigger than the pipe holds, so that write
-    never ends and terminate(), which joins the thread, waits forever (1 interrupted run in 120
-    of the test here; 4 hangs in 1,908 trials of queue-then-terminate, none in 3,000 of
-    queue-then-close-and-join). Only a second interrupt during the wait falls back to it.
-    """
-    stop.value = 1
-    pool.close()
-    try:
-        pool.join()
-    except (_Interrupted, KeyboardInterrupt):  # asked twice: the outputs are already gone
-        pool.terminate()
-
-
-def _discard(pool, stop, builders: Sequence[IndexedDatasetBuilder], report,
-             report_tmp: str) -> None:
-    """Remove every temporary output of this run, then stop the workers (they write no file)."""
-    for builder in builders:
-        builder.abort()
-    if report is not None:
-        report.close()
-    if os.path.exists(report_tmp):
-        os.unlink(report_tmp)
-    if pool is not None:
-        _stop_pool(pool, stop)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Preprocess; returns the exit code."""
-    try:
-        paths, tokenizer = _inputs(args)
-    except _Refused as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    level = "sentence" if args.split_sentences else "document"
-    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
-    prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
-    report_path = f"{args.output_prefix}_bad_lines.tsv"
-    finals = [f(p) for f in (data_file_path, index_file_path, meta_file_path) for p in prefixes]
-    _remove_stale_temporaries(finals + [report_path])
-    if args.partitions > 1:
-        print(f"note: --partitions {args.partitions} is not needed (input is streamed); "
-              "output is identical", file=sys.stderr)
-
-    # Where each file starts in the concatenated input, for the progress bar.
-    file_starts = np.concatenate([[0], np.cumsum([os.path.getsize(p) for p in paths])])
-    progress = Progress(int(file_starts[-1]), args.log_interval, enabled=not args.no_progress)
-    stats = collections.Counter()
-    start = time.time()
-    report_tmp = f"{report_path}.tmp-{os.getpid()}"
-    builders: List[IndexedDatasetBuilder] = []
-    report = None
-    pool = stop = None
-    # The handler is in place before the first file exists, so that no signal can leave one.
-    old_term = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        report = open(report_tmp, "w", encoding="utf-8")
-        report.write("file\tline\treason\n")
-        dtype = optimal_dtype(tokenizer.vocab_size)
-        for prefix in prefixes:
-            builders.append(IndexedDatasetBuilder(data_file_path(prefix), dtype=dtype))
-        with _sigterm_held():
-            pool, stop = _start_pool(args, tokenizer)
-        _stream(args, paths, pool, builders, report, stats, progress, file_starts)
-        pool.close()
-        pool.join()
-        pool = None
-        if stats["documents"] == 0:
-            raise BadLine("no usable document in the input")
-        meta = DatasetMeta(
-            tokenizer={"type": args.tokenizer.tokenizer_type,
-                       "model": os.path.basename(args.tokenizer.path),
-                       "vocab_size": int(tokenizer.vocab_size),
-                       **tokenizer_identity(tokenizer)},
-            eod_id=int(tokenizer.eod), eod_appended=bool(args.append_eod), dtype=str(dtype),
-            documents=0, sequences=0, tokens=0)  # the builder sets dtype and counts
-        for builder, prefix in zip(builders, prefixes):
-            builder.finalize(index_file_path(prefix), meta)
-        report.close()
-        _keep_report(stats["bad"] > 0, report_tmp, report_path)
-    except (BadLine, OSError, ValueError, _Interrupted, KeyboardInterrupt) as e:
-        progress.close()
-        _discard(pool, stop, builders, report, report_tmp)
-        interrupted = isinstance(e, (_Interrupted, KeyboardInterrupt))
-        what = "interrupted" if interrupted else f"error: {e}"
-        print(f"{what}; no output was written", file=sys.stderr)
-        return 130 if interrupted else 1
-    except BaseException:
-        progress.close()
-        _discard(pool, stop, builders, report, report_tmp)
-        print("no output was written", file=sys.stderr)
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, old_term)
-    progress.close()
-    _summary(args, stats, progress, time.time() - start, len(paths), report_path, prefixes)
-    return 0
-
-
-class _Refused(Exception):
-    """A flag or input that cannot run (exit 2); str() names it."""
-
-
-def _inputs(args: argparse.Namespace):
-    """(the input files, the tokenizer), each checked before any worker starts.
-
-    Raises:
-        _Refused: an input that matches nothing, a tokenizer or punkt file that cannot load."""
-    try:
-        paths = expand_inputs(args.input)
-    except FileNotFoundError as e:
-        raise _Refused(str(e)) from None
-    flag = "--vocab-file" if args.vocab_file is not None else "--tokenizer-model"
-    try:
-        tokenizer = build_tokenizer(args.tokenizer, extra_ids=args.vocab_extra_ids)
-    except (ValueError, ImportError) as e:
-        raise _Refused(f"{flag}: {e}") from None
-    warm_up = getattr(tokenizer, "warm_up", None)  # CPM-2's: jieba, once, before the fork
-    if warm_up is not None:
-        warm_up()
-    if args.split_sentences:
-        try:
-            make_splitter(args.punkt_params)  # fail here, not in every worker
-        except ValueError as e:
-            raise _Refused(f"--punkt-params: {e}") from None
-    return paths, tokenizer
-
-
-def _stream(args, paths, pool, builders, report, stats, progress, file_starts) -> None:
-    """Feed the chunks to the workers (at most 2 x workers + 2 in flight: bounded memory) and
-    append their results in input order."""
-    pending: collections.deque = collections.deque()
-    max_pending = 2 * args.workers + 2
-    chunks = read_chunks(paths, chunk_bytes=int(args.chunk_mb * (1 << 20)))
-    exhausted = False
-    while True:
-        while not exhausted and len(pending) < max_pending:
-            chunk = next(chunks, None)
-            if chunk is None:
-                exhausted = True
-                break
-            lines = (chunk.first_line, chunk.first_line + len(chunk.lines) - 1)
-            stats["bom"] += chunk.bom
-            pending.append((chunk.file_index, lines, chunk.nbytes, chunk.end_offset,
-                            pool.apply_async(_process_chunk, (chunk,))))
-        if not pending:
-            return
-        file_index, lines, nbytes, end_offset, async_result = pending.popleft()
-        try:
-            res: ChunkResult = async_result.get()
-        except Exception:  # a bug, not bad input: say where, then show its traceback
-            print(f"error: a worker failed on {paths[file_index]} lines {lines[0]}-{lines[1]}",
-                  file=sys.stderr)
-            raise
-        for line_no, reason in res.bad:
-            if args.strict:
-                raise BadLine(f"{paths[file_index]}:{line_no}: {reason} (--strict)")
-            report.write(f"{paths[file_index]}\t{line_no}\t{reason}\n")
-        for builder, tokens, lengths, per_doc in zip(builders, res.tokens, res.lengths,
-                                                     res.per_doc):
-            builder.add_documents(tokens, lengths, per_doc)
-        stats["lines"] += res.lines
-        stats["bad"] += len(res.bad)
-        stats["documents"] += res.documents
-        stats["sequences"] += int(res.lengths[0].size) if res.lengths else 0
-        stats["tokens"] += sum(int(t.size) for t in res.tokens)
-        stats["bytes"] += nbytes
-        progress.update(nbytes, res.documents, int(file_starts[file_index]) + end_offset)
-
-
-def _keep_report(any_bad: bool, report_tmp: str, report_path: str) -> None:
-    if any_bad:
-        os.replace(report_tmp, report_path)
-        return
-    os.unlink(report_tmp)
-    if os.path.exists(report_path):
-        os.unlink(report_path)  # a report of an earlier run would now mislead
-
-
-def _summary(args, stats, progress, elapsed: float, files: int, report_path: str,
-             prefixes) -> None:
-    mb = stats["bytes"] / 1e6
-    sentences = f"{stats['sequences']} sentences, " if args.split_sentences else ""
-    print(f"done in {elapsed:.1f} s: {stats['documents']} documents, {sentences}"
-          f"{stats['tokens']} tokens from {stats['lines']} lines ({mb:.1f} MB, "
-          f"{mb / max(elapsed, 1e-9):.2f} MB/s)", file=sys.stderr)
-    steady = progress.steady_rate()
-    if steady is not None:
-        print(f"steady state: {steady:.2f} MB/s", file=sys.stderr)
-    if stats["bom"]:
-        print(f"removed the UTF-8 byte order mark (BOM) that began {stats['bom']} of "
-              f"{files} input files", file=sys.stderr)
-    if stats["bad"]:
-        print(f"skipped {stats['bad']} bad lines, listed in {report_path}", file=sys.stderr)
-    for prefix in prefixes:
-        print(f"wrote {prefix}.bin/.idx", file=sys.stderr)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = get_args(argv)
+    set_prefix = args.output_prefix
+    if args.shard is not None:
+        args.output_prefix = shard_prefix(set_prefix, args.shard.index, args.shard.count)
     if str(args.output_prefix).startswith("s3://"):
-        from data_tools.preprocess_to_s3 import run_to_object_storage
+        from megatron.data.preprocess.object_output import run_to_object_storage
 
-        return run_to_object_storage(args, run)
-    return run(args)
+        code = run_to_object_storage(args, run)
+    else:
+        code = run(args)
+    if code == 0 and args.shard is not None:
+        return _manifest_if_complete(args, set_prefix)
+    return code
+
+
+def _manifest_if_complete(args: argparse.Namespace, set_prefix: str) -> int:
+    """Write the set's manifests if this shard completed it (megatron/data/preprocess/manifest)."""
+    level = "sentence" if args.split_sentences else "document"
+    for key in args.json_keys:
+        try:
+            path = write_manifest_if_complete(set_prefix, f"_{key}_{level}", args.shard.count)
+        except (ManifestError, OSError, ValueError) as e:
+            print(f"error: this shard is written, but the set's manifest is not: {e}",
+                  file=sys.stderr)
+            return 1
+        if path is not None:
+            print(f"the set is complete: wrote {path}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
