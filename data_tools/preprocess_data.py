@@ -46,14 +46,6 @@ from megatron.data.storage.paths import path_flag_problems
 from megatron.data.preprocess.manifest import ManifestError, write_manifest_if_complete
 from megatron.data.preprocess.preprocess import run
 from megatron.data.preprocess.sharding import ShardFlagError, shard_from_env, shard_prefix
-from megatron.data.preprocess.workers import (  # the pool's parts, under the names tests use
-    on_sigterm as _on_sigterm,  # noqa: F401
-    process_chunk as _process_chunk,  # noqa: F401
-    sigterm_held as _sigterm_held,  # noqa: F401
-    start_pool as _start_pool,  # noqa: F401
-    stop_pool as _stop_pool,  # noqa: F401
-    worker_state as _worker,  # noqa: F401
-)
 from megatron.data.tokenizers.tokenizer import TOKENIZER_TYPES, resolve_tokenizer
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from data_tools import preprocess_data
 from megatron.data.storage.indexed_dataset import IndexedDataset
+from megatron.data.preprocess import workers as pool_workers
 from megatron.data.preprocess.jsonl import Chunk
 from megatron.data.tokenizers.tokenizer import T5Tokenizer
 
@@ -410,10 +411,10 @@ def test_pool_threads_hold_sigterm_for_the_workers_they_fork(spm_model, tmp_path
     # process's Python SIGTERM handler that worker would lose terminate()'s SIGTERM and hang it.
     args = preprocess_data.get_args(["--input", "x", "--output-prefix", str(tmp_path / "o"),
                                      "--tokenizer-model", str(spm_model), "--workers", "2"])
-    old = signal.signal(signal.SIGTERM, preprocess_data._on_sigterm)
+    old = signal.signal(signal.SIGTERM, pool_workers.on_sigterm)
     before = {p.name for p in Path("/proc/self/task").iterdir()}
-    with preprocess_data._sigterm_held():
-        pool, stop = preprocess_data._start_pool(args)
+    with pool_workers.sigterm_held():
+        pool, stop = pool_workers.start_pool(args)
     try:
         pool.apply(os.getpid)  # one worker has run its initializer; the other may still be starting
         tasks = [p for p in Path("/proc/self/task").iterdir() if p.name not in before]
@@ -431,7 +432,7 @@ def test_pool_threads_hold_sigterm_for_the_workers_they_fork(spm_model, tmp_path
             bits = [_sigterm_bits(f"/proc/{w.pid}/status") for w in workers]
         assert bits == [(False, False)] * 2
     finally:
-        preprocess_data._stop_pool(pool, stop)
+        pool_workers.stop_pool(pool, stop)
         signal.signal(signal.SIGTERM, old)
 
 
@@ -444,7 +445,7 @@ def test_stopping_the_pool_skips_chunks_not_started_and_ends_workers_cleanly(
     def held(self, texts, num_threads=1):  # each worker keeps its first chunk until the stop
         started.release()
         deadline = time.monotonic() + 120
-        while not preprocess_data._worker["stop"].value and time.monotonic() < deadline:
+        while not pool_workers.worker_state["stop"].value and time.monotonic() < deadline:
             time.sleep(0.01)
         return encode_batch(self, texts, num_threads=num_threads)
 
@@ -454,12 +455,12 @@ def test_stopping_the_pool_skips_chunks_not_started_and_ends_workers_cleanly(
     lines = [json.dumps({"text": t}, ensure_ascii=False).encode() + b"\n" for t in mixed_texts]
     chunk = Chunk(0, 1, lines, sum(map(len, lines)), 0)
     assert chunk.nbytes > 4 * 65536  # bigger than a pipe holds, as in the runs that hung
-    with preprocess_data._sigterm_held():
-        pool, stop = preprocess_data._start_pool(args)
+    with pool_workers.sigterm_held():
+        pool, stop = pool_workers.start_pool(args)
     workers = multiprocessing.active_children()
-    in_flight = [pool.apply_async(preprocess_data._process_chunk, (chunk,)) for _ in range(8)]
+    in_flight = [pool.apply_async(pool_workers.process_chunk, (chunk,)) for _ in range(8)]
     assert all(started.acquire(timeout=120) for _ in workers)  # both have a chunk in hand
-    preprocess_data._stop_pool(pool, stop)
+    pool_workers.stop_pool(pool, stop)
     # Every worker left through the pool's own stop sentinel (exit 0), none was killed; each
     # finished the chunk in its hands, the others were skipped.
     assert sorted(w.exitcode for w in workers) == [0, 0]
