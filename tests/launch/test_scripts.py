@@ -18,7 +18,7 @@ from launching import losses, read, tail, tiny_env
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted([REPO / "launch/torchrun.sh", REPO / "launch/slurm/pretrain_t5.sbatch",
-                  REPO / "launch/slurm/srun_per_device.sh",
+                  REPO / "launch/slurm/preprocess.sbatch", REPO / "launch/slurm/srun_per_device.sh",
                   *(REPO / "launch/examples").glob("*.sh")])
 DRY_RUN = f"{sys.executable} -m megatron.pretrain_t5 --dry-run"
 
@@ -227,6 +227,14 @@ def test_sbatch_script_refuses_to_run_outside_slurm():
     assert proc.returncode == 2 and "not inside a Slurm job" in proc.stderr
     proc = bash(REPO / "launch/slurm/pretrain_t5.sbatch", "--help", env={"REPO": "/nonexistent"})
     assert proc.returncode == 2 and "set REPO" in proc.stderr
+
+
+def test_preprocess_sbatch_refuses_to_run_outside_an_array():
+    script = REPO / "launch/slurm/preprocess.sbatch"
+    proc = bash(script, env={"NUM_SHARDS": "4"})
+    assert proc.returncode == 2 and "sbatch --array=0-3" in proc.stderr, proc.stderr
+    proc = bash(script, env={"REPO": "/nonexistent", "SLURM_ARRAY_TASK_ID": "0"})
+    assert proc.returncode == 2 and "set REPO" in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow
