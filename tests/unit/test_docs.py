@@ -243,7 +243,9 @@ def check_script(where: str, script: str, args: List[str], problems: List[str]) 
     if not (REPO / script).is_file():
         problems.append(f"{where}: no file {script}")
         return
-    if script.startswith("launch/"):  # the launch scripts hand their arguments to the trainer
+    if script == "launch/slurm/preprocess.sbatch":  # hands its arguments to preprocess_data.py
+        check_flags(where, "data_tools/preprocess_data.py", args, problems)
+    elif script.startswith("launch/"):  # the launch scripts hand their arguments to the trainer
         check_flags(where, TRAINER, args, problems)
     else:
         check_flags(where, script, args, problems)
