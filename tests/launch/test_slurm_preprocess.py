@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Dict, List, Tuple
@@ -91,8 +92,6 @@ def array_tasks(cluster, job_id: str) -> Dict[str, Tuple[str, str]]:
 
 def wait_array(cluster, job_id: str, timeout: float, describe) -> Dict[str, Tuple[str, str]]:
     """Poll until every task of the array has ended (the same states as conftest.Job.finished)."""
-    import time
-
     running = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
                "RESIZING", "SIGNALING")
     deadline = time.monotonic() + timeout
@@ -106,12 +105,12 @@ def wait_array(cluster, job_id: str, timeout: float, describe) -> Dict[str, Tupl
                 f"\n{describe()}\n{cluster.log_tails()}")
 
 
-def submit(cluster, corpus, prefix: Path, array: str, out: Path) -> str:
-    """sbatch launch/slurm/preprocess.sbatch for a set of 4 shards, one CPU (one worker) a task;
+def submit(cluster, corpus, prefix: Path, array: str, out: Path, cpus: int = 1) -> str:
+    """sbatch launch/slurm/preprocess.sbatch for a set of 4 shards, `cpus` CPUs (workers) a task;
     the settings travel in sbatch's environment, as the script's header says."""
     env = {"INPUT": corpus.glob, "OUTPUT_PREFIX": str(prefix), "TOKENIZER": corpus.spm,
            "NUM_SHARDS": "4", "REPO": str(REPO), "PREPROCESS_ARGS": " ".join(FLAGS)}
-    return cluster.sbatch(f"--array={array}", "--cpus-per-task=1",
+    return cluster.sbatch(f"--array={array}", f"--cpus-per-task={cpus}",
                           f"--output={out}/slurm-%A_%a.out", str(SCRIPT), env=env)
 
 
@@ -124,13 +123,13 @@ def test_array_job_writes_shards_whose_merge_is_one_process_output(slurm_cluster
     out = tmp_path / "logs"
     out.mkdir()
     prefix = tmp_path / "set" / "mix"
-    job_id = submit(slurm_cluster, corpus, prefix, "0-3", out)
+    job_id = submit(slurm_cluster, corpus, prefix, "0-3", out, cpus=2)
     tasks = wait_array(slurm_cluster, job_id, 240, lambda: logs(out))
     assert tasks == {str(i): ("COMPLETED", "0:0") for i in range(4)}, logs(out)
     for i in range(4):
         text = (out / f"slurm-{job_id}_{i}.out").read_text()
         assert f"shard {i} of 4 (from --num-shards/--shard-index)" in text, text[-2000:]
-        assert "1 worker(s)" in text, text[-2000:]  # --workers from SLURM_CPUS_PER_TASK
+        assert "2 worker(s)" in text, text[-2000:]  # --workers from SLURM_CPUS_PER_TASK
     assert_merge_is_reference(prefix, 4, corpus.reference, tmp_path)
 
 
