@@ -326,3 +326,15 @@ def test_strict_stops_only_the_shard_holding_the_bad_line(inputs, tmp_path, spm_
     assert all(Path(f"{shard_prefix(out, i, 3)}_text_document.idx").exists()
                for i in range(3) if i != holder)
     assert not Path(f"{out}_text_document.shards.json").exists()
+
+
+def test_a_folder_named_as_a_shards_index_is_no_shard(tmp_path):
+    """A set is complete only when each shard's .idx is a file: a folder in its place (a
+    failed task's leftover, an obstacle) leaves the shard missing, so no manifest is written."""
+    from megatron.data.preprocess.manifest import missing_shards, set_member
+
+    prefix = str(tmp_path / "corpus")
+    members = [set_member(prefix, "_text_document", i, 2) for i in range(2)]
+    (tmp_path / (Path(members[0]).name + ".idx")).write_bytes(b"")
+    (tmp_path / (Path(members[1]).name + ".idx")).mkdir()
+    assert missing_shards(prefix, "_text_document", 2) == [members[1]]

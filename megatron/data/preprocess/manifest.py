@@ -44,7 +44,7 @@ def set_member(output_prefix: str, suffix: str, index: int, count: int) -> str:
 def _exists(path: str, storage) -> bool:
     if object_storage.is_remote(path):
         return storage.exists(path)
-    return os.path.exists(path)
+    return os.path.isfile(path)  # a folder of that name is no shard
 
 
 def missing_shards(output_prefix: str, suffix: str, count: int, storage=None) -> List[str]:
