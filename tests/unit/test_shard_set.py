@@ -126,3 +126,15 @@ def test_inspect_dataset_reads_a_set(train_data, shard_set, capsys):
     on_set = capsys.readouterr().out.splitlines()
     assert on_set[0] == merged[0].replace(train_data.prefix, shard_set)
     assert on_set[1:] == merged[1:]
+
+
+def test_build_indices_builds_the_sets_caches_once(train_data, shard_set, tmp_path, capsys):
+    from data_tools import build_indices
+
+    argv = ["--data-path", shard_set, "--tokenizer-model", train_data.spm, "--train-iters", "10",
+            "--global-batch-size", "4", "--encoder-seq-length", "64", "--split", "90,10,0",
+            "--data-cache-path", str(tmp_path)]
+    assert build_indices.main(argv) == 0
+    assert capsys.readouterr().err.count("built index cache") == 2  # train, valid: the set's
+    assert build_indices.main(argv) == 0
+    assert "built index cache" not in capsys.readouterr().err  # found, not rebuilt
