@@ -112,6 +112,17 @@ def _pool(prefix: str, storage: ObjectStorage, n: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=max(1, min(workers, n)))
 
 
+def _open_shard(member: str, impl: str, storage: ObjectStorage) -> Optional[IndexedDataset]:
+    """The shard opened, or None when its files are absent (looked up only when the open failed:
+    on s3:// every request counts, and a shard's open already asks for both objects)."""
+    try:
+        return IndexedDataset(member, impl, storage=storage)
+    except (OSError, ValueError):
+        if not dataset_exists(member, storage):
+            return None
+        raise
+
+
 class ShardSet:
     """The shards of a set, concatenated, read as one `IndexedDataset` (module docstring).
 
@@ -128,15 +139,15 @@ class ShardSet:
         self.storage = storage = _storage(storage)
         manifest = read_manifest(self.path_prefix, storage)
         members = shard_prefixes(self.path_prefix, manifest)
-        missing = missing_shards(self.path_prefix, storage, manifest)
+        with _pool(self.path_prefix, storage, len(members)) as pool:
+            opened = list(pool.map(lambda m: _open_shard(m, impl, storage), members))
+        missing = [m for m, ds in zip(members, opened) if ds is None]
         if missing:
             raise ShardSetError(
                 f"shard {missing[0]} of the set {self.path_prefix} is missing ({len(missing)} of "
                 f"{len(members)} are; {manifest_path(self.path_prefix)} lists them): run its "
                 "preprocessing task again")
-        with _pool(self.path_prefix, storage, len(members)) as pool:
-            self.shards: List[IndexedDataset] = list(pool.map(
-                lambda m: IndexedDataset(m, impl, storage=storage), members))
+        self.shards: List[IndexedDataset] = opened
         self._check(manifest)
         seqs = np.array([len(s) for s in self.shards], dtype=np.int64)
         self._first_sequence = np.concatenate([[0], np.cumsum(seqs)])  # [shards + 1]
