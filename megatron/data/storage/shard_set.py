@@ -13,6 +13,13 @@ held in memory (4 bytes a sequence, 8 a document; a merged file maps them instea
 On s3:// the shards' `.idx` objects are fetched (and every shard opened) by a pool of
 `StorageSettings.max_connections` threads. A shard the manifest lists whose files are absent is
 a `ShardSetError` naming it.
+
+Where ranks could share more of the work (not done yet): every process opens every shard (a
+stat and two mmaps each locally; on s3:// two HEADs each, the `.idx` downloads being once per
+node already) and holds its own copy of the concatenated index. One rank could build that index
+as an index-cache entry (index_cache.cached_arrays, as the sample indices are) that the others
+map, opening a shard only when a sample reads from it; on s3:// the ranks of a node could split
+the shards' requests among them.
 """
 
 from __future__ import annotations
