@@ -10,7 +10,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_shard_set import write_set  # noqa: E402
 
-from megatron.data.datasets.builder import DataConfig, build_datasets, data_file_problems  # noqa: E402
+from megatron.data.datasets.builder import (  # noqa: E402
+    DataConfig,
+    build_datasets,
+    data_file_problems,
+)
 from megatron.data.datasets.t5_dataset import T5DatasetConfig, T5SpecialTokens  # noqa: E402
 from megatron.data.storage.object_storage import ObjectStorage, StorageSettings  # noqa: E402
 from megatron.data.storage.shard_set import ShardSet, open_dataset  # noqa: E402

@@ -54,6 +54,11 @@ def test_the_set_holds_the_merged_files_documents_in_order(train_data, shard_set
         [a.tolist() for a in merged[seam - 2:seam + 2]]
     assert np.array_equal(got.get(seam, 1, 3), merged.get(seam, 1, 3))
     assert got.eod_decision(1).appended == merged.eod_decision(1).appended is True
+    import pickle  # loader workers receive the set pickled: they reopen it
+
+    again = pickle.loads(pickle.dumps(got))
+    assert np.array_equal(again.document_indices, merged.document_indices)
+    assert np.array_equal(again[seam], merged[seam])
 
 
 def test_a_run_on_the_set_has_the_losses_of_the_run_on_the_merged_file(train_data, shard_set,
@@ -138,3 +143,16 @@ def test_build_indices_builds_the_sets_caches_once(train_data, shard_set, tmp_pa
     assert capsys.readouterr().err.count("built index cache") == 2  # train, valid: the set's
     assert build_indices.main(argv) == 0
     assert "built index cache" not in capsys.readouterr().err  # found, not rebuilt
+
+
+def test_a_shard_rewritten_after_the_manifest_is_named(shard_set, tmp_path):
+    import json
+
+    folder = tmp_path / "stale"
+    shutil.copytree(Path(shard_set).parent, folder, ignore=shutil.ignore_patterns("*cache*"))
+    manifest = folder / (Path(shard_set).name + ".shards.json")
+    body = json.loads(manifest.read_text())
+    body["shards"][2]["tokens"] += 1
+    manifest.write_text(json.dumps(body))
+    with pytest.raises(ShardSetError, match="mix-00002-of-00003_text_document has .* but .* lists"):
+        ShardSet(str(folder / Path(shard_set).name))
