@@ -156,3 +156,20 @@ def test_a_shard_rewritten_after_the_manifest_is_named(shard_set, tmp_path):
     manifest.write_text(json.dumps(body))
     with pytest.raises(ShardSetError, match="mix-00002-of-00003_text_document has .* but .* lists"):
         ShardSet(str(folder / Path(shard_set).name))
+
+
+def test_shards_that_disagree_on_eod_are_refused_naming_them(train_data, shard_set, tmp_path):
+    from megatron.data.preprocess.manifest import write_manifest
+
+    folder = tmp_path / "mixed"
+    shutil.copytree(Path(shard_set).parent, folder, ignore=shutil.ignore_patterns("*cache*"))
+    odd = folder / "mix-00001-of-00003_text_document"
+    assert preprocess_data.main([  # shard 1 again, without --append-eod
+        "--input", str(train_data.root / "corpus.jsonl"), "--output-prefix", str(folder / "mix"),
+        "--tokenizer-model", train_data.spm, "--workers", "1", "--no-progress",
+        "--num-shards", "3", "--shard-index", "1"]) == 0
+    write_manifest(str(folder / "mix"), "_text_document", 3)  # counts of the new shard 1
+    prefix = str(folder / Path(shard_set).name)
+    with pytest.raises(ShardSetError, match=f"mixes shards with and without EOD: .* and {odd} "):
+        ShardSet(prefix).eod_decision(1)
+    assert ShardSet(prefix).eod_decision(1, "yes").appended  # the flag settles it
