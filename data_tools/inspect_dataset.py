@@ -17,7 +17,8 @@ stdout and nothing else there: denoiser_kind ("R", "S", "X"; T5's span corruptio
 mean_span and corruption_rate (null where they do not apply), encoder_input_ids, labels and
 decoder_input_ids without padding. A prefix may be s3://bucket/key. The index caches it builds
 go to a temporary folder, removed at exit, unless --data-cache-path names one (an inspection
-writes nothing beside the data).
+writes nothing beside the data). A prefix may name a shard set (preprocess_data.py --num-shards:
+its `.shards.json` manifest): it is read as the merged file would be.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import numpy as np
 
 from megatron.cli import CommandLineParser
 from megatron.data.storage.paths import path_flag_problems
-from megatron.data.storage.indexed_dataset import IMPLS, IndexedDataset
+from megatron.data.storage.indexed_dataset import IMPLS
+from megatron.data.storage.shard_set import ShardSetError, open_dataset
 
 
 def histogram_lines(lengths: np.ndarray, bins: int, width: int = 40) -> List[str]:
@@ -164,7 +166,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.samples:
         return print_samples(args, rest)
     try:
-        ds = IndexedDataset(args.prefix, impl=args.data_impl)
+        ds = open_dataset(args.prefix, impl=args.data_impl)  # a file, or a shard set
+    except ShardSetError as e:  # a missing shard, an unreadable manifest: the input is refused
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -97,7 +97,9 @@ def add_data_args(parser: argparse.ArgumentParser,
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", required=True,
                    help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ..., or several prefixes (weights "
-                        "proportional to their token counts)")
+                        "proportional to their token counts); a PREFIX is a .bin/.idx pair or "
+                        "the name of a shard set (preprocess_data.py --num-shards: its "
+                        "PREFIX.shards.json), read as the merged file")
     g.add_argument("--split", default="969,30,1",
                    help="train,valid,test proportions of each dataset's documents")
     g.add_argument("--data-impl", default="infer", choices=IMPLS,

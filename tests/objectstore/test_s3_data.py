@@ -259,8 +259,8 @@ def test_bad_credentials_a_missing_bucket_or_key_one_message_each(s3_server, tra
                                                                   monkeypatch, storage):
     upload(s3_server, "present", "mix_text_document", train_data.prefix)
     assert data_file_problems(["s3://present/absent"], storage=storage) == [
-        "--data-path: no .bin/.idx pair (nor CPM-2's _context, _target, _target_offset pairs) "
-        "for s3://present/absent"]
+        "--data-path: no .bin/.idx pair (nor a shard set's .shards.json, nor CPM-2's _context, "
+        "_target, _target_offset pairs) for s3://present/absent"]
     [problem] = data_file_problems(["s3://no-such-bucket/x"], storage=storage)
     assert "no such bucket 'no-such-bucket'" in problem
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x" * 40)

@@ -21,9 +21,10 @@ from megatron.data import _helpers
 from megatron.data.storage.index_cache import cached_arrays
 from megatron.data.datasets.cpm2_dataset import CPM2Dataset, cpm2_prefixes, is_cpm2_prefix
 from megatron.data.storage import object_storage
-from megatron.data.storage.data_meta import decide_eod, meta_file_path, read_meta, \
+from megatron.data.storage.data_meta import meta_file_path, read_meta, \
     tokenizer_mismatch
 from megatron.data.storage.indexed_dataset import IndexedDataset, Read, dataset_exists
+from megatron.data.storage import shard_set
 from megatron.data.storage.object_storage import ObjectStorage
 from megatron.data.datasets.megatron_t5_dataset import MegatronT5Dataset, MegatronUL2Dataset
 from megatron.data.datasets.seq2seq import Seq2SeqConfig, build_seq2seq_datasets
@@ -100,10 +101,11 @@ def parse_data_path(data_path: Sequence[str], storage: Optional[ObjectStorage] =
         prefixes, weights = items, None
     storage = storage if storage is not None else ObjectStorage()
     missing = [p for p in prefixes
-               if not dataset_exists(p, storage) and not is_cpm2_prefix(p, storage)]
+               if not shard_set.exists(p, storage) and not is_cpm2_prefix(p, storage)]
     if missing:
-        raise ValueError("--data-path: no .bin/.idx pair (nor CPM-2's _context, _target, "
-                         "_target_offset pairs) for " + ", ".join(missing))
+        raise ValueError("--data-path: no .bin/.idx pair (nor a shard set's .shards.json, nor "
+                         "CPM-2's _context, _target, _target_offset pairs) for "
+                         + ", ".join(missing))
     return prefixes, weights
 
 
@@ -127,7 +129,7 @@ def data_file_problems(data_path: Sequence[str], impl: str = "infer",
                 for part in cpm2_prefixes(prefix):
                     IndexedDataset(part, impl, sequences_are_documents=True, storage=storage)
             else:
-                IndexedDataset(prefix, impl, storage=storage)
+                shard_set.open_dataset(prefix, impl, storage)
         except (OSError, ValueError) as e:
             problems.append(f"--data-path {prefix}: {e}")
     return problems
@@ -150,7 +152,7 @@ def eod_problems(data_path: Sequence[str], eos_id: int, append_eod: str = "auto"
         try:
             if is_cpm2_prefix(prefix, storage) and not dataset_exists(prefix, storage):
                 continue
-            decide_eod(IndexedDataset(prefix, impl, storage=storage), eos_id, append_eod)
+            shard_set.open_dataset(prefix, impl, storage).eod_decision(eos_id, append_eod)
         except (OSError, ValueError) as e:
             problems.append(f"--data-path {prefix}: {e}")
     return problems
@@ -174,13 +176,14 @@ def data_kind_problems(data_path: Sequence[str], tokenizer: Optional[tuple],
         try:
             if is_cpm2_prefix(prefix, storage) and not dataset_exists(prefix, storage):
                 continue
-            meta = read_meta(prefix, storage) if tokenizer is not None else None
-            wrong = tokenizer_mismatch(meta, meta_file_path(prefix), *tokenizer) \
+            described = shard_set.sidecar_prefix(prefix, storage)  # a set's: its first shard's
+            meta = read_meta(described, storage) if tokenizer is not None else None
+            wrong = tokenizer_mismatch(meta, meta_file_path(described), *tokenizer) \
                 if meta is not None else None
             if wrong is not None:
                 problems.append(f"--data-path {prefix}: {wrong}")
             if needs_sentences:
-                ds = IndexedDataset(prefix, impl, storage=storage)
+                ds = shard_set.open_dataset(prefix, impl, storage)
                 if ds.num_documents and ds.num_documents == len(ds):
                     problems.append(
                         f"--data-path {prefix}: Megatron's T5 rows (--t5-objective megatron, "
@@ -280,7 +283,7 @@ class _Source:
         self.cpm2 = is_cpm2_prefix(prefix, storage) and not dataset_exists(prefix, storage)
         opened = IndexedDataset(cpm2_prefixes(prefix)[0], impl, sequences_are_documents=True,
                                 storage=storage) \
-            if self.cpm2 else IndexedDataset(prefix, impl, storage=storage)
+            if self.cpm2 else shard_set.open_dataset(prefix, impl, storage)
         self.num_documents = opened.num_documents
         self.num_tokens = opened.num_tokens
         self.indexed = None if self.cpm2 else opened

@@ -57,7 +57,6 @@ from megatron.data.storage.indexed_dataset import (
     IndexedDataset,
     Read,
     default_cache_dir,
-    index_identity,
 )
 from megatron.data.datasets.span_corruption import corrupt
 from megatron.data.datasets.t5_dataset import T5SpecialTokens, make_sample, ul2_sample
@@ -231,7 +230,7 @@ class MegatronT5Dataset:
         prefix = indexed.path_prefix
         description = {
             "kind": "megatron_t5_mapping", "name": name,
-            **index_identity(prefix, storage=indexed.storage),
+            **indexed.identity(),
             "documents": [self.document_range[0], self.document_range[1]],
             "num_samples": self.num_samples, "max_seq_length": self.max_raw_length,
             "short_seq_prob": self.short_seq_prob, "seed": self.seed,

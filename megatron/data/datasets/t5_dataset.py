@@ -28,7 +28,6 @@ from megatron.data.storage.indexed_dataset import (
     IndexedDataset,
     Read,
     default_cache_dir,
-    index_identity,
 )
 from megatron.data.datasets.span_corruption import (
     corrupt,
@@ -154,7 +153,7 @@ class T5SpanCorruptionDataset:
         num_epochs = max(1, -(-num_samples * self.raw_length // tokens_per_epoch))
         description = {
             "kind": "t5_span_corruption", "name": name,
-            **index_identity(indexed.path_prefix, storage=indexed.storage),
+            **indexed.identity(),
             "documents": [start, end], "num_samples": num_samples, "num_epochs": num_epochs,
             "raw_length": self.raw_length, "seed": config.seed,
             "eod_appended": self.eod.appended,

@@ -19,20 +19,19 @@ from megatron.data.preprocess.sharding import shard_prefix
 from megatron.data.storage import object_storage
 from megatron.data.storage.data_meta import read_meta
 from megatron.data.storage.indexed_dataset import IndexedDataset, index_file_path
+# the format is the reader's (the set read as one --data-path)
+from megatron.data.storage.shard_set import (  # noqa: F401 - names of this module too
+    MANIFEST_FORMAT,
+    MANIFEST_SUFFIX,
+    MANIFEST_VERSION,
+    manifest_path,
+)
 
-MANIFEST_SUFFIX = ".shards.json"
-MANIFEST_FORMAT = "t5-pretrain-shard-set"
-MANIFEST_VERSION = 1
 _SHARD_NAME = re.compile(r"^(?P<base>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})_(?P<rest>.+)\.idx$")
 
 
 class ManifestError(ValueError):
     """A shard set that cannot be listed; str() names the shard or file."""
-
-
-def manifest_path(dataset_prefix: str) -> str:
-    """PREFIX_text_document.shards.json for the set named PREFIX_text_document."""
-    return str(dataset_prefix) + MANIFEST_SUFFIX
 
 
 def set_member(output_prefix: str, suffix: str, index: int, count: int) -> str:

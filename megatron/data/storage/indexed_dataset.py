@@ -304,6 +304,11 @@ class IndexedDataset:
             self._eod[key] = decide_eod(self, int(eos_id), append_eod)
         return self._eod[key]
 
+    def identity(self) -> dict:
+        """What names this dataset's index in the index caches (`index_identity`); a shard set
+        (shard_set.ShardSet) names its shards'."""
+        return index_identity(self.path_prefix, storage=self.storage)
+
     @property
     def remote(self) -> Optional[RemoteBin]:
         """The data object's reader for an s3:// prefix (None for local files)."""
