@@ -2,7 +2,8 @@
 launch/slurm/preprocess.sbatch, the recovery of a failed task by resubmitting its index, and
 shards from --num-shards under `srun -n 2` and from plain flags. The reference is one process's
 run of data_tools/preprocess_data.py on the same input: the shards merged in index order by
-data_tools/merge_datasets.py must be byte-identical to it."""
+data_tools/merge_datasets.py must be byte-identical to it, and the set the array wrote trains as
+one --data-path with the losses of the one-process file."""
 
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ def logs(out: Path) -> str:
 
 
 def test_array_job_writes_shards_whose_merge_is_one_process_output(slurm_cluster, corpus,
-                                                                   tmp_path):
+                                                                   train_data, tmp_path):
     out = tmp_path / "logs"
     out.mkdir()
     prefix = tmp_path / "set" / "mix"
@@ -131,6 +132,20 @@ def test_array_job_writes_shards_whose_merge_is_one_process_output(slurm_cluster
         assert f"shard {i} of 4 (from --num-shards/--shard-index)" in text, text[-2000:]
         assert "2 worker(s)" in text, text[-2000:]  # --workers from SLURM_CPUS_PER_TASK
     assert_merge_is_reference(prefix, 4, corpus.reference, tmp_path)
+    # the set the array wrote trains as one --data-path, as the one-process file does
+    sys.path[:0] = [str(REPO / "tests" / "distributed"), str(REPO / "tests" / "training")]
+    from harness import run_workers
+    from train_workers import base_argv, run_pretrain
+
+    def argv(data_prefix, cache):
+        data = SimpleNamespace(prefix=data_prefix, spm=corpus.spm, tiny=train_data.tiny,
+                               cache=str(tmp_path / cache))
+        return base_argv(data, "--split", "100,0,0", "--eval-interval", "0", iters=2)
+
+    on_set, on_file = run_workers(1, run_pretrain, [argv(f"{prefix}_text_document", "a"),
+                                                    argv(corpus.reference, "b")],
+                                  timeout=300)[0]
+    assert on_set["losses"] == on_file["losses"] and sorted(on_set["losses"]) == [1, 2]
 
 
 def test_a_failed_task_is_redone_by_resubmitting_its_index(slurm_cluster, corpus, tmp_path):
