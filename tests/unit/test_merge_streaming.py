@@ -202,3 +202,15 @@ def test_corrupt_arrays_found_while_streaming_leave_nothing(tmp_path, capsys):
         f.write(struct.pack("<q", 10 ** 6))
     err = refused(tmp_path, capsys, [good, bad])
     assert f"{bad}.idx: corrupt index field 'sequence_pointers': [29]" in err
+
+
+def test_inputs_are_not_held_open(tmp_path):
+    """A merge of thousands of shards must not hold two files per shard (ulimit -n is often
+    1024): each input's files are open only while the merge reads them."""
+    rng = np.random.default_rng(9)
+    prefixes = [write(str(tmp_path / f"in{k}"), rng, 5) for k in range(6)]
+    before = len(os.listdir("/proc/self/fd"))
+    inputs = merge.open_inputs(prefixes)
+    assert len(os.listdir("/proc/self/fd")) == before
+    merge.merge_streaming(inputs, str(tmp_path / "out"))
+    assert len(os.listdir("/proc/self/fd")) == before

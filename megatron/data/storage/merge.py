@@ -67,7 +67,8 @@ class MergeSummary:
 
 
 class _Source:
-    """A file or an object read by byte ranges."""
+    """A file or an object read by byte ranges. A file is opened while in use only (`close`
+    between uses), so that a merge of thousands of inputs does not hold thousands of them."""
 
     def __init__(self, path: str, storage: Optional[ObjectStorage]) -> None:
         self.path = path
@@ -91,14 +92,23 @@ class _Source:
             return b""
         if self._storage is not None:
             return self._storage.read_range(self.path, start, end)
-        data = os.pread(self._fd, end - start, start)
+        fd = self._open()
+        data = os.pread(fd, end - start, start)
         while len(data) < end - start:
-            more = os.pread(self._fd, end - start - len(data), start + len(data))
+            more = os.pread(fd, end - start - len(data), start + len(data))
             if not more:
                 raise MergeInputError(f"{self.path}: ended at byte {start + len(data)} while "
                                       f"reading to {end} (truncated while merging?)")
             data += more
         return data
+
+    def _open(self) -> int:
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            except OSError as e:
+                raise MergeInputError(f"{self.path}: {e.strerror or e}") from None
+        return self._fd
 
     def array(self, dtype: str, offset: int, start: int, stop: int) -> np.ndarray:
         """Items [start, stop) of the array of `dtype` at byte `offset`."""
@@ -109,9 +119,9 @@ class _Source:
         """Bytes [start, end) appended to the file `out_fd`, COPY_BYTES at a time."""
         while start < end:
             step = min(COPY_BYTES, end - start)
-            if self._fd is not None and hasattr(os, "copy_file_range"):
+            if self._storage is None and hasattr(os, "copy_file_range"):
                 try:  # in the kernel: no copy through this process's memory
-                    done = os.copy_file_range(self._fd, out_fd, step, start)
+                    done = os.copy_file_range(self._open(), out_fd, step, start)
                 except OSError:
                     done = 0
                 if done > 0:
@@ -181,6 +191,8 @@ def open_input(prefix: str, storage: Optional[ObjectStorage] = None) -> MergeInp
         raise
     try:
         head = idx.read(0, min(idx.size, _HEADER.size))
+        idx.close()  # reopened when the merge reaches this input
+        bin_.close()
         if head[:8] == _LEGACY_MAGIC:
             return _open_legacy(prefix, idx, bin_, storage)
         if head[:9] != _MMAP_MAGIC:
@@ -393,6 +405,7 @@ def merge_streaming(inputs: Sequence[MergeInput], output_prefix: str,
                     progress(number, item)
                 out_bytes = _stream_sequences(item, index, bin_fd, out_bytes)
                 _stream_documents(item, index, offset)
+                item.close()
                 offset += item.sequences
             os.fsync(bin_fd)
         finally:
