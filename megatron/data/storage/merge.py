@@ -44,7 +44,8 @@ from megatron.data.storage.indexed_dataset import (
 from megatron.data.storage.object_storage import ObjectStorage, ObjectStorageError
 
 CHUNK_ITEMS = 1 << 18
-"""Index entries read at a time (about 5 MB of arrays in flight)."""
+"""Index entries read at a time: about 20 MB of arrays in flight (bench/RESULTS.md "merge"),
+whatever the size of the inputs; larger chunks mean fewer ranged reads on object storage."""
 COPY_BYTES = 8 << 20
 """Bytes of tokens copied at a time."""
 
