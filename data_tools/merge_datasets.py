@@ -12,7 +12,8 @@ must have the same token dtype. The index arrays stream in chunks and the tokens
 pieces (megatron/data/storage/merge.py), so memory does not grow with the corpus; inputs on
 s3:// are read by ranged reads. The output appears only when complete: a local one is renamed
 into place, an s3:// one is written to `--staging-dir` and uploaded (.bin, sidecar, then .idx).
-A bad input (missing, truncated, corrupt, another dtype) is one message naming the file, exit 2.
+A bad input (missing, truncated, corrupt, another dtype) is one message naming the file, exit 2;
+Ctrl-C or SIGTERM exits 130; neither leaves anything under the output's names.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import signal
 import sys
 from typing import List, Optional, Sequence
 
@@ -76,6 +78,10 @@ def _merge(inputs, storage):
     return run
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = CommandLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True,
@@ -100,6 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}; nothing was written", file=sys.stderr)
         return 2
     run = _merge(inputs, storage)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: temporaries removed
     try:
         if object_storage.is_remote(args.output_prefix):
             from data_tools.preprocess_to_s3 import run_to_object_storage
@@ -113,7 +120,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"interrupted: nothing was written to {args.output_prefix}", file=sys.stderr)
+        return 130
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for item in inputs:
             item.close()
 

@@ -214,3 +214,25 @@ def test_inputs_are_not_held_open(tmp_path):
     assert len(os.listdir("/proc/self/fd")) == before
     merge.merge_streaming(inputs, str(tmp_path / "out"))
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_an_interrupted_merge_leaves_nothing(tmp_path, capsys, monkeypatch):
+    rng = np.random.default_rng(10)
+    prefixes = [write(str(tmp_path / f"in{k}"), rng, 9) for k in range(3)]
+    before = sorted(os.listdir(tmp_path))
+
+    def stop_at_the_third(number, item):
+        if number == 2:
+            raise KeyboardInterrupt
+
+    inputs = merge.open_inputs(prefixes)
+    with pytest.raises(KeyboardInterrupt):
+        merge.merge_streaming(inputs, str(tmp_path / "out"), progress=stop_at_the_third)
+    assert sorted(os.listdir(tmp_path)) == before
+    real = cli.merge_streaming
+    monkeypatch.setattr(cli, "merge_streaming", lambda inputs, out, storage: real(
+        inputs, out, storage, progress=stop_at_the_third))
+    assert cli.main(["--input", *prefixes, "--output-prefix", str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err.strip() == \
+        f"interrupted: nothing was written to {tmp_path / 'out'}"
+    assert sorted(os.listdir(tmp_path)) == before
