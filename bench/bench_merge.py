@@ -12,7 +12,9 @@ run, each reporting its own peak RSS and wall time:
 - new: megatron/data/storage/merge.py (open_inputs + merge_streaming), as it runs it now;
 
 at 1/100 of the size (shards and documents), at all the documents in one input, and at the full
-size, to show what the peak grows with.
+size, to show what the peak grows with. With --s3, the full-size shards are also uploaded to a
+local S3 server (`rclone serve s3`, tests/objectstore/s3_server.py) and merged from s3:// to
+s3:// by data_tools/merge_datasets.py (new only: the old merge read local files only).
 The outputs of both are compared byte for byte. Disk: about 60 bytes per document.
 
 The peak is the process's VmHWM (/proc/self/status), not getrusage's ru_maxrss: Linux carries
@@ -77,7 +79,12 @@ def run_one(which: str, inputs_file: str, output: str) -> None:
     prefixes = Path(inputs_file).read_text().split("\n")
     base = vm_hwm_kib()
     start = time.perf_counter()
-    if which == "old":
+    if which == "s3":
+        from data_tools import merge_datasets
+
+        assert merge_datasets.main(["--input", *prefixes, "--output-prefix", output,
+                                    "--staging-dir", os.environ["BENCH_STAGING"]]) == 0
+    elif which == "old":
         from megatron.data.storage.indexed_dataset import merge_datasets
 
         merge_datasets(prefixes, output)
@@ -94,8 +101,9 @@ def run_one(which: str, inputs_file: str, output: str) -> None:
                       "ru_maxrss_kib": maxrss}))
 
 
-def measure(which: str, prefixes: list, output: Path) -> dict:
-    inputs_file = output.with_suffix(".inputs")
+def measure(which: str, prefixes: list, output) -> dict:
+    inputs_file = WORK / f"merge-{which}.inputs"
+    inputs_file.parent.mkdir(parents=True, exist_ok=True)
     inputs_file.write_text("\n".join(prefixes))
     # the imports happen before the first figure so that both runs start alike
     code = ("import sys, numpy, megatron.data.storage.indexed_dataset, "
@@ -105,6 +113,37 @@ def measure(which: str, prefixes: list, output: Path) -> dict:
     out = subprocess.run([sys.executable, "-c", code, which, str(inputs_file), str(output),
                           str(REPO)], check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure_s3(prefixes: list, work: Path) -> dict:
+    """The shards uploaded to a local S3 server, then merged from s3:// to s3://."""
+    sys.path.insert(0, str(REPO / "tests" / "objectstore"))
+    from s3_server import S3Server
+
+    from megatron.data.storage.object_storage import ObjectStorage
+
+    with S3Server() as server:
+        server.make_bucket("bench-merge")
+        saved = dict(os.environ)
+        os.environ.update(server.env())
+        os.environ["BENCH_STAGING"] = str(work / "staging")
+        try:
+            storage = ObjectStorage()
+            t = time.perf_counter()
+            remote = []
+            for prefix in prefixes:
+                remote.append(f"s3://bench-merge/in/{Path(prefix).name}")
+                for suffix in (".bin", ".idx"):
+                    storage.upload(prefix + suffix, remote[-1] + suffix)
+            print(f"uploaded {len(prefixes)} shards in {time.perf_counter() - t:.0f} s",
+                  file=sys.stderr)
+            got = measure("s3", remote, "s3://bench-merge/out/merged")
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        got["digest"] = digest(Path(server.root) / "bench-merge" / "out" / "merged")
+    print(f"s3: {got}", file=sys.stderr)
+    return got
 
 
 def digest(prefix: Path) -> str:
@@ -123,6 +162,7 @@ def main() -> None:
     p.add_argument("--work", default=str(WORK / "merge"))
     p.add_argument("--write", action="store_true", help="record the figures in bench/RESULTS.md")
     p.add_argument("--keep", action="store_true", help="keep the shards for another run")
+    p.add_argument("--s3", action="store_true", help="also merge the full size from and to s3://")
     args = p.parse_args()
     work = Path(args.work)
     rows = []
@@ -143,6 +183,10 @@ def main() -> None:
         same = got["old"]["digest"] == got["new"]["digest"]
         if not same:
             sys.exit("the outputs differ: the streaming merge is not byte-identical")
+        if args.s3 and (shards, documents) == sizes[-1]:
+            got["s3"] = measure_s3(prefixes, work)
+            if got["s3"]["digest"] != got["new"]["digest"]:
+                sys.exit("the s3:// merge differs from the local one")
         rows.append((shards, documents, idx_mb, bin_mb, got))
         for which in ("old", "new"):
             for suffix in (".bin", ".idx", ".inputs"):
@@ -153,7 +197,7 @@ def main() -> None:
         "## merge_datasets.py: peak memory of the streaming merge against the old one",
         "",
         f"Command: `python bench/bench_merge.py --shards {args.shards} --documents "
-        f"{args.documents} --write`",
+        f"{args.documents}{' --s3' if args.s3 else ''} --write`",
         f"Machine: {machine_line()}. Synthetic shards written by IndexedDatasetBuilder (uint16, "
         "one sequence of 1-3 tokens per document); one fresh subprocess per merge, its peak RSS "
         "(VmHWM: getrusage's ru_maxrss starts at the parent's size, see the bench's docstring; "
@@ -165,7 +209,10 @@ def main() -> None:
         "| ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for shards, documents, idx_mb, bin_mb, got in rows:
-        for which, name in (("old", "old (builder.add_index)"), ("new", "new (streaming)")):
+        for which, name in (("old", "old (builder.add_index)"), ("new", "new (streaming)"),
+                            ("s3", "new, s3:// to s3:// (CLI)")):
+            if which not in got:
+                continue
             g = got[which]
             lines.append(f"| {shards:,} | {documents:,} | {idx_mb:.0f} / {bin_mb:.0f} | {name} | "
                          f"{g['start_kib'] / 1024:.0f} | {g['peak_kib'] / 1024:.0f} | "
@@ -179,6 +226,10 @@ def main() -> None:
               f"{rows[1][4]['new']['peak_kib'] / 1024:.0f} MiB: the arrays of one chunk of "
               f"merge.CHUNK_ITEMS index entries, whatever the input's size; the old merge's "
               f"{rows[1][4]['old']['peak_kib'] / 1024:.0f} MiB."]
+    if "s3" in rows[-1][4]:
+        lines.append("The s3:// row is the whole CLI: its peak includes boto3 and the storage's "
+                     "thread pool; its time is mostly requests (about 9 per shard, to a local "
+                     "`rclone serve s3` on the same 2 cores), taken one input after another.")
     body = "\n".join(lines)
     print(body)
     if args.write:
