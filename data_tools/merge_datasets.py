@@ -1,4 +1,4 @@
-"""Concatenate `.bin/.idx` datasets into one, in bounded memory (Megatron-LM's tools/merge_datasets.py, checked).
+"""Concatenate `.bin/.idx` datasets into one in bounded memory (as Megatron-LM's merge_datasets.py).
 
     python data_tools/merge_datasets.py --input data/part_a_text_document data/part_b_text_document \\
         --output-prefix data/all_text_document

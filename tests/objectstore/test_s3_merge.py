@@ -56,7 +56,12 @@ def files(folder: Path, name: str):
             if p.name.startswith(name)}
 
 
-def test_merge_from_and_to_s3_equals_the_local_merge(s3_server, shards, tmp_path):
+@pytest.mark.parametrize("preload", [0, 1 << 20], ids=["ranged-reads", "whole-objects"])
+def test_merge_from_and_to_s3_equals_the_local_merge(s3_server, shards, tmp_path, monkeypatch,
+                                                     preload):
+    """Inputs read in chunks of ranged reads, or (small ones, PRELOAD_BYTES) fetched whole
+    while the one before merges."""
+    monkeypatch.setattr(merge, "PRELOAD_BYTES", preload)
     local, remote = shards
     assert cli.main(["--input", *local, "--output-prefix", str(tmp_path / "local")]) == 0
     expected = files(tmp_path, "local")
@@ -66,8 +71,9 @@ def test_merge_from_and_to_s3_equals_the_local_merge(s3_server, shards, tmp_path
     assert files(tmp_path, "fetched") == expected
 
     assert cli.main(["--input", remote[0], local[1], remote[2], "--output-prefix",
-                     "s3://merge-out/all/merged", "--staging-dir", str(tmp_path / "stage")]) == 0
-    assert files(Path(s3_server.root) / "merge-out" / "all", "merged") == expected
+                     f"s3://merge-out/all-{preload}/merged",
+                     "--staging-dir", str(tmp_path / "stage")]) == 0
+    assert files(Path(s3_server.root) / "merge-out" / f"all-{preload}", "merged") == expected
     assert list((tmp_path / "stage").iterdir()) == []  # the staging copy removed
 
 

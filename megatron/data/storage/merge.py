@@ -8,7 +8,8 @@ arrays, so its memory grows with the corpus (tens of GB for billions of document
 input's index arrays are read in chunks of CHUNK_ITEMS items (plain reads of a file, ranged reads
 of an object) and written at their place in the output index, whose size the inputs' headers give
 before anything is written, and the tokens are copied in pieces of COPY_BYTES: memory is bounded
-by the chunk sizes, whatever the number of documents or inputs.
+by the chunk sizes, whatever the number of documents or inputs. Small inputs on object storage
+(PRELOAD_BYTES) are fetched whole, the next one while one merges: two of them in memory at most.
 
 Inputs are checked as the C++ reader checks them: the headers of all of them (magic, version,
 dtype, the index's size against its counts, the dtypes alike, the data present) before anything
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -53,6 +55,10 @@ CHUNK_ITEMS = 1 << 18
 whatever the size of the inputs; larger chunks mean fewer ranged reads on object storage."""
 COPY_BYTES = 8 << 20
 """Bytes of tokens copied at a time."""
+PRELOAD_BYTES = 16 << 20
+"""An input on object storage whose .idx and .bin together are no larger is fetched whole, two
+requests, while the input before it is merged (a shard of a large set is typically small: its
+many small requests, one after another, would dominate the time)."""
 
 _MMAP_MAGIC = b"MMIDIDX\x00\x00"
 _LEGACY_MAGIC = b"TNTIDX\x00\x00"
@@ -80,6 +86,7 @@ class _Source:
         self.path = path
         self._storage = storage
         self._fd: Optional[int] = None
+        self._held: Optional[bytes] = None  # the whole object, when `hold` fetched it
         try:
             if storage is not None:
                 self.size, _ = storage.head(path)
@@ -96,6 +103,8 @@ class _Source:
         """Bytes [start, end), all of them or a MergeInputError (the file changed under us)."""
         if end <= start:
             return b""
+        if self._held is not None:
+            return self._held[start:end]
         if self._storage is not None:
             return self._storage.read_range(self.path, start, end)
         fd = self._open()
@@ -107,6 +116,10 @@ class _Source:
                                       f"reading to {end} (truncated while merging?)")
             data += more
         return data
+
+    @property
+    def remote(self) -> bool:
+        return self._storage is not None
 
     def _open(self) -> int:
         if self._fd is None:
@@ -124,6 +137,9 @@ class _Source:
     def copy_to(self, out_fd: int, start: int, end: int) -> None:
         """Bytes [start, end) appended to the file `out_fd`, COPY_BYTES at a time (from object
         storage, up to 8 pieces fetched together: 64 MiB in flight at most)."""
+        if self._held is not None:
+            _write_all(out_fd, memoryview(self._held)[start:end])
+            return
         if self._storage is not None:
             batch = max(1, min(8, self._storage.settings.max_connections)) * COPY_BYTES
             for first in range(start, end, batch):
@@ -145,7 +161,12 @@ class _Source:
             _write_all(out_fd, self.read(start, start + step))
             start += step
 
+    def hold(self) -> None:
+        """Fetch the whole object into memory for the reads that follow (until `close`)."""
+        self._held = self._storage.read_range(self.path, 0, self.size) if self.size else b""
+
     def close(self) -> None:
+        self._held = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -172,6 +193,13 @@ class MergeInput:
     def close(self) -> None:
         self.idx.close()
         self.bin.close()
+
+    def preload(self) -> None:
+        """On object storage, a small input's .idx and .bin fetched whole (PRELOAD_BYTES)."""
+        if self.idx.remote and self.legacy is None and \
+                self.idx.size + self.bin.size <= PRELOAD_BYTES:
+            self.idx.hold()
+            self.bin.hold()
 
     def arrays(self, name: str, start: int, stop: int) -> np.ndarray:
         """Items [start, stop) of 'lengths' (int32), 'pointers' or 'documents' (int64)."""
@@ -420,13 +448,18 @@ def merge_streaming(inputs: Sequence[MergeInput], output_prefix: str,
             raise
         try:
             out_bytes, offset = 0, 0
-            for number, item in enumerate(inputs):
-                if progress is not None:
-                    progress(number, item)
-                out_bytes = _stream_sequences(item, index, bin_fd, out_bytes)
-                _stream_documents(item, index, offset)
-                item.close()
-                offset += item.sequences
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="merge-ahead") as ahead:
+                fetched = ahead.submit(inputs[0].preload)
+                for number, item in enumerate(inputs):
+                    fetched.result()  # its preload's errors raise here
+                    if number + 1 < len(inputs):  # the next input fetched while this one merges
+                        fetched = ahead.submit(inputs[number + 1].preload)
+                    if progress is not None:
+                        progress(number, item)
+                    out_bytes = _stream_sequences(item, index, bin_fd, out_bytes)
+                    _stream_documents(item, index, offset)
+                    item.close()
+                    offset += item.sequences
             os.fsync(bin_fd)
         finally:
             os.close(bin_fd)
