@@ -204,8 +204,8 @@ def main() -> None:
         "'start': the interpreter with numpy and the modules imported), outputs compared byte "
         "for byte (identical in every row).",
         "",
-        "| shards | documents | inputs .idx / .bin (MiB) | merge | start RSS (MiB) | peak RSS (MiB) "
-        "| wall (s) |",
+        "| shards | documents | inputs .idx / .bin (MiB) | merge | start RSS (MiB) "
+        "| peak RSS (MiB) | wall (s) |",
         "| ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for shards, documents, idx_mb, bin_mb, got in rows:
@@ -221,15 +221,19 @@ def main() -> None:
     lines += ["", f"From {rows[0][0]:,} shards of {rows[0][1]:,} documents to {rows[-1][0]:,} of "
               f"{rows[-1][1]:,}, the old merge's peak grows by "
               f"{(big['old']['peak_kib'] - small['old']['peak_kib']) / 1024:.0f} MiB, the "
-              f"streaming merge's by {(big['new']['peak_kib'] - small['new']['peak_kib']) / 1024:.0f}"
-              f" MiB. With all the documents in one input the streaming merge's peak is "
+              f"streaming merge's by "
+              f"{(big['new']['peak_kib'] - small['new']['peak_kib']) / 1024:.0f} MiB. With all "
+              f"the documents in one input the streaming merge's peak is "
               f"{rows[1][4]['new']['peak_kib'] / 1024:.0f} MiB: the arrays of one chunk of "
               f"merge.CHUNK_ITEMS index entries, whatever the input's size; the old merge's "
               f"{rows[1][4]['old']['peak_kib'] / 1024:.0f} MiB."]
     if "s3" in rows[-1][4]:
         lines.append("The s3:// row is the whole CLI: its peak includes boto3 and the storage's "
-                     "thread pool; its time is mostly requests (about 9 per shard, to a local "
-                     "`rclone serve s3` on the same 2 cores), taken one input after another.")
+                     "thread pool; its time is mostly requests to a local `rclone serve s3` on "
+                     "the same 2 cores: about 5 per shard to open the inputs (concurrently), 2 "
+                     "to fetch each shard whole (the next while one merges: "
+                     "merge.PRELOAD_BYTES; 119 s before that, at 9 requests per shard one after "
+                     "another), then the upload.")
     body = "\n".join(lines)
     print(body)
     if args.write:
