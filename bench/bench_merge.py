@@ -110,8 +110,11 @@ def measure(which: str, prefixes: list, output) -> dict:
             "megatron.data.storage.merge; sys.path.insert(0, sys.argv[4]); "
             "from bench.bench_merge import run_one; run_one(*sys.argv[1:4])")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-c", code, which, str(inputs_file), str(output),
-                          str(REPO)], check=True, capture_output=True, text=True, env=env)
+    try:
+        out = subprocess.run([sys.executable, "-c", code, which, str(inputs_file), str(output),
+                              str(REPO)], check=True, capture_output=True, text=True, env=env)
+    finally:
+        inputs_file.unlink(missing_ok=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -189,7 +192,7 @@ def main() -> None:
                 sys.exit("the s3:// merge differs from the local one")
         rows.append((shards, documents, idx_mb, bin_mb, got))
         for which in ("old", "new"):
-            for suffix in (".bin", ".idx", ".inputs"):
+            for suffix in (".bin", ".idx"):
                 (work / f"out-{which}{suffix}").unlink(missing_ok=True)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
