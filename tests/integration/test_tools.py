@@ -91,12 +91,12 @@ def test_merge_refuses_mixed_dtypes(tmp_path, spm_model, capsys):
             b.finalize(str(tmp_path / f"{name}.idx"))
     rc = merge_datasets.main(["--input", str(tmp_path / "small"), str(tmp_path / "wide"),
                               "--output-prefix", str(tmp_path / "out")])
-    assert rc == 1
+    assert rc == 2  # bad input (docs/troubleshooting.md "Exit statuses")
     err = capsys.readouterr().err
     assert "dtypes differ" in err and "small (uint16)" in err and "wide (int32)" in err
     assert not list(tmp_path.glob("out*"))
     assert merge_datasets.main(["--input", str(tmp_path / "missing"), "--output-prefix",
-                                str(tmp_path / "out")]) == 1
+                                str(tmp_path / "out")]) == 2
 
 
 def test_inspect(tmp_path, spm_model, capsys):
