@@ -478,7 +478,6 @@ class IndexedDatasetBuilder:
         prefix = str(idx_path)[:-len(".idx")] if str(idx_path).endswith(".idx") else None
         meta_path = meta_file_path(prefix) if prefix is not None else None
         tmp_meta = _temporary_path(meta_path) if meta_path is not None else None
-        moved_meta = False
         try:
             lengths = np.frombuffer(self._lengths, dtype=np.int32)
             pointers = np.zeros(len(lengths), dtype=np.int64)
@@ -498,24 +497,11 @@ class IndexedDatasetBuilder:
                 write_meta_file(tmp_meta, replace(
                     meta, dtype=str(self.dtype), documents=len(self._document_indices) - 1,
                     sequences=len(lengths), tokens=int(lengths.astype(np.int64).sum())))
-            # An old .idx must not pair with the new .bin for even a moment.
-            if os.path.exists(idx_path):
-                os.unlink(idx_path)
-            os.replace(self._tmp_bin, self.bin_path)
-            if meta_path is not None:
-                if meta is not None:
-                    os.replace(tmp_meta, meta_path)
-                    moved_meta = True
-                else:  # one from earlier data would describe other data
-                    _remove_quietly(meta_path)
-            os.replace(tmp_idx, idx_path)
+            publish_dataset(self._tmp_bin, self.bin_path, tmp_idx, str(idx_path),
+                            tmp_meta if meta is not None else None, meta_path)
         except BaseException:
-            _remove_quietly(tmp_idx)
-            _remove_quietly(self._tmp_bin)
-            if tmp_meta is not None:
-                _remove_quietly(tmp_meta)
-            if moved_meta:  # no .idx: no dataset for it to describe
-                _remove_quietly(meta_path)
+            for path in (tmp_idx, self._tmp_bin, tmp_meta):
+                _remove_quietly(path)
             raise
 
     def abort(self) -> None:
@@ -534,11 +520,37 @@ def _copy_bytes(src, dst, nbytes: int, chunk: int = 16 << 20) -> None:
         nbytes -= len(buf)
 
 
-def _remove_quietly(path: str) -> None:
+def _remove_quietly(path: Optional[str]) -> None:
+    if path is None:
+        return
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def publish_dataset(tmp_bin: str, bin_path: str, tmp_idx: str, idx_path: str,
+                    tmp_meta: Optional[str], meta_path: Optional[str]) -> None:
+    """Move a dataset written under temporary names into place: an old .idx first removed (it
+    must not pair with the new .bin for even a moment), the .bin, the sidecar (`tmp_meta`; None:
+    an old sidecar at `meta_path` is removed, as it would describe other data), the .idx last,
+    which marks a complete dataset. On failure the temporaries are removed, and a sidecar
+    already moved (no .idx: no dataset for it to describe)."""
+    moved_meta = False
+    try:
+        _remove_quietly(idx_path)
+        os.replace(tmp_bin, bin_path)
+        if meta_path is not None:
+            if tmp_meta is not None:
+                os.replace(tmp_meta, meta_path)
+                moved_meta = True
+            else:
+                _remove_quietly(meta_path)
+        os.replace(tmp_idx, idx_path)
+    except BaseException:
+        for path in (tmp_idx, tmp_bin, tmp_meta, meta_path if moved_meta else None):
+            _remove_quietly(path)
+        raise
 
 
 def merge_datasets(prefixes: Iterable[str], output_prefix: str) -> IndexedDataset:

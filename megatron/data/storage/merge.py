@@ -47,6 +47,7 @@ from megatron.data.storage.indexed_dataset import (
     IndexedDataset,
     data_file_path,
     index_file_path,
+    publish_dataset,
 )
 from megatron.data.storage.object_storage import ObjectStorage, ObjectStorageError
 
@@ -438,7 +439,6 @@ def merge_streaming(inputs: Sequence[MergeInput], output_prefix: str,
     bin_path, idx_path = data_file_path(output_prefix), index_file_path(output_prefix)
     meta_path = meta_file_path(output_prefix)
     tmp_bin, tmp_idx, tmp_meta = (_temporary_path(p) for p in (bin_path, idx_path, meta_path))
-    moved_meta = False
     try:
         bin_fd = os.open(tmp_bin, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -468,17 +468,10 @@ def merge_streaming(inputs: Sequence[MergeInput], output_prefix: str,
         if meta is not None:
             write_meta_file(tmp_meta, replace(meta, dtype=str(dtype), documents=entries - 1,
                                               sequences=sequences, tokens=tokens))
-        # As IndexedDatasetBuilder.finalize: an old .idx must not pair with the new .bin.
-        _remove_quietly(idx_path)
-        os.replace(tmp_bin, bin_path)
-        if meta is not None:
-            os.replace(tmp_meta, meta_path)
-            moved_meta = True
-        else:  # one from earlier data would describe other data
-            _remove_quietly(meta_path)
-        os.replace(tmp_idx, idx_path)
+        publish_dataset(tmp_bin, bin_path, tmp_idx, idx_path,
+                        tmp_meta if meta is not None else None, meta_path)
     except BaseException:
-        for path in (tmp_idx, tmp_bin, tmp_meta, meta_path if moved_meta else None):
+        for path in (tmp_idx, tmp_bin, tmp_meta):
             _remove_quietly(path)
         raise
     return MergeSummary(len(inputs), entries - 1, sequences, tokens)
