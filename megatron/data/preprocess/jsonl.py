@@ -16,7 +16,7 @@ import gzip
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -67,23 +67,51 @@ class Chunk:
 def read_chunks(paths: Sequence[str], chunk_bytes: int = 1 << 20) -> Iterator[Chunk]:
     """Yield the lines of `paths` in chunks of about `chunk_bytes` (whole lines only), a UTF-8
     BOM at the start of each file removed (see `Chunk.bom`)."""
-    for file_index, path in enumerate(paths):
-        line_no = 1
+    return read_ranges(((i, path, 0, None, 1) for i, path in enumerate(paths)), chunk_bytes)
+
+
+def read_ranges(ranges: Iterable[Tuple[int, str, int, Optional[int], int]],
+                chunk_bytes: int = 1 << 20) -> Iterator[Chunk]:
+    """The lines of byte ranges of files, as read_chunks yields whole files': each range is
+    (file_index, path, start, end (None: the file's end), the number of its first line); start
+    and end are line starts; a compressed file is read whole. A BOM is removed only at line 1."""
+    for file_index, path, start, end, line_no in ranges:
         with open(path, "rb") as raw:
-            f = gzip.GzipFile(fileobj=raw, mode="rb") if path.endswith(".gz") else raw
-            while True:
+            if path.endswith(".gz"):
+                f = gzip.GzipFile(fileobj=raw, mode="rb")
+            else:
+                f = raw
+                raw.seek(start)
+            pos = start
+            while end is None or f is not raw or pos < end:
                 try:
                     lines = f.readlines(chunk_bytes)
                 except (OSError, EOFError) as e:  # gzip: corrupt or truncated stream
                     raise OSError(f"{path}: cannot read past line {line_no}: {e}") from e
+                if f is raw and end is not None:  # stop at the range's end, a line start
+                    lines = _until(lines, pos, end)
                 if not lines:
                     break
                 nbytes = sum(map(len, lines))
+                if f is raw:
+                    pos += nbytes
                 bom = line_no == 1 and lines[0].startswith(UTF8_BOM)
                 if bom:
                     lines[0] = lines[0][len(UTF8_BOM):]
-                yield Chunk(file_index, line_no, lines, nbytes, raw.tell(), bom)
+                yield Chunk(file_index, line_no, lines, nbytes, pos if f is raw else raw.tell(),
+                            bom)
                 line_no += len(lines)
+
+
+def _until(lines: List[bytes], pos: int, end: int) -> List[bytes]:
+    """The leading `lines` (which start at byte `pos`) that end at or before `end`."""
+    kept = 0
+    for line in lines:
+        if pos + len(line) > end:
+            break
+        pos += len(line)
+        kept += 1
+    return lines[:kept]
 
 
 class BadLine(Exception):

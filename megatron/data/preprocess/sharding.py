@@ -14,12 +14,11 @@ Shard I of N writes `PREFIX-{I:05d}-of-{N:05d}_{key}_{level}.{bin,idx,meta.json}
 from __future__ import annotations
 
 import bisect
-import gzip
 import os
 from dataclasses import dataclass
-from typing import Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Iterator, List, Mapping, Optional, Sequence
 
-from megatron.data.preprocess.jsonl import UTF8_BOM, Chunk
+from megatron.data.preprocess.jsonl import Chunk, read_ranges
 
 # A cut is not moved to a file boundary farther than this share of one shard's bytes: within it,
 # whole files balance well enough, and a file is read from its start (no line count to find).
@@ -145,45 +144,9 @@ def read_piece_chunks(pieces: Sequence[Piece], chunk_bytes: int = 1 << 20) -> It
     """The lines of `pieces` in chunks of about `chunk_bytes` (whole lines only), as
     jsonl.read_chunks yields them for whole files: `file_index` is the piece's, line numbers
     count from the file's first line, a BOM is removed only at a file's start."""
-    for piece in pieces:
-        line_no = 1 + (_lines_before(piece.path, piece.start) if piece.start else 0)
-        with open(piece.path, "rb") as raw:
-            if piece.path.endswith(".gz"):
-                f = gzip.GzipFile(fileobj=raw, mode="rb")
-            else:
-                f = raw
-                raw.seek(piece.start)
-            pos = piece.start
-            while f is not raw or pos < piece.end:
-                try:
-                    lines = f.readlines(chunk_bytes)
-                except (OSError, EOFError) as e:  # gzip: corrupt or truncated stream
-                    raise OSError(f"{piece.path}: cannot read past line {line_no}: {e}") from e
-                if not lines:
-                    break
-                if f is raw:  # stop at the piece's end, which is a line start
-                    lines, pos = _until(lines, pos, piece.end)
-                    if not lines:
-                        break
-                nbytes = sum(map(len, lines))
-                bom = line_no == 1 and lines[0].startswith(UTF8_BOM)
-                if bom:
-                    lines[0] = lines[0][len(UTF8_BOM):]
-                end_offset = pos if f is raw else raw.tell()
-                yield Chunk(piece.file_index, line_no, lines, nbytes, end_offset, bom)
-                line_no += len(lines)
-
-
-def _until(lines: List[bytes], pos: int, end: int) -> Tuple[List[bytes], int]:
-    """The leading `lines` (which start at byte `pos`) that end at or before `end`, and the
-    position after them."""
-    kept = 0
-    for line in lines:
-        if pos + len(line) > end:
-            break
-        pos += len(line)
-        kept += 1
-    return lines[:kept], pos
+    return read_ranges(((piece.file_index, piece.path, piece.start, piece.end,
+                         1 + (_lines_before(piece.path, piece.start) if piece.start else 0))
+                        for piece in pieces), chunk_bytes)
 
 
 # ---------------------------------------------------------------------------------------------

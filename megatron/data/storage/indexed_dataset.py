@@ -501,14 +501,14 @@ class IndexedDatasetBuilder:
                             tmp_meta if meta is not None else None, meta_path)
         except BaseException:
             for path in (tmp_idx, self._tmp_bin, tmp_meta):
-                _remove_quietly(path)
+                remove_quietly(path)
             raise
 
     def abort(self) -> None:
         """Drop everything written so far (the final paths are never touched)."""
         if not self._file.closed:
             self._file.close()
-        _remove_quietly(self._tmp_bin)
+        remove_quietly(self._tmp_bin)
 
 
 def _copy_bytes(src, dst, nbytes: int, chunk: int = 16 << 20) -> None:
@@ -520,7 +520,7 @@ def _copy_bytes(src, dst, nbytes: int, chunk: int = 16 << 20) -> None:
         nbytes -= len(buf)
 
 
-def _remove_quietly(path: Optional[str]) -> None:
+def remove_quietly(path: Optional[str]) -> None:
     if path is None:
         return
     try:
@@ -538,18 +538,18 @@ def publish_dataset(tmp_bin: str, bin_path: str, tmp_idx: str, idx_path: str,
     already moved (no .idx: no dataset for it to describe)."""
     moved_meta = False
     try:
-        _remove_quietly(idx_path)
+        remove_quietly(idx_path)
         os.replace(tmp_bin, bin_path)
         if meta_path is not None:
             if tmp_meta is not None:
                 os.replace(tmp_meta, meta_path)
                 moved_meta = True
             else:
-                _remove_quietly(meta_path)
+                remove_quietly(meta_path)
         os.replace(tmp_idx, idx_path)
     except BaseException:
         for path in (tmp_idx, tmp_bin, tmp_meta, meta_path if moved_meta else None):
-            _remove_quietly(path)
+            remove_quietly(path)
         raise
 
 

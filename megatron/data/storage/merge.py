@@ -48,6 +48,7 @@ from megatron.data.storage.indexed_dataset import (
     data_file_path,
     index_file_path,
     publish_dataset,
+    remove_quietly,
 )
 from megatron.data.storage.object_storage import ObjectStorage, ObjectStorageError
 
@@ -409,15 +410,6 @@ def _temporary_path(path: str) -> str:
     return f"{path}.tmp-{os.getpid()}"
 
 
-def _remove_quietly(path: Optional[str]) -> None:
-    if path is None:
-        return
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 def merge_streaming(inputs: Sequence[MergeInput], output_prefix: str,
                     storage: Optional[ObjectStorage] = None,
                     progress: Optional[Callable[[int, MergeInput], None]] = None) -> MergeSummary:
@@ -472,7 +464,7 @@ def merge_streaming(inputs: Sequence[MergeInput], output_prefix: str,
                         tmp_meta if meta is not None else None, meta_path)
     except BaseException:
         for path in (tmp_idx, tmp_bin, tmp_meta):
-            _remove_quietly(path)
+            remove_quietly(path)
         raise
     return MergeSummary(len(inputs), entries - 1, sequences, tokens)
 
