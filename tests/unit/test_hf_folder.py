@@ -419,6 +419,35 @@ def test_tokenizer_gives_our_ids(spm_model, corpora_dir, tmp_path):
     assert with_bytes >= 5  # Chinese, emoji and other scripts outside the 4000 pieces
 
 
+def test_tokenizer_decodes_generated_ids_as_ours(spm_model, tmp_path):
+    """Ids a model generates, not only those of an encoded text: bare "▁" pieces before a word
+    (the folder's Metaspace decoder drops the first token's "▁" only, SentencePiece every
+    leading space), runs of byte pieces that are no UTF-8 (one U+FFFD per byte in the folder,
+    SentencePiece keeps the valid ones), special tokens among them, skipped or kept: the folder
+    and our tokenizer decode each sequence alike (lm_eval's hf backend decodes generations with
+    the folder's tokenizer, megatron.evaluate with ours)."""
+    import random
+
+    from megatron.checkpoint.formats.hf_tokenizer import hf_tokenizer_files
+
+    ours = OurTokenizer(str(spm_model))
+    hf_tokenizer_files(spm_model).write(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    space = ours.piece_to_id("\u2581")
+    words = ours.encode("A blue 是 ma") + ours.encode("the")
+    byte_ids = [ours.piece_to_id(f"<0x{b:02X}>") for b in (0x20, 0x41, 0x0A, 0xE4, 0xBD, 0xA0)]
+    pool = [space, space] + words + byte_ids + [0, 1, 2, ours.sentinel_id(0), ours.sentinel_id(1)]
+    rng = random.Random(0)
+    cases = [[0, space, *ours.encode("blue")], [space, space, *ours.encode("A")],
+             [0, *byte_ids[2:5]], [byte_ids[1], 2, byte_ids[4]]]
+    cases += [[rng.choice(pool) for _ in range(rng.randint(1, 7))] for _ in range(3000)]
+    for ids in cases:
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == \
+                tok.decode(ids, skip_special_tokens=skip), (ids, skip)
+    assert ours.decode(cases[0], skip_special_tokens=True) == " blue"  # (not "blue")
+
+
 def test_tokenizer_that_does_not_fit_the_model_is_refused(spm_model, tmp_path):
     small = T5Config(**{**CONFIGS["v1_0"], "vocab_size": 4000})
     with pytest.raises(HFFolderError, match="4100 token ids .* do not fit the model's "

@@ -120,6 +120,12 @@ class T5Tokenizer(TokenizerNames):
         self._trigger = "<" if all(p.startswith("<") for p in own) else None
         # Whether the normalizer adds a dummy "▁" in front of the text (T5: yes).
         self._dummy_prefix = sp.normalize("a").startswith(_SPACE)
+        # id -> byte value of the byte-fallback pieces <0x00> .. <0xFF> (none without them).
+        self._byte_values: Dict[int, int] = {}
+        for value in range(256):
+            tid = sp.piece_to_id(f"<0x{value:02X}>")
+            if tid != self.unk_id and sp.is_byte(tid):
+                self._byte_values[tid] = value
 
     # -- ids and pieces -----------------------------------------------------------------------
 
@@ -252,15 +258,20 @@ class T5Tokenizer(TokenizerNames):
     # -- decoding -----------------------------------------------------------------------------
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        """Text of ``ids``, following HF's T5 decoding.
+        """Text of ``ids``, as the tokenizer.json of our Hugging Face export decodes them
+        (megatron/checkpoint/formats/hf_tokenizer.py; lm_eval's hf backend decodes generations
+        with it).
 
         Special tokens (sentinels, pad, eos, unk) are written as their strings (``<extra_id_0>``,
         ``</s>``, ...) with no space added around them, the text after one keeping the space its
         first piece starts with; with ``skip_special_tokens`` they are left out. The default
         keeps them, as transformers' ``decode``, Megatron's ``detokenize`` and our CPM-2
         tokenizer do: a span-corruption target reads ``<extra_id_0> text <extra_id_1> ...``.
-        Byte pieces are decoded to the characters they spell (the tokenizer.json we export does
-        the same; transformers' own T5Tokenizer has no byte pieces).
+        Byte pieces are decoded to the characters they spell (transformers' own T5Tokenizer has
+        no byte pieces). Where SentencePiece's own decoding differs, for ids a model generates
+        rather than ids of an encoded text, the export's is followed: a run of byte pieces that
+        is no UTF-8 gives one U+FFFD per byte, and only the first token loses its "▁"
+        (SentencePiece drops every leading space: "▁", "▁A" is " A" here, "A" there).
 
         Raises:
             ValueError: an id outside [0, vocab_size).
@@ -268,30 +279,45 @@ class T5Tokenizer(TokenizerNames):
         ids = self.checked_ids(ids)
         specials = self._special_ids
         sp_size = self.sp_vocab_size
-        if not any(i >= sp_size or i in specials for i in ids):
+        byte_values = self._byte_values
+        plain = not any(i >= sp_size or i in specials or i in byte_values for i in ids)
+        if plain and (not ids or self._sp.id_to_piece(ids[0]).strip(_SPACE)):
+            # SentencePiece's decoding is the export's here, and faster: it differs only when
+            # the text starts with a bare "▁" piece.
             return self._sp.decode(ids)
-        out: List[str] = []
+        return self._decode_tokens(ids, skip_special_tokens)
+
+    def _decode_tokens(self, ids: List[int], skip_special_tokens: bool) -> str:
+        """tokenizer.json's decoders on the ids' tokens: ByteFallback (each run of byte pieces
+        as its UTF-8 text, or U+FFFD per byte), then Metaspace ("▁" to a space, none kept in the
+        first token when the model adds a dummy prefix). Skipped special tokens are left out
+        before, so byte pieces on both sides of one form one run."""
+        tokens: List[str] = []
         run: List[int] = []
 
         def flush():
             if run:
-                text = self._sp.decode(run)
-                # SentencePiece drops the leading space of a run as a dummy prefix; HF does that
-                # only at the very start of the output.
-                if out and self._sp.id_to_piece(run[0]).startswith(_SPACE):
-                    text = " " + text
-                out.append(text)
+                try:
+                    tokens.append(bytes(run).decode("utf-8"))
+                except UnicodeDecodeError:
+                    tokens.extend("\ufffd" * len(run))
                 run.clear()
 
         for i in ids:
-            if i >= sp_size or i in specials:
+            value = self._byte_values.get(i)
+            if value is not None:
+                run.append(value)
+            elif i >= self.sp_vocab_size or i in self._special_ids:
                 if not skip_special_tokens:
                     flush()
-                    out.append(self.id_to_piece(i))
+                    tokens.append(self.id_to_piece(i))
             else:
-                run.append(i)
+                flush()
+                tokens.append(self._sp.id_to_piece(i))
         flush()
-        return "".join(out)
+        if tokens and self._dummy_prefix:
+            tokens[0] = tokens[0].replace(_SPACE, "")
+        return "".join(tokens).replace(_SPACE, " ")
 
     def detokenize(self, ids: Iterable[int]) -> str:
         """Megatron's name for ``decode(ids)``."""
