@@ -127,7 +127,7 @@ def test_generations_follow_the_batch_length_rule(run_name, request, hf):
 
 def test_hf_backend_ties_an_untied_head(spm_model, tmp_path):
     """Why the reference model is tied: lm_eval's HFLM calls `model.tie_weights()` after
-    loading (models/huggingface.py:384), and transformers 5.x's T5Config always says tied, so
+    loading (models/huggingface.py:392), and transformers 5.x's T5Config always says tied, so
     an untied export (T5 v1.1, CPM-2) is scored with its embedding as the head, not the head
     that from_pretrained loaded. When this fails, the harness scores untied models as they
     are, and the reference may use one."""
