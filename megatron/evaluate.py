@@ -234,6 +234,44 @@ def _report(args, results: dict, tracker) -> None:
         print(f"wrote the results under {args.output_path}", file=sys.stderr)
 
 
+def load_lm(load: str, tokenizer_model: Optional[str] = None, **options):
+    """A MegatronT5LM over the checkpoint `load` in this process (one rank: TP = PP = 1), for
+    `lm_eval.simple_evaluate(model=load_lm(...))`. `options`: this command's flags by their
+    names with underscores (batch_size, max_length, max_gen_toks, dtype, attention_backend,
+    prompt_load, iteration, ...).
+
+    Raises:
+        ModelError: the problems of the flags or of what they name, listed.
+    """
+    import torch
+
+    from megatron.checkpoint.io.remote_tools import Staged
+    from megatron.evaluation.harness_lm import DEFAULT_MAX_GEN_TOKS, DEFAULT_MAX_LENGTH, \
+        MegatronT5LM
+    from megatron.tensor_parallel.group import ExpertParallel, TensorParallel
+
+    argv = ["--load", str(load), "--tasks", "-"]
+    if tokenizer_model is not None:
+        argv += ["--tokenizer-model", str(tokenizer_model)]
+    args = build_parser().parse_args(argv)
+    for name, value in options.items():
+        if not hasattr(args, name):
+            raise ModelError(f"load_lm: no option {name!r} (the flags of "
+                             f"`python -m megatron.evaluate`, with underscores)")
+        setattr(args, name, value)
+    problems = flag_problems(args, 1)
+    with Staged() as staged:
+        (folder, meta, config), cut, prompt, tokenizer = prepare_model(args, problems, staged)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                 "fp16": torch.float16}[args.dtype]
+        model = build_model(folder, meta, config, TensorParallel(), torch.device("cpu"), dtype,
+                            args.attention_backend, ExpertParallel(), prompt, cut)
+    return MegatronT5LM(model, tokenizer, batch_size=args.batch_size,
+                        max_length=args.max_length or DEFAULT_MAX_LENGTH,
+                        max_gen_toks=args.max_gen_toks or DEFAULT_MAX_GEN_TOKS,
+                        seed=_seeds(args.seed)[2])
+
+
 def _on_sigterm(signum, frame):
     raise Interrupted()
 
