@@ -196,22 +196,44 @@ def _evaluate(args, staged) -> int:
             else None,
             expert_group=processes.ep.group if processes.ep.size > 1 else None,
             seed=seeds[2])
-        tracker = EvaluationTracker(output_path=args.output_path) if args.output_path else None
+        # the harness's writer, into a folder beside the output that `_report` moves in
+        staging = _staging(args.output_path, processes.rank)
+        tracker = None
+        if staging is not None:  # (a results file's name kept: the harness's <stem>_<time>)
+            named = Path(args.output_path).suffix == ".json"
+            tracker = EvaluationTracker(output_path=str(
+                staging / Path(args.output_path).name if named else staging))
         results = lm_eval.simple_evaluate(
-            model=lm, tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
+            model=lm, model_args={"pretrained": str(args.load)},
+            tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
             num_fewshot=args.num_fewshot, batch_size=args.batch_size, limit=_limit(args.limit),
             log_samples=args.log_samples, evaluation_tracker=tracker, gen_kwargs=args.gen_kwargs,
             task_manager=task_manager, bootstrap_iters=args.bootstrap_iters,
             random_seed=seeds[0], numpy_random_seed=seeds[1], torch_random_seed=seeds[2],
             fewshot_random_seed=seeds[3])
         if processes.rank == 0 and results is not None:
-            _report(args, results, tracker)
+            _report(args, results, tracker, staging)
     return 0
 
 
-def _report(args, results: dict, tracker) -> None:
+def _staging(output_path: Optional[str], rank: int) -> Optional[Path]:
+    """Where rank 0 has the harness write its files (None: nowhere): a hidden folder beside
+    --output-path's files, moved into it once whole (`_publish`). A --output-path ending in
+    .json is a results file's name: the harness writes beside it."""
+    if output_path is None or rank != 0:
+        return None
+    folder = Path(output_path)
+    if folder.suffix == ".json":
+        folder = folder.parent
+    return folder / f".evaluate-{os.getpid()}.tmp"
+
+
+def _report(args, results: dict, tracker, staging: Optional[Path]) -> None:
     """The harness's table on stdout and, with --output-path, its files (as `lm_eval` writes
-    them)."""
+    them: results_<time>.json and with --log-samples samples_<task>_<time>.jsonl, in a folder
+    named after --load)."""
+    import shutil
+
     from lm_eval.utils import make_table
 
     samples = results.pop("samples", None)
@@ -222,9 +244,12 @@ def _report(args, results: dict, tracker) -> None:
                 for task_name in results["configs"]:
                     tracker.save_results_samples(task_name=task_name,
                                                  samples=samples[task_name])
+            _publish(staging)
         except OSError as e:
             raise ModelFailure(f"--output-path {args.output_path}: cannot write "
                                f"({e.strerror})") from None
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     print(f"megatron ({args.load}), limit: {args.limit}, num_fewshot: {args.num_fewshot}, "
           f"batch_size: {args.batch_size}")
     print(make_table(results))
@@ -272,6 +297,17 @@ def load_lm(load: str, tokenizer_model: Optional[str] = None, **options):
                         seed=_seeds(args.seed)[2])
 
 
+def _publish(staging: Path) -> None:
+    """Move each file the harness wrote under `staging` to the same place in its parent,
+    results last (a reader that finds the results finds the samples)."""
+    files = sorted((p for p in staging.rglob("*") if p.is_file()),
+                   key=lambda p: p.name.startswith("results_"))
+    for path in files:
+        target = staging.parent / path.relative_to(staging)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+
+
 def _on_sigterm(signum, frame):
     raise Interrupted()
 
@@ -295,7 +331,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_USAGE
     except (KeyboardInterrupt, Interrupted):
         if startup_voice(os.environ) is not None:
-            print("interrupted", file=sys.stderr, flush=True)
+            print("interrupted; no results were written", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     finally:
         if main_thread:
