@@ -186,6 +186,7 @@ LAYERS = (
     ("megatron/checkpoint/",),
     ("megatron/cost/", "megatron/plot/"),
     ("megatron/generation/",),
+    ("megatron/evaluation/",),
     ("megatron/training/",),
     # validation: arguments.py reads config/ and the checkpoints a run loads (checkpoint/), and
     # builds the DeepSpeed config (training/ds_config.py)
