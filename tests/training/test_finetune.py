@@ -331,6 +331,39 @@ def test_bad_flags_are_refused_one_message_each(train_data, tmp_path):
         ["--finetune-data needs --decoder-seq-length"]
 
 
+def test_bad_metric_flags_are_listed_with_the_other_problems(train_data):
+    """--finetune-metrics and the --eval-* flags: each problem one line naming its flag,
+    listed by validate() with the command line's others (exit 2 at the entry point); label
+    words that begin with the same token of the run's tokenizer are refused by name."""
+    from megatron.arguments import ArgumentsError, parse_args
+
+    with pytest.raises(ArgumentsError) as e:
+        parse_args(finetune_argv(train_data, "--finetune-metrics", "bleu,first_token_accuracy,f1",
+                                 "--eval-num-beams", "0", "--eval-rouge-tokenize", "chars",
+                                 "--num-workers", "-1"), env={})
+    assert e.value.problems == [
+        "--num-workers must be >= 0",
+        "--finetune-metrics: unknown metric 'f1' (choose from exact_match, label_accuracy, "
+        "first_token_accuracy, rouge_l, bleu)",
+        "--finetune-metrics first_token_accuracy needs --label-words (the label task's words)",
+        "--eval-num-beams must be at least 1, not 0",
+        "--eval-rouge-tokenize needs rouge_l in --finetune-metrics"]
+    # the session's SentencePiece vocabulary begins 是 and 否 with the same lone '▁' piece
+    with pytest.raises(ArgumentsError) as e:
+        parse_args(finetune_argv(train_data, "--label-words", "是", "否", "--finetune-metrics",
+                                 "first_token_accuracy"), env={})
+    (problem,) = e.value.problems
+    assert problem.startswith("--label-words: '是' and '否' begin with the same token (id ")
+    # the same words with label_accuracy alone (no first token read) are fine
+    config = parse_args(finetune_argv(train_data, "--label-words", "是", "否",
+                                      "--finetune-metrics", "label_accuracy,bleu",
+                                      "--eval-num-beams", "3", "--eval-bleu-tokenize", "zh"),
+                        env={})
+    seq2seq = config.data.dataset.seq2seq
+    assert (seq2seq.metrics, seq2seq.eval_num_beams, seq2seq.bleu_tokenize) == \
+        (("label_accuracy", "bleu"), 3, "zh")
+
+
 def generation_lines(log: str):
     return re.findall(r"validation generation at iteration \d+ \| .*", log)
 
