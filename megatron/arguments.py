@@ -54,6 +54,7 @@ from megatron.config.flag_checks import command_line_problems, defaults_of
 from megatron.config.given_flags import GIVEN, given_dests, record_given
 from megatron.config.prompt_args import add_prompt_args, prompt_problems
 from megatron.training.ds_config import OPTIMIZER_DEFAULTS
+from megatron.training.finetune_metrics import metric_problems
 from megatron.training.profiling import add_profile_args, profile_config, profile_problems
 
 
@@ -361,6 +362,7 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
     data, data_problems = resolve_data(values, model.t5.vocab_size if model else None, schedule,
                                        too_few_samples)
     problems += data_problems
+    problems += metric_problems(values, data)
     if data is not None:
         values.update(tokenizer_model=data.tokenizer_model, tokenizer_type=data.tokenizer_type,
                       vocab_file=None, decoder_seq_length=data.decoder_seq_length)

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from megatron.data.storage import object_storage
 from megatron.data.datasets.builder import (
@@ -202,6 +202,18 @@ def add_finetune_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--label-words", nargs="+", default=None,
                    help="a label task's words: validation reports the accuracy of the "
                         "generated labels (a prediction equal to none of them is wrong)")
+    g.add_argument("--finetune-metrics", default=None, metavar="NAMES",
+                   help="validation's task metrics, comma-separated: exact_match, "
+                        "label_accuracy, first_token_accuracy, rouge_l, bleu "
+                        "(docs/evaluation.md; default: exact_match, and label_accuracy with "
+                        "--label-words)")
+    g.add_argument("--eval-num-beams", type=int, default=1, metavar="N",
+                   help="beam search of N beams for the generated metrics (1: greedy)")
+    g.add_argument("--eval-bleu-tokenize", default=None, metavar="NAME",
+                   help="sacrebleu's tokenizer for bleu (default 13a; zh for Chinese targets)")
+    g.add_argument("--eval-rouge-tokenize", default=None, choices=("words", "chars"),
+                   help="rouge_l's tokens: words (rouge-score's default tokenizer, ASCII "
+                        "words only; the default) or chars (each character, for Chinese)")
 
 
 def finetune_problems(flags: Mapping[str, Any]) -> List[str]:
@@ -399,7 +411,8 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
     if objective_of(args) == "seq2seq":
         seq2seq = Seq2SeqConfig(args.finetune_data, args.finetune_valid_data, args.input_key,
                                 args.target_key, tokenizer_spec_from_args(args),
-                                args.vocab_extra_ids, tuple(args.label_words or ()))
+                                args.vocab_extra_ids, tuple(args.label_words or ()),
+                                **_scoring_flags(args))
     return DataConfig(data_path=args.data_path if seq2seq is None else (), split=args.split,
                       data_impl=args.data_impl, data_cache_path=args.data_cache_path,
                       cache_timeout=args.data_cache_timeout, seq2seq=seq2seq,
@@ -407,6 +420,17 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
                       short_seq_prob=args.short_seq_prob, max_ngram=args.max_ngram,
                       ul2_layout=args.ul2_sample_layout,
                       append_eod=getattr(args, "data_append_eod", "auto"))
+
+
+def _scoring_flags(args: argparse.Namespace) -> Dict[str, Any]:
+    """Seq2SeqConfig's scoring fields from --finetune-metrics and the --eval-* flags (checked
+    by megatron/evaluation/task_metrics.py's flag_problems; absent from a tool's namespace:
+    the defaults)."""
+    names = getattr(args, "finetune_metrics", None) or ""
+    return dict(metrics=tuple(n.strip() for n in names.split(",") if n.strip()),
+                eval_num_beams=getattr(args, "eval_num_beams", 1),
+                bleu_tokenize=getattr(args, "eval_bleu_tokenize", None),
+                rouge_tokenize=getattr(args, "eval_rouge_tokenize", None))
 
 
 def sample_counts_from_args(args: argparse.Namespace) -> Tuple[int, int, int]:

@@ -66,15 +66,17 @@ def dummy_decoder(model, token_id: int, device) -> Decoder:
 
 
 def decode(model, encoder_input_ids: torch.Tensor, encoder_attention_mask: torch.Tensor,
-           tokens: SpecialTokens, settings: DecodingSettings, group=None) -> List[Hypothesis]:
+           tokens: SpecialTokens, settings: DecodingSettings, group=None,
+           stop=None) -> List[Hypothesis]:
     """One `Hypothesis` per row of the encoder input [batch, enc_len] (on the model's device):
     the search `settings` asks for on `model` (a T5Model, or this rank's PipelineStage: every
     rank of its pipeline calls this with the same input), in lockstep over the expert-parallel
-    `group` (None: no other rank)."""
+    `group` (None: no other rank); `stop`: search.py's (every rank of a pipeline ends the same
+    rows: it must decide from the ids alone)."""
     expand = settings.num_beams
     decoder = Lockstep(decoder_for(model, encoder_input_ids, encoder_attention_mask, expand),
                        group, tokens.pad)
     found = search(decoder, encoder_input_ids.shape[0], tokens, settings,
-                   device=encoder_input_ids.device)
+                   device=encoder_input_ids.device, stop=stop)
     decoder.drain()
     return found

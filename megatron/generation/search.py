@@ -11,7 +11,11 @@ on the same weights.
 beam search, `reorder(rows)` (megatron/generation/cache.py's Decoder). Each function returns
 one `Hypothesis` per input: the generated ids (without the decoder start, up to and including
 the first EOS) and, for beam search, the beam's score (summed log-probabilities divided by
-length ** length_penalty).
+length ** length_penalty). Greedy search and sampling also take `stop(rows, ids) -> bool
+[len(rows)]`: each step, called with the still unfinished rows and their generated ids (start
+left out), it ends those rows it marks as EOS ends them (continued with the pad id), as
+transformers' stopping criteria do (lm-evaluation-harness's stop strings,
+megatron/evaluation/harness_lm.py).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ NEG = -1.0e9  # transformers' "impossible" score in beam search
 
 Device = Union[str, torch.device]
 
+Stop = Callable[[List[int], List[List[int]]], List[bool]]
+
 
 class Hypothesis(NamedTuple):
     ids: List[int]
@@ -35,25 +41,26 @@ class Hypothesis(NamedTuple):
 
 
 def search(decoder, batch: int, tokens: SpecialTokens, settings: DecodingSettings,
-           device: Device = "cpu") -> List[Hypothesis]:
+           device: Device = "cpu", stop: Optional[Stop] = None) -> List[Hypothesis]:
     """The search `settings` asks for: beam search with num_beams > 1 (`decoder` then runs
-    batch x num_beams rows), else sampling with do_sample, else greedy search."""
+    batch x num_beams rows), else sampling with do_sample, else greedy search. `stop`
+    (module doc) is not applied by beam search."""
     if settings.num_beams > 1:
         return beam_search(decoder, batch, tokens, settings, device)
     if settings.do_sample:
-        return sample(decoder, batch, tokens, settings, device)
-    return greedy(decoder, batch, tokens, settings, device)
+        return sample(decoder, batch, tokens, settings, device, stop)
+    return greedy(decoder, batch, tokens, settings, device, stop)
 
 
 def greedy(decoder, batch: int, tokens: SpecialTokens, settings: DecodingSettings,
-           device: Device = "cpu") -> List[Hypothesis]:
+           device: Device = "cpu", stop: Optional[Stop] = None) -> List[Hypothesis]:
     """Greedy search: each step the best token of the processed scores."""
     return _token_by_token(decoder, batch, tokens, settings, device,
-                           lambda scores: scores.argmax(dim=-1))
+                           lambda scores: scores.argmax(dim=-1), stop)
 
 
 def sample(decoder, batch: int, tokens: SpecialTokens, settings: DecodingSettings,
-           device: Device = "cpu") -> List[Hypothesis]:
+           device: Device = "cpu", stop: Optional[Stop] = None) -> List[Hypothesis]:
     """Ancestral sampling from the processed distribution (torch.multinomial on a generator
     seeded with settings.seed: the same ids for the same seed, on every tensor-parallel
     rank)."""
@@ -62,13 +69,14 @@ def sample(decoder, batch: int, tokens: SpecialTokens, settings: DecodingSetting
     def pick(scores: torch.Tensor) -> torch.Tensor:
         return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]
 
-    return _token_by_token(decoder, batch, tokens, settings, device, pick)
+    return _token_by_token(decoder, batch, tokens, settings, device, pick, stop)
 
 
 def _token_by_token(decoder, batch: int, tokens: SpecialTokens, settings: DecodingSettings,
-                    device: Device, pick: Callable[[torch.Tensor], torch.Tensor]
-                    ) -> List[Hypothesis]:
-    """One row per input, extended by `pick(processed scores)` until every row ended."""
+                    device: Device, pick: Callable[[torch.Tensor], torch.Tensor],
+                    stop: Optional[Stop] = None) -> List[Hypothesis]:
+    """One row per input, extended by `pick(processed scores)` until every row ended (EOS,
+    or `stop`)."""
     processors = settings.processors(tokens.eos)
     sequences = torch.full((batch, 1), tokens.start, dtype=torch.long, device=device)
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
@@ -77,9 +85,20 @@ def _token_by_token(decoder, batch: int, tokens: SpecialTokens, settings: Decodi
         token = torch.where(unfinished, pick(scores), tokens.pad)
         sequences = torch.cat([sequences, token[:, None]], dim=1)
         unfinished &= token != tokens.eos
+        if stop is not None and unfinished.any():
+            _apply_stop(stop, sequences, unfinished)
         if not unfinished.any():
             break
     return [Hypothesis(_cut(row[1:], tokens.eos)) for row in sequences.tolist()]
+
+
+def _apply_stop(stop: Stop, sequences: torch.Tensor, unfinished: torch.Tensor) -> None:
+    """End (in `unfinished`, in place) the unfinished rows `stop` marks."""
+    rows = unfinished.nonzero()[:, 0].tolist()
+    ids = sequences[rows, 1:].tolist()
+    ended = [row for row, end in zip(rows, stop(rows, ids)) if end]
+    if ended:
+        unfinished[ended] = False
 
 
 def _cut(row: List[int], eos_id: int) -> List[int]:

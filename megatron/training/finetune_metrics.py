@@ -1,60 +1,29 @@
-"""Generation metrics of seq2seq fine-tuning's validation (docs/finetuning.md).
+"""Task metrics of seq2seq fine-tuning's validation (docs/finetuning.md, docs/evaluation.md).
 
-- exact match: the fraction of examples whose decoded prediction equals the decoded target,
-  both stripped of surrounding whitespace (nothing else is normalised: case and punctuation
-  count);
-- label accuracy (`--label-words`): a prediction counts as the label word it equals (stripped),
-  and is right when that word is the example's target; a prediction equal to no label word is
-  wrong, whatever the target.
+`--finetune-metrics` chooses among megatron/evaluation/task_metrics.py's metrics (default:
+exact match, and label accuracy with `--label-words`): the generated ones score each
+validation example's decoding (greedy, or `--eval-num-beams` beams) against its target,
+first-token accuracy the first decoder step's logits over the label words' first tokens (no
+generation). Each batch adds its additive statistics (task_metrics.statistics); one all-reduce
+sums them over data-parallel ranks, so every layout reports the same numbers.
 
-Both take plain strings, so the same functions score a validation's greedy decoding and a
-prediction file written by `python -m megatron.generate`.
+The scoring functions take plain strings, so the same functions score a validation's decoding
+and a prediction file written by `python -m megatron.generate`
+(data_tools/score_predictions.py).
 """
 
 from __future__ import annotations
 
 import functools
 from contextlib import nullcontext
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from megatron.data.datasets.seq2seq import is_scored
 from megatron.data.preprocess.jsonl import BadLine, read_fields
 from megatron.data.tokenizers.tokenizer_names import pad_id_of
-
-
-def _checked(predictions: Sequence[str], targets: Sequence[str]) -> None:
-    if len(predictions) != len(targets):
-        raise ValueError(f"{len(predictions)} predictions for {len(targets)} targets")
-    if not predictions:
-        raise ValueError("no predictions to score")
-
-
-def exact_match(predictions: Sequence[str], targets: Sequence[str]) -> float:
-    """Fraction of predictions equal to their target (surrounding whitespace ignored)."""
-    _checked(predictions, targets)
-    return sum(p.strip() == t.strip() for p, t in zip(predictions, targets)) / len(targets)
-
-
-def as_label(prediction: str, label_words: Sequence[str]) -> Optional[str]:
-    """The label word `prediction` equals (stripped), or None."""
-    text = prediction.strip()
-    for word in label_words:
-        if text == word.strip():
-            return word
-    return None
-
-
-def label_accuracy(predictions: Sequence[str], targets: Sequence[str],
-                   label_words: Sequence[str]) -> float:
-    """Fraction of predictions that are a label word and the one of their target."""
-    _checked(predictions, targets)
-    if not label_words:
-        raise ValueError("label accuracy needs --label-words")
-    right = 0
-    for prediction, target in zip(predictions, targets):
-        label = as_label(prediction, label_words)
-        right += label is not None and label.strip() == target.strip()
-    return right / len(targets)
+from megatron.evaluation import task_metrics
+from megatron.evaluation.task_metrics import (  # noqa: F401 - imported from here too
+    Scoring, as_label, exact_match, label_accuracy)
 
 
 def generation_metrics(predictions: Sequence[str], targets: Sequence[str],
@@ -92,12 +61,13 @@ def decoded_targets(batch, tokenizer) -> List[str]:
     return out
 
 
-def validation_decoding(max_new_tokens: int):
-    """The decoding settings of validation's generation metrics: greedy search of at most
+def validation_decoding(max_new_tokens: int, num_beams: int = 1):
+    """The decoding settings of validation's generated metrics: greedy search (or beam search
+    of `num_beams`, --eval-num-beams, with transformers' defaults otherwise) of at most
     `max_new_tokens` (--decoder-seq-length) new tokens (megatron/generation/settings.py)."""
     from megatron.generation import DecodingSettings
 
-    return DecodingSettings(max_new_tokens=max_new_tokens)
+    return DecodingSettings(max_new_tokens=max_new_tokens, num_beams=num_beams)
 
 
 def greedy_predictions(model, batch, tokenizer, max_new_tokens: int,
@@ -108,54 +78,120 @@ def greedy_predictions(model, batch, tokenizer, max_new_tokens: int,
     of ZeRO-3 partitions), or a pipeline stage (megatron/generation/stage.py: every stage of
     the pipeline decodes the batch together). `group`: the expert-parallel group the ranks
     decode in lockstep with (their Mixture-of-Experts all-to-alls; None: no other rank)."""
+    texts, _ = decoded(model, batch, tokenizer, Scoring.of(), max_new_tokens, group)
+    return texts
+
+
+class _FirstStep:
+    """A decoder (`step`, `reorder`) that keeps the logits of its first step."""
+
+    def __init__(self, decoder) -> None:
+        self.decoder, self.vocab_size, self.first = decoder, decoder.vocab_size, None
+
+    def step(self, ids):
+        logits = self.decoder.step(ids)
+        if self.first is None:
+            self.first = logits
+        return logits
+
+    def reorder(self, rows) -> None:
+        self.decoder.reorder(rows)
+
+
+def decoded(model, batch, tokenizer, scoring: Scoring, max_new_tokens: int, group=None):
+    """(each row's decoding as text, or None when no chosen metric generates; the first
+    decoder step's logits [rows, vocab]) of the batch's encoder input: the search
+    `scoring.num_beams` asks for, or only the first step. `model` and `group`: as
+    `greedy_predictions`' (every rank of a pipeline or expert-parallel group calls this
+    together: megatron/generation/lockstep.py's `decode`, with the first step kept)."""
+    import torch
+
     from megatron.generation import SpecialTokens
-    from megatron.generation.lockstep import decode
+    from megatron.generation.lockstep import Lockstep
+    from megatron.generation.pipeline import decoder_for
+    from megatron.generation.search import search
 
     tokens = SpecialTokens.of(tokenizer)
-    eos, pad = tokens.eos, tokens.pad
-    found = decode(model, batch["encoder_input_ids"], batch["encoder_attention_mask"], tokens,
-                   validation_decoding(max_new_tokens), group)
-    return [tokenizer.decode([i for i in h.ids if i not in (eos, pad)]) for h in found]
+    ids, mask = batch["encoder_input_ids"], batch["encoder_attention_mask"]
+    beams = scoring.num_beams if scoring.generates else 1
+    lockstep = Lockstep(decoder_for(model, ids, mask, beams), group, tokens.pad)
+    decoder = _FirstStep(lockstep)
+    texts = None
+    if scoring.generates:
+        found = search(decoder, ids.shape[0], tokens, validation_decoding(max_new_tokens, beams),
+                       device=ids.device)
+        texts = [tokenizer.decode([i for i in h.ids if i not in (tokens.eos, tokens.pad)])
+                 for h in found]
+    else:  # first-token accuracy alone: one step, no generation
+        decoder.step(torch.full((ids.shape[0],), tokens.start, dtype=torch.long,
+                                device=ids.device))
+    lockstep.drain()
+    return texts, decoder.first[::beams]  # (beam search: each input's rows start alike)
+
+
+def scoring_of(seq2seq) -> Scoring:
+    """The Scoring of a run's Seq2SeqConfig (its --finetune-metrics and --eval-* flags)."""
+    return Scoring.of(seq2seq.metrics, seq2seq.label_words, seq2seq.bleu_tokenize,
+                      seq2seq.rouge_tokenize, seq2seq.eval_num_beams)
+
+
+def metric_problems(flags: Mapping[str, object], data=None) -> List[str]:
+    """Every problem of --finetune-metrics and the --eval-* flags (`vars(namespace)`), and with
+    first_token_accuracy and the run's resolved data (DataSettings; None: not known), label
+    words that begin with the same token of the run's tokenizer."""
+    problems = task_metrics.flag_problems(flags)
+    seq2seq = getattr(getattr(data, "dataset", None), "seq2seq", None)
+    if problems or seq2seq is None or "first_token_accuracy" not in scoring_of(seq2seq).metrics:
+        return problems
+    try:
+        task_metrics.first_token_ids(seq2seq.label_words,
+                                     _tokenizer(seq2seq.tokenizer, seq2seq.extra_ids).encode)
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 def generation_counts(model, batches, tokenizer, max_new_tokens: int,
-                      label_words: Sequence[str] = (), group=None) -> Dict[str, int]:
-    """{"examples", "exact", and with label words "label_right"} over `batches` (greedy
-    decoding of each, the targets from its labels; a row without labels is not counted):
-    sums, to be added over data-parallel ranks before `rates` divides them. `group`: as
+                      label_words: Sequence[str] = (), group=None,
+                      scoring: Optional[Scoring] = None) -> Dict[str, int]:
+    """task_metrics' additive statistics ("examples", "exact", "label_right", ...) of
+    `scoring`'s metrics (None: the default ones of `label_words`) over `batches` (each one
+    decoded, the targets from its labels; a row without labels is not counted): sums, to be
+    added over data-parallel ranks before `rates` turns them into numbers. `group`: as
     `greedy_predictions`' (every rank of it decodes the same number of batches)."""
-    counts = {"examples": 0, "exact": 0}
-    if label_words:
-        counts["label_right"] = 0
+    if scoring is None:
+        scoring = Scoring.of(label_words=label_words)
+    first_ids = None
+    if "first_token_accuracy" in scoring.metrics:
+        first_ids = task_metrics.first_token_ids(scoring.label_words, tokenizer.encode)
+    counts = task_metrics.empty_statistics(scoring)
     for batch in batches:
         # every row decoded (the ranks of `group` decode in lockstep), the scored ones counted:
         # a validation sample past the file's end repeats an example (data/datasets/seq2seq.py)
-        predictions = greedy_predictions(model, batch, tokenizer, max_new_tokens, group)
+        texts, logits = decoded(model, batch, tokenizer, scoring, max_new_tokens, group)
         if "labels" not in batch:  # a later pipeline stage: it decodes, the first counts
             continue
-        targets = decoded_targets(batch, tokenizer)
-        scored = [is_scored(row) for row in batch["labels"]]
-        predictions = [p for p, keep in zip(predictions, scored) if keep]
-        targets = [t for t, keep in zip(targets, scored) if keep]
-        n = len(targets)
-        if n == 0:
-            continue
-        counts["examples"] += n
-        counts["exact"] += round(exact_match(predictions, targets) * n)
-        if label_words:
-            counts["label_right"] += round(label_accuracy(predictions, targets, label_words) * n)
+        scored = [bool(is_scored(row)) for row in batch["labels"]]
+        targets = [t for t, keep in zip(decoded_targets(batch, tokenizer), scored) if keep]
+        if texts is not None:
+            texts = [p for p, keep in zip(texts, scored) if keep]
+        first = None
+        if first_ids is not None:
+            first = [w for w, keep in zip(task_metrics.first_token_labels(
+                logits, first_ids, scoring.label_words), scored) if keep]
+        counts = task_metrics.added(counts, task_metrics.statistics(scoring, texts, targets,
+                                                                    first))
     return counts
 
 
-def rates(counts: Dict[str, float]) -> Dict[str, float]:
-    """{"exact_match", "examples" (how many were scored), and "accuracy" where labels were
-    counted} from `generation_counts`'s sums (empty without examples)."""
-    if not counts.get("examples"):
-        return {}
-    out = {"exact_match": counts["exact"] / counts["examples"], "examples": counts["examples"]}
-    if "label_right" in counts:
-        out["accuracy"] = counts["label_right"] / counts["examples"]
-    return out
+def rates(counts: Mapping[str, float], scoring: Optional[Scoring] = None) -> Dict[str, float]:
+    """{each metric's number, "examples" (how many were scored)} from `generation_counts`'s
+    sums (empty without examples); `scoring` None: the metrics the counts hold."""
+    if scoring is None:
+        scoring = Scoring.of(tuple(m for m, key in task_metrics.COUNT_KEYS.items()
+                                   if key in counts) + (("bleu",) if "bleu_sys_len" in counts
+                                                        else ()))
+    return task_metrics.scores(scoring, counts)
 
 
 @functools.lru_cache(maxsize=2)
@@ -168,9 +204,10 @@ def _tokenizer(spec, extra_ids: int):
 
 def validation_generation(step, config, loader, watchdog=None,
                           tokenizer=None) -> Optional[Dict[str, float]]:
-    """Exact match (and label accuracy with --label-words) of the greedy decoding of the
-    validation batches `run_evaluation` scores (the first eval_iters global batches), summed
-    over data-parallel ranks; at most --decoder-seq-length new tokens. None where there is
+    """The task metrics (`scoring_of` the run's flags) of the validation batches
+    `run_evaluation` scores (the first eval_iters global batches), their statistics summed
+    over data-parallel ranks in one int64 all-reduce; at most --decoder-seq-length new tokens
+    are generated. None where there is
     nothing to score: no seq2seq validation data. Under ZeRO-3 the decoding runs on a whole
     copy of the model (training/whole_model.py); in a pipeline every stage decodes its part
     of the first stage's batches (megatron/generation/pipeline.py's PipelineDecoder) and the
@@ -188,6 +225,7 @@ def validation_generation(step, config, loader, watchdog=None,
         return None
     if tokenizer is None:
         tokenizer = _tokenizer(seq2seq.tokenizer, seq2seq.extra_ids)
+    scoring = scoring_of(seq2seq)
     device = config.runtime.torch_device()
     limit = config.batch.eval_iters * config.batch.gradient_accumulation_steps
     collective_s = 60 * config.runtime.distributed_timeout_minutes
@@ -204,21 +242,20 @@ def validation_generation(step, config, loader, watchdog=None,
     try:
         with torch.no_grad():
             counts = _decoded_counts(step.reporting_module(), config, batches, tokenizer,
-                                     seq2seq.label_words, group, device)
+                                     scoring, group, device)
     finally:
         step.train(True)
-    names = sorted(counts)
-    summed = torch.tensor([float(counts[n]) for n in names], dtype=torch.float64,
-                          device=device)
+    names = sorted(counts)  # (every rank holds the same names: empty_statistics')
+    summed = torch.tensor([counts[n] for n in names], dtype=torch.int64, device=device)
     if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
         watch = watchdog.watch("collective: the all-reduce of the generation metrics",
                                collective_s) if watchdog is not None else nullcontext()
         with watch:
             dist.all_reduce(summed, group=parallel_state.get_data_parallel_group())
-    return rates(dict(zip(names, summed.tolist())))
+    return rates(dict(zip(names, summed.tolist())), scoring)
 
 
-def _decoded_counts(module, config, batches, tokenizer, label_words, group,
+def _decoded_counts(module, config, batches, tokenizer, scoring: Scoring, group,
                     device) -> Dict[str, int]:
     """`generation_counts` of `batches()` on the trained `module`: itself, a ZeRO-3 copy, or
     in a pipeline this rank's stage (training/whole_model.py)."""
@@ -229,10 +266,11 @@ def _decoded_counts(module, config, batches, tokenizer, label_words, group,
     length = config.data.decoder_seq_length
     if config.parallel.pipeline_model_parallel_size == 1:
         with whole_model(module, *how) as model:
-            return generation_counts(model, batches(), tokenizer, length, label_words, group)
+            return generation_counts(model, batches(), tokenizer, length, group=group,
+                                     scoring=scoring)
     stage = stage_model(module, config.pipeline_cut(), *how)  # (dropped on return)
     return generation_counts(stage, pipeline_batches(stage, batches(), device), tokenizer,
-                             length, label_words, group)
+                             length, group=group, scoring=scoring)
 
 
 def pipeline_batches(stage, batches: Iterator[Dict], device) -> Iterator[Dict]:
@@ -264,9 +302,12 @@ def pipeline_batches(stage, batches: Iterator[Dict], device) -> Iterator[Dict]:
 
 
 def generation_scalars(metrics: Dict[str, float]) -> Dict[str, float]:
-    """TensorBoard's `validation/exact_match` (and `validation/accuracy`) of
-    `validation_generation`'s numbers."""
-    return {f"validation/{k}": v for k, v in metrics.items() if k != "examples"}
+    """TensorBoard's `validation/<metric>` of `validation_generation`'s numbers; label
+    accuracy also under its first name, `validation/accuracy`."""
+    out = {f"validation/{k}": v for k, v in metrics.items() if k != "examples"}
+    if "label_accuracy" in metrics:
+        out["validation/accuracy"] = metrics["label_accuracy"]
+    return out
 
 
 def accuracy_name(config) -> str:
@@ -278,8 +319,4 @@ def accuracy_name(config) -> str:
 
 def generation_line(iteration: int, metrics: Dict[str, float]) -> str:
     """The log line of `validation_generation`'s numbers, with how many examples they score."""
-    parts = [f"exact match: {metrics['exact_match']:.4f}"]
-    if "accuracy" in metrics:
-        parts.append(f"label accuracy: {metrics['accuracy']:.4f}")
-    parts.append(f"{int(metrics['examples'])} examples")
-    return f" validation generation at iteration {iteration} | " + " | ".join(parts) + " |"
+    return f" validation generation at iteration {iteration} | {task_metrics.line(metrics)} |"

@@ -1,8 +1,9 @@
 """The evaluation tests: a tiny trained T5 model as our checkpoint and its `--to hf` export
 (eval_model.py), and the reference runs of the real `lm_eval` command with the harness's own
 hf seq2seq backend on that export over the local tasks of tests/data/eval_tasks (reference.py),
-shared by the tests that compare against them. The process harness of tests/distributed and the
-training workers of tests/training are importable here, as in tests/generation."""
+shared by the tests that compare against them. The process harness of tests/distributed, the
+tiny models of tests/generation and the training workers of tests/training are importable here.
+"""
 
 import os
 import sys
@@ -11,10 +12,12 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "distributed"))
+sys.path.insert(0, str(HERE.parent / "generation"))
 sys.path.insert(0, str(HERE.parent / "training"))
+sys.path.insert(0, str(HERE))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 REFERENCE_BATCH = 4
 """--batch_size of the reference runs; an adapter compared with them runs at the same size

@@ -185,7 +185,8 @@ def test_torchrun_at_expert_parallel_2(switch, train_data, tmp_path):
 
 
 def test_checkpoint_refusals(switch):
-    from megatron.generate import GenerateError, read_checkpoint
+    from megatron.generate import GenerateError
+    from megatron.loaded_model import read_checkpoint
 
     ckpt = switch[0]
     with pytest.raises(GenerateError, match="does not divide the 4 experts"):

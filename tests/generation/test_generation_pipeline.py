@@ -167,7 +167,8 @@ def test_pipeline_with_tensor_data_and_expert_parallel(train_data, pipeline_trai
 
 
 def test_pipeline_flags_are_checked():
-    from megatron.generate import GenerateError, build_parser, flag_problems, pipeline_cut
+    from megatron.generate import GenerateError, build_parser, flag_problems
+    from megatron.loaded_model import pipeline_cut
     from megatron.model import T5Config
 
     def args(*flags):

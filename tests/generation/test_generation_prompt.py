@@ -182,3 +182,31 @@ def test_a_prompt_decodes_in_a_pipeline(train_data, tuned, tmp_path, capsys):
         assert result["code"] == 0, result
         want, _ = _reference(train_data, load[1], load[3] if len(load) > 2 else None)
         assert [json.loads(line)["ids"] for line in result["text"].splitlines()] == want
+
+
+def test_evaluate_with_a_prompt_scores_the_models_own_forward(train_data, tuned):
+    """megatron.evaluate's model with --prompt-load (load_lm) answers the harness's
+    loglikelihood requests as the model's own forward with the prompt attached does, one
+    request at a time without padding: the continuation's summed log-softmax behind the
+    decoder start token, the context with EOS."""
+    from lm_eval.api.instance import Instance
+
+    from megatron.evaluate import load_lm
+
+    pairs = [("To be, or not to be", " that is"), ("Good morrow, kind sir", ", and well met."),
+             ("The king", " is dead")]
+    lm = load_lm(tuned["base"], train_data.spm, prompt_load=tuned["prompt"], batch_size=2)
+    got = lm.loglikelihood([Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)])
+    _, model = _reference(train_data, tuned["base"], tuned["prompt"])
+    tok = build_tokenizer(resolve_tokenizer(train_data.spm))
+    for (context, continuation), (logprob, _) in zip(pairs, got):
+        ids = torch.tensor([tok.encode(context, add_eos=True)])
+        target = tok.encode(continuation)
+        decoder = torch.tensor([[tok.decoder_start_token_id] + target[:-1]])
+        with torch.no_grad():
+            logits = model(ids, decoder, torch.ones_like(ids)).logits[0, :, :model.config.vocab_size]
+        want = logits.float().log_softmax(-1).gather(1, torch.tensor(target)[:, None]).sum()
+        assert logprob == pytest.approx(float(want), rel=1e-5, abs=1e-4)
+    plain = load_lm(tuned["base"], train_data.spm).loglikelihood(
+        [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)])
+    assert [a[0] for a in plain] != pytest.approx([a[0] for a in got])  # the prompt counts

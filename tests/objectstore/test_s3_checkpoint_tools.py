@@ -262,3 +262,22 @@ def test_iteration_and_flag_checks_of_generate(train_data, on_s3, tmp_path, caps
     assert generate.main(["--load", on_s3["base"], "--iteration", "1", *argv]) == 2
     assert f"--load {on_s3['base']}: {on_s3['base']}/iter_0000001/meta.json is missing" in \
         capsys.readouterr().err
+
+
+def test_evaluate_from_s3_scores_as_from_the_local_folder(train_data, ckpts, on_s3, tmp_path):
+    """megatron.evaluate's model (load_lm, what `--load s3://... --prompt-load s3://...`
+    builds) answers the harness's requests as the local folders' does, the staging emptied."""
+    from lm_eval.api.instance import Instance
+
+    from megatron.evaluate import load_lm
+
+    requests = [Instance("loglikelihood", {}, ("To be, or not to ", "be"), 0),
+                Instance("loglikelihood", {}, ("The king", " is dead"), 1)]
+    answers = {}
+    for name, load, prompt in (("local", str(ckpts["base"]), str(ckpts["prompt"])),
+                               ("remote", on_s3["base"], on_s3["prompt"]),
+                               ("plain", on_s3["base"], None)):
+        lm = load_lm(load, train_data.spm, prompt_load=prompt)
+        answers[name] = lm.loglikelihood(requests)
+    assert answers["remote"] == answers["local"] and answers["plain"] != answers["local"]
+    assert not list((tmp_path / "tmp" / f"t5-pretrain-staging-{os.getuid()}").iterdir())

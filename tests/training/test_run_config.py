@@ -186,11 +186,14 @@ LAYERS = (
     ("megatron/checkpoint/",),
     ("megatron/cost/", "megatron/plot/"),
     ("megatron/generation/",),
+    ("megatron/evaluation/",),  # lm-evaluation-harness's LM over our model; task metrics
     ("megatron/training/",),
     # validation: arguments.py reads config/ and the checkpoints a run loads (checkpoint/), and
     # builds the DeepSpeed config (training/ds_config.py)
     ("megatron/initialize.py", "megatron/arguments.py"),
+    ("megatron/loaded_model.py",),  # the model a command runs, from a checkpoint
     ("megatron/pretrain_t5.py", "megatron/pretrain_enc_dec.py", "megatron/generate.py",
+     "megatron/evaluate.py",
      "megatron/torchrun.py", "megatron/plan/"),  # the entry points
     ("data_tools/",),
     ("bench/",),

@@ -328,14 +328,37 @@ def test_the_flag_check_catches_what_it_should():
 
 
 # Python snippets -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def docs_checkpoint(spm_model, tmp_path_factory):
+    """A tiny random T5 weights checkpoint over the session's SentencePiece model: the
+    snippets' `ckpt/`."""
+    from megatron.checkpoint.formats.weights import write_weights_checkpoint
+    from megatron.data.tokenizers.tokenizer import T5Tokenizer
+    from megatron.model import T5Config, T5Model
+    from megatron.model.state_dict import gather_full_state_dict
+
+    config = T5Config(vocab_size=T5Tokenizer(str(spm_model)).vocab_size, d_model=16, d_kv=4,
+                      d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("docs_ckpt") / "ckpt"
+    write_weights_checkpoint(folder, gather_full_state_dict(T5Model(config)).items(),
+                             {"config": config.to_dict(), "make_vocab_size_divisible_by": 128})
+    return folder
+
+
 @pytest.fixture
-def prepared_folder(tmp_path, train_data, spm_model, monkeypatch):
-    """The files the snippets name, in a folder they run in."""
+def prepared_folder(tmp_path, train_data, spm_model, docs_checkpoint, monkeypatch):
+    """The files the snippets name, in a folder they run in: the data, the tokenizer, a
+    checkpoint, the repository's tests/data (task files)."""
     (tmp_path / "data").mkdir()
     for suffix in (".bin", ".idx"):
         (tmp_path / "data" / f"mix_text_document{suffix}").symlink_to(train_data.prefix + suffix)
     (tmp_path / "spm").mkdir()
     (tmp_path / "spm" / "t5.model").symlink_to(spm_model)
+    (tmp_path / "ckpt").symlink_to(docs_checkpoint)
+    (tmp_path / "tests" / "data").mkdir(parents=True)
+    (tmp_path / "tests" / "data" / "eval_tasks").symlink_to(REPO / "tests" / "data" /
+                                                           "eval_tasks")
     monkeypatch.chdir(tmp_path)
     return tmp_path
 

@@ -39,6 +39,10 @@ class Seq2SeqConfig:
     valid: `--finetune-valid-data` (None: no validation split).
     tokenizer: the run's (a TokenizerSpec), with `extra_ids` sentinels; reads JSONL text.
     label_words: `--label-words`, for the label accuracy of validation (empty: not a label task).
+    metrics, eval_num_beams, bleu_tokenize, rouge_tokenize: `--finetune-metrics` (its names;
+        empty: the default), `--eval-num-beams`, `--eval-bleu-tokenize`, `--eval-rouge-tokenize`
+        (None: not given): how validation scores its decoding (megatron/evaluation/
+        task_metrics.py's Scoring).
     """
 
     train: str
@@ -48,6 +52,10 @@ class Seq2SeqConfig:
     tokenizer: Optional[object] = None
     extra_ids: int = 100
     label_words: Tuple[str, ...] = ()
+    metrics: Tuple[str, ...] = ()
+    eval_num_beams: int = 1
+    bleu_tokenize: Optional[str] = None
+    rouge_tokenize: Optional[str] = None
 
 
 def is_jsonl(path: str) -> bool:
