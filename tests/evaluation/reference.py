@@ -147,3 +147,43 @@ def parse_response(output_type: str, resp: List[Any]) -> Response:
     if output_type == "generate_until":
         return value
     raise ValueError(f"unknown output_type {output_type!r}")
+
+
+def response_mismatches(reference: HarnessRun, other: Dict[Tuple[str, int, int], Response],
+                        loglikelihood_abs: float = 1e-4, rolling_rel: float = 1e-6
+                        ) -> List[str]:
+    """Where `other` (responses by (task, doc_id, request index), as HarnessRun.requests holds
+    them, or `responses_of(samples)`) differs from the reference: a loglikelihood more than
+    loglikelihood_abs away or another is_greedy, a rolling loglikelihood more than rolling_rel
+    (relative) away, a generation not identical, a request missing on either side. One line
+    each; empty when they agree."""
+    out = [f"{key}: missing" for key in sorted(set(reference.requests) ^ set(other))]
+    for key in sorted(set(reference.requests) & set(other)):
+        req, got = reference.requests[key], other[key]
+        if req.output_type == "generate_until":
+            bad = got != req.response
+        elif req.output_type == "loglikelihood_rolling":
+            bad = abs(got - req.response) > rolling_rel * abs(req.response)
+        else:
+            bad = abs(got[0] - req.response[0]) > loglikelihood_abs or got[1] != req.response[1]
+        if bad:
+            out.append(f"{key}: {got!r}, the reference {req.response!r} ({req.arguments!r})")
+    return out
+
+
+def responses_of(samples: Dict[str, List[Dict[str, Any]]], configs: Dict[str, Any]
+                 ) -> Dict[Tuple[str, int, int], Response]:
+    """Responses by (task, doc_id, request index) from `simple_evaluate(..., log_samples=True)`'s
+    "samples" and "configs" (the responses as Python values, not yet strings)."""
+    out = {}
+    for task, records in samples.items():
+        output_type = configs[task]["output_type"]
+        for record in records:
+            for index, resp in enumerate(record["resps"]):
+                (value,) = resp
+                if output_type in ("loglikelihood", "multiple_choice"):
+                    value = (float(value[0]), bool(value[1]))
+                elif output_type == "loglikelihood_rolling":
+                    value = float(value)
+                out[task, record["doc_id"], index] = value
+    return out
