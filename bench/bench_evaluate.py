@@ -9,9 +9,9 @@ MegatronT5LM, built by `megatron.evaluate.load_lm`) against the harness's own hf
 Model: T5 v1.0 small's shape (d_model 512, 8 heads x 64, d_ff 2048 ReLU, 6 + 6 layers, tied
 head: the hf backend ties the head of an untied export, notes in docs/evaluation.md), the
 vocabulary of bench/common.py's 8000-piece SentencePiece model + 100 sentinels, random weights
-(seed 0; the pad's embedding row zeroed, else the model repeats its decoder start, the pad,
-and every text is empty), fp32, evaluation mode, one process, `torch.set_num_threads(1)`. Both load it from
-disk before the timing (ours: the weights checkpoint; hf: the export).
+(seed 0; the pad's embedding row zeroed, else the model repeats its decoder start, the pad, and
+every text is empty), fp32, evaluation mode, one process, `torch.set_num_threads(1)`. Both
+load it from disk before the timing (ours: the weights checkpoint; hf: the export).
 
 Tasks, written under bench/work/evaluate/ from the English corpora: a multiple-choice task
 (--mc-docs passages of 100 to 700 characters, 4 choices of 1 to 6 words each: loglikelihood

@@ -19,13 +19,6 @@ sys.path.insert(0, str(HERE))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-REFERENCE_BATCH = 4
-"""--batch_size of the reference runs; an adapter compared with them runs at the same size
-(the harness's greedy generations depend on the batches: notes/harness_tokenization.md)."""
-FEWSHOT = dict(num_fewshot=2, limit=4, model_args=("max_length=48",))
-"""The few-shot reference run: 2 examples, the first 4 docs of each task, and a max_length
-short enough that contexts are left-truncated and rolling documents span several windows."""
-
 
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
@@ -50,8 +43,8 @@ def eval_model(spm_model, tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference_run(eval_model, tmp_path_factory):
     """The `lm_eval` command (hf, backend=seq2seq, fp32, CPU) over the four local tasks,
-    zero-shot, batch REFERENCE_BATCH (about 15 s)."""
-    from reference import LOCAL_TASKS, run_lm_eval
+    zero-shot, batch reference.REFERENCE_BATCH (about 15 s)."""
+    from reference import LOCAL_TASKS, REFERENCE_BATCH, run_lm_eval
 
     return run_lm_eval(eval_model.export, LOCAL_TASKS, tmp_path_factory.mktemp("lm_eval_hf"),
                        batch_size=REFERENCE_BATCH)
@@ -59,8 +52,8 @@ def reference_run(eval_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference_run_fewshot(eval_model, tmp_path_factory):
-    """The same command with FEWSHOT's settings (about 15 s)."""
-    from reference import LOCAL_TASKS, run_lm_eval
+    """The same command with reference.FEWSHOT's settings (about 15 s)."""
+    from reference import FEWSHOT, LOCAL_TASKS, REFERENCE_BATCH, run_lm_eval
 
     return run_lm_eval(eval_model.export, LOCAL_TASKS,
                        tmp_path_factory.mktemp("lm_eval_hf_fewshot"),

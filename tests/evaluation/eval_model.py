@@ -46,6 +46,9 @@ def _rows(name: str) -> List[Dict]:
         return [json.loads(line) for line in f]
 
 
+LCQMC_PROMPT = "句子一“{sentence1}”与句子二“{sentence2}”的意思是否相似？"
+"""local_lcqmc_zh.yaml's doc_to_text."""
+
 RUN_ON = {  # verse docs of the generation task -> a long target with no stop string in it
     "Continue the verse: Now is the winter of our discontent":
         "Made glorious summer by this sun of York, and all the clouds that lour'd upon our "
@@ -74,8 +77,7 @@ def training_pairs() -> List[Tuple[str, str]]:
     for name in ("mc_en_train.jsonl", "mc_en_test.jsonl"):
         pairs += [(d["question"], d["choices"][d["label"]]) for d in _rows(name)]
     for name in ("lcqmc_zh_train.jsonl", "lcqmc_zh_test.jsonl"):
-        pairs += [(f"句子一“{d['sentence1']}”与句子二“{d['sentence2']}”的意思是否相似？",
-                   "否是"[d["label"]]) for d in _rows(name)]
+        pairs += [(LCQMC_PROMPT.format(**d), "否是"[d["label"]]) for d in _rows(name)]
     return pairs
 
 

@@ -28,6 +28,19 @@ TASKS_DIR = REPO / "tests" / "data" / "eval_tasks"
 LOCAL_TASKS = ("local_mc_en", "local_gen_en", "local_rolling", "local_lcqmc_zh")
 """The four tasks of tests/data/eval_tasks (tag `local_eval`)."""
 
+REFERENCE_BATCH = 4
+"""--batch_size of the reference runs (tests/evaluation/conftest.py); an adapter compared with
+them runs at the same size (the harness's greedy generations depend on the batches:
+notes/harness_tokenization.md)."""
+FEWSHOT = dict(num_fewshot=2, limit=4, model_args=("max_length=48",))
+"""The few-shot reference run: 2 examples, the first 4 docs of each task, and a max_length
+short enough that contexts are left-truncated and rolling documents span several windows."""
+DEFAULT_MAX_LENGTH = 2048
+"""The backend's max_length for our export: its config names no n_positions (nor
+max_position_embeddings, n_ctx) and its tokenizer no model_max_length, so lm_eval's default."""
+RUNS = {"reference_run": DEFAULT_MAX_LENGTH, "reference_run_fewshot": 48}
+"""The reference runs' fixture names and the max_length each ran with."""
+
 Response = Union[Tuple[float, bool], float, str]
 
 

@@ -10,8 +10,7 @@ tokenizes with ours therefore gives the backend's ids (notes/harness_tokenizatio
 import pytest
 
 import harness_rules as rules
-from conftest import REFERENCE_BATCH
-from test_reference import RUNS
+from reference import REFERENCE_BATCH, RUNS
 
 pytestmark = pytest.mark.slow  # (the reference runs)
 

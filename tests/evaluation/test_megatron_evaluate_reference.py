@@ -7,8 +7,8 @@ main tests' business; reference.response_mismatches compares any run with the re
 
 import pytest
 
-from conftest import FEWSHOT, REFERENCE_BATCH
-from reference import LOCAL_TASKS, TASKS_DIR, response_mismatches, responses_of
+from reference import (FEWSHOT, LOCAL_TASKS, REFERENCE_BATCH, TASKS_DIR,
+                       response_mismatches, responses_of)
 
 pytestmark = pytest.mark.slow  # (the reference runs)
 

@@ -12,15 +12,10 @@ import pytest
 import torch
 
 import harness_rules as rules
-from conftest import FEWSHOT, REFERENCE_BATCH
-from reference import LOCAL_TASKS
+from reference import DEFAULT_MAX_LENGTH, LOCAL_TASKS, REFERENCE_BATCH, RUNS
 
 pytestmark = pytest.mark.slow  # (two lm_eval runs of about 15 s each, shared by the module)
 
-DEFAULT_MAX_LENGTH = 2048
-"""The backend's max_length for our export: its config names no n_positions (nor
-max_position_embeddings, n_ctx) and its tokenizer no model_max_length, so lm_eval's default."""
-RUNS = {"reference_run": DEFAULT_MAX_LENGTH, "reference_run_fewshot": 48}
 LOGLIKELIHOOD = ("loglikelihood", "multiple_choice")
 
 
