@@ -1,6 +1,6 @@
 """lm_eval 0.4.13's hf backend with `backend=seq2seq`, restated in a few small functions: how it
 turns each request into token ids, batches and generates (the file:line references are to
-lm_eval/; /work/notes/harness_tokenization.md has the whole account). The tests recompute every
+lm_eval/, docs/evaluation.md has the user's account). The tests recompute every
 response of a real `lm_eval` run from these rules and the exported model, so the rules are
 checked, not assumed.
 

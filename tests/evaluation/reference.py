@@ -31,7 +31,7 @@ LOCAL_TASKS = ("local_mc_en", "local_gen_en", "local_rolling", "local_lcqmc_zh")
 REFERENCE_BATCH = 4
 """--batch_size of the reference runs (tests/evaluation/conftest.py); an adapter compared with
 them runs at the same size (the harness's greedy generations depend on the batches:
-notes/harness_tokenization.md)."""
+harness_rules.generation_limit)."""
 FEWSHOT = dict(num_fewshot=2, limit=4, model_args=("max_length=48",))
 """The few-shot reference run: 2 examples, the first 4 docs of each task, and a max_length
 short enough that contexts are left-truncated and rolling documents span several windows."""

@@ -5,7 +5,7 @@ it: contexts with EOS (none after a leading "</s>"), continuations after the tra
 move and without special tokens, an empty context's continuation, rolling documents with EOS,
 generation contexts and stop strings; and every decoding it does: the greedy generations of the
 runs (start token first, skip_special_tokens=True) and the decoded EOS. An adapter that
-tokenizes with ours therefore gives the backend's ids (notes/harness_tokenization.md)."""
+tokenizes with ours therefore gives the backend's ids."""
 
 import pytest
 
