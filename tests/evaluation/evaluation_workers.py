@@ -71,3 +71,25 @@ def moe_answers_at_ep_2(rank, world_size, router, full, spm, batch_size):
                       data_group=dist.group.WORLD, expert_group=dist.group.WORLD)
     assert (lm.rank, lm.world_size) == (rank, 2)
     return answers(lm, rank, 2)
+
+
+def run_evaluate(rank, world_size, argv):
+    """megatron.evaluate's main on every rank: (its exit status, the experts this rank's model
+    holds in each sparse layer, whether its LM runs in lockstep over an expert group)."""
+    from megatron import evaluate
+    from megatron.evaluation.harness_lm import MegatronT5LM
+
+    seen = {}
+    init = MegatronT5LM.__init__
+
+    def spying(self, model, tokenizer, **kw):
+        seen["experts"] = sorted({t.shape[0] for name, t in model.state_dict().items()
+                                  if name.endswith("experts.wi_0")})
+        seen["lockstep"] = kw.get("expert_group") is not None
+        init(self, model, tokenizer, **kw)
+
+    MegatronT5LM.__init__ = spying
+    try:
+        return evaluate.main(argv), seen["experts"], seen["lockstep"]
+    finally:
+        MegatronT5LM.__init__ = init

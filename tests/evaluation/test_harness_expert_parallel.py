@@ -33,3 +33,37 @@ def test_every_router_at_expert_parallel_2_answers_as_one_process(router, batch_
         if kind == "loglikelihood":
             assert [a[1] for a in merged] == [a[1] for a in expected]
     assert any(text for text in one["generate_until"])  # something generated
+
+
+def test_the_command_at_expert_parallel_2(spm_model, tmp_path):
+    """`python -m megatron.evaluate --expert-model-parallel-size 2` on 2 processes (each holds
+    2 of the 4 experts of a CPM-2-MoE-routed checkpoint, DP 2) writes the one-process run's
+    answers and metrics (the loglikelihood tasks: generations that run to their limit depend
+    on their batch)."""
+    from evaluation_workers import run_evaluate
+    from reference import TASKS_DIR, read_run
+
+    from megatron.checkpoint.formats.weights import write_weights_checkpoint
+    from megatron.evaluate import main
+
+    tokenizer = build_tokenizer(resolve_tokenizer(str(spm_model), None))
+    model = moe_model("cpm2", tokenizer.vocab_size)
+    write_weights_checkpoint(tmp_path / "ckpt", gather_full_state_dict(model).items(),
+                             {"config": model.config.to_dict(),
+                              "make_vocab_size_divisible_by": 128})
+    argv = ["--load", str(tmp_path / "ckpt"), "--tokenizer-model", str(spm_model),
+            "--tasks", "local_mc_en,local_lcqmc_zh", "--include-path", str(TASKS_DIR),
+            "--batch-size", "3", "--log-samples", "--bootstrap-iters", "0", "--output-path"]
+    assert main(argv + [str(tmp_path / "one")]) == 0
+    assert run_workers(2, run_evaluate, argv + [str(tmp_path / "two"),
+                                                "--expert-model-parallel-size", "2"],
+                       timeout=300) == [(0, [2], True)] * 2  # 2 of 4 experts each
+    one, two = read_run(tmp_path / "one"), read_run(tmp_path / "two")
+    assert one.requests.keys() == two.requests.keys() and len(one.requests) > 20
+    for key, request in one.requests.items():
+        got = two.requests[key].response
+        assert got[0] == pytest.approx(request.response[0], rel=1e-5, abs=1e-4), key
+        assert got[1] == request.response[1], key
+    for task in ("local_mc_en", "local_lcqmc_zh"):
+        assert two.results["results"][task]["acc,none"] == \
+            one.results["results"][task]["acc,none"]
