@@ -25,22 +25,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from megatron.cli import EXIT_INTERRUPTED, EXIT_USAGE, CommandLineParser, speak_for_the_job, \
-    startup_voice
+from megatron.cli import CommandLineParser
 from megatron.loaded_model import (ModelError, ModelFailure, add_model_flags, build_model,
-                                   model_flag_problems, model_processes, prepare_model)
-
-EXIT_FAILURE = 1
-
-
-class Interrupted(BaseException):
-    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt."""
+                                   model_flag_problems, model_processes, prepare_model,
+                                   run_command)
 
 
 def _both(group, name: str, **kwargs) -> None:
@@ -308,34 +300,12 @@ def _publish(staging: Path) -> None:
         os.replace(path, target)
 
 
-def _on_sigterm(signum, frame):
-    raise Interrupted()
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit status: 0 evaluated, 2 refused before the model runs, 1 failed while running, 130
-    interrupted; the rank that speaks for the job says why, one line a problem."""
+    interrupted; the rank that speaks for the job says why, one line a problem
+    (loaded_model.run_command)."""
     args = build_parser().parse_args(argv)
-    main_thread = threading.current_thread() is threading.main_thread()
-    old_term = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
-    try:
-        return run(args)
-    except ModelFailure as e:  # may be this rank's alone (its shard): it says so itself
-        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
-        where = f" (rank {rank})" if rank is not None and startup_voice(os.environ) != "" \
-            else ""
-        print(f"error{where}: {e}", file=sys.stderr, flush=True)
-        return EXIT_FAILURE
-    except ModelError as e:  # found alike by every rank, before any process group
-        speak_for_the_job([str(e)], os.environ)
-        return EXIT_USAGE
-    except (KeyboardInterrupt, Interrupted):
-        if startup_voice(os.environ) is not None:
-            print("interrupted; no results were written", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, old_term)
+    return run_command(lambda: run(args), "interrupted; no results were written")
 
 
 if __name__ == "__main__":

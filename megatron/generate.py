@@ -40,17 +40,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from megatron.cli import EXIT_INTERRUPTED, EXIT_USAGE, CommandLineParser, speak_for_the_job, \
-    startup_voice
+from megatron.cli import CommandLineParser
 from megatron.loaded_model import (ModelError, ModelFailure, _collect, add_model_flags,
                                    build_model, model_flag_problems, model_processes,
-                                   prepare_model)
+                                   prepare_model, run_command)
 
 EXIT_FAILURE = 1
 
@@ -62,10 +59,6 @@ the file, line or flag (megatron/loaded_model.py's, for the model's flags)."""
 GenerateFailure = ModelFailure
 """A problem found while running (exit 1): a checkpoint's tensors unreadable, the output
 not writable."""
-
-
-class Interrupted(BaseException):
-    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,39 +258,12 @@ def _decode(args, staged) -> int:
     return 0
 
 
-def _on_sigterm(signum, frame):
-    raise Interrupted()
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit status: 0 written, 2 refused before decoding, 1 failed while decoding or writing,
     130 interrupted (Ctrl-C, SIGTERM); the rank that speaks for the job says why, one line a
-    problem, the others stay silent."""
+    problem, the others stay silent (loaded_model.run_command)."""
     args = build_parser().parse_args(argv)
-    main_thread = threading.current_thread() is threading.main_thread()  # where handlers go
-    old_term = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
-    try:
-        return run(args)
-    except GenerateFailure as e:  # may be this rank's alone (its shard): it says so itself
-        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
-        where = f" (rank {rank})" if rank is not None and startup_voice(os.environ) != "" \
-            else ""
-        print(f"error{where}: {e}", file=sys.stderr, flush=True)
-        return EXIT_FAILURE
-    except GenerateError as e:  # found alike by every rank, before any process group
-        speak_for_the_job([str(e)], os.environ)  # the others wait until it is said
-        return EXIT_USAGE
-    except (KeyboardInterrupt, Interrupted):
-        _say("interrupted; no output was written")
-        return EXIT_INTERRUPTED
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, old_term)
-
-
-def _say(line: str) -> None:
-    if startup_voice(os.environ) is not None:
-        print(line, file=sys.stderr, flush=True)
+    return run_command(lambda: run(args), "interrupted; no output was written")
 
 
 if __name__ == "__main__":

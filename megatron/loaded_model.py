@@ -19,9 +19,12 @@ import argparse
 import contextlib
 import os
 from pathlib import Path
-from typing import Iterator, List, NamedTuple, Optional, Tuple
+from typing import Callable, Iterator, List, NamedTuple, Optional, Tuple
 
 from megatron.cli import folder_problems
+
+
+EXIT_FAILURE = 1
 
 
 class ModelError(Exception):
@@ -32,6 +35,48 @@ class ModelError(Exception):
 class ModelFailure(ModelError):
     """A problem found while running (exit 1): a checkpoint's tensors unreadable, an output
     not writable."""
+
+
+class Interrupted(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt."""
+
+
+def _on_sigterm(signum, frame):
+    raise Interrupted()
+
+
+def run_command(run: Callable[[], int], interrupted: str) -> int:
+    """`run()`'s exit status, or the command's for what it raised: 2 for a ModelError (found
+    alike by every rank before any process group: the rank that speaks for the job says it, one
+    line a problem, the others stay silent), 1 for a ModelFailure (maybe this rank's alone: it
+    says so itself, naming its rank), 130 for Ctrl-C or SIGTERM (the line `interrupted`).
+    SIGTERM raises Interrupted in the main thread while `run` runs."""
+    import signal
+    import sys
+    import threading
+
+    from megatron.cli import EXIT_INTERRUPTED, EXIT_USAGE, speak_for_the_job, startup_voice
+
+    main_thread = threading.current_thread() is threading.main_thread()  # where handlers go
+    old_term = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        return run()
+    except ModelFailure as e:
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+        where = f" (rank {rank})" if rank is not None and startup_voice(os.environ) != "" \
+            else ""
+        print(f"error{where}: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILURE
+    except ModelError as e:
+        speak_for_the_job([str(e)], os.environ)  # the others wait until it is said
+        return EXIT_USAGE
+    except (KeyboardInterrupt, Interrupted):
+        if startup_voice(os.environ) is not None:
+            print(interrupted, file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old_term)
 
 
 REMOTE_FLAGS = "--load / --prompt-load"
