@@ -24,6 +24,7 @@ listed at once, one line each, exit 2; a failure while running, exit 1; Ctrl-C o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -127,7 +128,7 @@ def _gen_kwargs_problems(text: Optional[str]) -> List[str]:
 
 def task_problems(args, task_manager) -> List[str]:
     """The task names the harness does not know (with --include-path's)."""
-    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    names = _task_names(args)
     known = set(task_manager.all_tasks)
     unknown = [t for t in names if t not in known and not task_manager.match_tasks([t])]
     if not unknown:
@@ -136,6 +137,10 @@ def task_problems(args, task_manager) -> List[str]:
         " (a task of your own: --include-path DIR)"
     return [f"--tasks: {', '.join(unknown)}: no such task in lm_eval {_harness_version()}"
             f"{where}; `lm_eval ls tasks` lists them"]
+
+
+def _task_names(args) -> List[str]:
+    return [t.strip() for t in args.tasks.split(",") if t.strip()]
 
 
 def _harness_version() -> str:
@@ -163,8 +168,6 @@ def _evaluate(args, staged) -> int:
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.tasks import TaskManager
 
-    from megatron.evaluation.harness_lm import DEFAULT_MAX_GEN_TOKS, DEFAULT_MAX_LENGTH, \
-        MegatronT5LM
     from megatron.initialize import distributed_env
 
     world_size = int(distributed_env(os.environ)["WORLD_SIZE"])  # torchrun's, or Slurm's
@@ -173,21 +176,8 @@ def _evaluate(args, staged) -> int:
     if args.tasks and not any("--include-path" in p for p in problems):
         task_manager = TaskManager(include_path=args.include_path)
         problems += task_problems(args, task_manager)
-    (folder, meta, config), cut, prompt, tokenizer = prepare_model(args, problems, staged)
     seeds = _seeds(args.seed)
-    with model_processes(args, world_size) as processes:
-        model = build_model(folder, meta, config, processes.tp, processes.device,
-                            processes.dtype, args.attention_backend, processes.ep, prompt, cut)
-        from megatron import parallel_state
-
-        lm = MegatronT5LM(
-            model, tokenizer, batch_size=args.batch_size,
-            max_length=args.max_length or DEFAULT_MAX_LENGTH,
-            max_gen_toks=args.max_gen_toks or DEFAULT_MAX_GEN_TOKS, device=processes.device,
-            data_group=parallel_state.get_data_parallel_group() if processes.data[1] > 1
-            else None,
-            expert_group=processes.ep.group if processes.ep.size > 1 else None,
-            seed=seeds[2])
+    with _harness_lm(args, world_size, problems, staged) as (lm, processes):
         # the harness's writer, into a folder beside the output that `_report` moves in
         staging = _staging(args.output_path, processes.rank)
         tracker = None
@@ -197,7 +187,7 @@ def _evaluate(args, staged) -> int:
                 staging / Path(args.output_path).name if named else staging))
         results = lm_eval.simple_evaluate(
             model=lm, model_args={"pretrained": str(args.load)},
-            tasks=[t.strip() for t in args.tasks.split(",") if t.strip()],
+            tasks=_task_names(args),
             num_fewshot=args.num_fewshot, batch_size=args.batch_size, limit=_limit(args.limit),
             log_samples=args.log_samples, evaluation_tracker=tracker, gen_kwargs=args.gen_kwargs,
             task_manager=task_manager, bootstrap_iters=args.bootstrap_iters,
@@ -251,6 +241,29 @@ def _report(args, results: dict, tracker, staging: Optional[Path]) -> None:
         print(f"wrote the results under {args.output_path}", file=sys.stderr)
 
 
+@contextlib.contextmanager
+def _harness_lm(args, world_size: int, problems: List[str], staged):
+    """(MegatronT5LM, this process's ModelProcesses) for the block: the model of the flags
+    (after the command's own `problems`: loaded_model.prepare_model) built at their layout in
+    the process groups of `model_processes`, which end after the block."""
+    from megatron import parallel_state
+    from megatron.evaluation.harness_lm import DEFAULT_MAX_GEN_TOKS, DEFAULT_MAX_LENGTH, \
+        MegatronT5LM
+
+    (folder, meta, config), cut, prompt, tokenizer = prepare_model(args, problems, staged)
+    with model_processes(args, world_size) as processes:
+        model = build_model(folder, meta, config, processes.tp, processes.device,
+                            processes.dtype, args.attention_backend, processes.ep, prompt, cut)
+        data_parallel = processes.data[1] > 1
+        yield MegatronT5LM(
+            model, tokenizer, batch_size=args.batch_size,
+            max_length=args.max_length or DEFAULT_MAX_LENGTH,
+            max_gen_toks=args.max_gen_toks or DEFAULT_MAX_GEN_TOKS, device=processes.device,
+            data_group=parallel_state.get_data_parallel_group() if data_parallel else None,
+            expert_group=processes.ep.group if processes.ep.size > 1 else None,
+            seed=_seeds(args.seed)[2]), processes
+
+
 def load_lm(load: str, tokenizer_model: Optional[str] = None, **options):
     """A MegatronT5LM over the checkpoint `load` in this process (one rank: TP = PP = 1), for
     `lm_eval.simple_evaluate(model=load_lm(...))`. `options`: this command's flags by their
@@ -260,12 +273,7 @@ def load_lm(load: str, tokenizer_model: Optional[str] = None, **options):
     Raises:
         ModelError: the problems of the flags or of what they name, listed.
     """
-    import torch
-
     from megatron.checkpoint.io.remote_tools import Staged
-    from megatron.evaluation.harness_lm import DEFAULT_MAX_GEN_TOKS, DEFAULT_MAX_LENGTH, \
-        MegatronT5LM
-    from megatron.tensor_parallel.group import ExpertParallel, TensorParallel
 
     argv = ["--load", str(load), "--tasks", "-"]
     if tokenizer_model is not None:
@@ -276,17 +284,8 @@ def load_lm(load: str, tokenizer_model: Optional[str] = None, **options):
             raise ModelError(f"load_lm: no option {name!r} (the flags of "
                              f"`python -m megatron.evaluate`, with underscores)")
         setattr(args, name, value)
-    problems = flag_problems(args, 1)
-    with Staged() as staged:
-        (folder, meta, config), cut, prompt, tokenizer = prepare_model(args, problems, staged)
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
-                 "fp16": torch.float16}[args.dtype]
-        model = build_model(folder, meta, config, TensorParallel(), torch.device("cpu"), dtype,
-                            args.attention_backend, ExpertParallel(), prompt, cut)
-    return MegatronT5LM(model, tokenizer, batch_size=args.batch_size,
-                        max_length=args.max_length or DEFAULT_MAX_LENGTH,
-                        max_gen_toks=args.max_gen_toks or DEFAULT_MAX_GEN_TOKS,
-                        seed=_seeds(args.seed)[2])
+    with Staged() as staged, _harness_lm(args, 1, flag_problems(args, 1), staged) as (lm, _):
+        return lm  # (one process: no group to end; the download is read into the model)
 
 
 def _publish(staging: Path) -> None:

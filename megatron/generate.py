@@ -145,10 +145,9 @@ def generate_all(args, model, tokenizer, texts, device, data=(0, 1),
     `index`. `group`: the expert-parallel group this rank decodes in lockstep with (None: no
     other rank; every rank of it runs the same number of micro-batches and steps). `model`: a
     T5Model, or this rank's PipelineStage (every rank of its pipeline decodes the same inputs)."""
-    import torch
 
     from megatron.generation import SpecialTokens
-    from megatron.generation.lockstep import Lockstep, decode, dummy_decoder
+    from megatron.generation.lockstep import Lockstep, decode, dummy_decoder, padded
 
     settings, tokens = decoding_settings(args), SpecialTokens.of(tokenizer)
     pad, eos = tokens.pad, tokens.eos
@@ -161,14 +160,7 @@ def generate_all(args, model, tokenizer, texts, device, data=(0, 1),
                 Lockstep(dummy_decoder(model, eos, device), group, pad).drain()
             continue
         first, chunk = chunks[round_ * size + rank]
-        encoded = [tokenizer.encode(t, add_eos=True) for t in chunk]
-        length = max(len(e) for e in encoded)
-        ids = torch.full((len(encoded), length), pad, dtype=torch.long)
-        mask = torch.zeros(len(encoded), length, dtype=torch.long)
-        for row, e in enumerate(encoded):
-            ids[row, :len(e)] = torch.tensor(e)
-            mask[row, :len(e)] = 1
-        ids, mask = ids.to(device), mask.to(device)
+        ids, mask = padded([tokenizer.encode(t, add_eos=True) for t in chunk], pad, device)
         # each micro-batch samples from its own seed: the ids do not depend on the batching of
         # the micro-batches over data-parallel ranks
         found = decode(model, ids, mask, tokens, settings.reseeded(first), group)

@@ -47,7 +47,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import (Collator, handle_stop_sequences, normalize_gen_kwargs,
                                   postprocess_generated_text)
 
-from megatron.generation.lockstep import Lockstep, decode, dummy_decoder
+from megatron.generation.lockstep import Lockstep, decode, dummy_decoder, padded
 from megatron.generation.pipeline import decoder_for
 from megatron.generation.settings import DecodingSettings, SpecialTokens
 from megatron.generation.stage import PipelineStage
@@ -184,8 +184,9 @@ class MegatronT5LM(TemplateLM):
         """(summed log-probability, all greedy) of each request's continuation."""
         contexts = [context[-self.max_length:] for _, context, _ in chunk]
         continuations = [continuation[-self.max_length:] for _, _, continuation in chunk]
-        ids, mask = self._padded(contexts)
-        decoder_ids, _ = self._padded([[self.tokens.start] + c[:-1] for c in continuations])
+        ids, mask = padded(contexts, self.tokens.pad, self.device)
+        decoder_ids, _ = padded([[self.tokens.start] + c[:-1] for c in continuations],
+                                self.tokens.pad, self.device)
         logprobs = F.log_softmax(self._teacher_forced(ids, mask, decoder_ids), dim=-1)
         out = []
         for row, continuation in enumerate(continuations):
@@ -194,16 +195,6 @@ class MegatronT5LM(TemplateLM):
             greedy = bool((scores.argmax(dim=-1) == target).all())
             out.append((float(scores.gather(1, target[:, None]).sum()), greedy))
         return out
-
-    def _padded(self, rows: List[List[int]]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(ids, attention mask) [len(rows), longest], padded on the right."""
-        length = max(len(r) for r in rows)
-        ids = torch.full((len(rows), length), self.tokens.pad, dtype=torch.long)
-        mask = torch.zeros(len(rows), length, dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[i, :len(row)] = 1
-        return ids.to(self.device), mask.to(self.device)
 
     def _teacher_forced(self, ids: torch.Tensor, mask: torch.Tensor,
                         decoder_ids: torch.Tensor) -> torch.Tensor:
@@ -225,14 +216,13 @@ class MegatronT5LM(TemplateLM):
 
     def _dummy_forward(self) -> None:
         """A one-token run of the model, for a rank with no batch left in a round of the
-        expert-parallel group."""
+        expert-parallel group (a pipeline scores by decoding: its dummy decoding)."""
+        if isinstance(self.model, PipelineStage):
+            self._dummy_decoding()
+            return
         ids = torch.full((1, 1), self.tokens.eos, dtype=torch.long, device=self.device)
         with torch.no_grad():
-            if isinstance(self.model, PipelineStage):
-                Lockstep(dummy_decoder(self.model, self.tokens.eos, self.device),
-                         self.expert_group, self.tokens.pad).drain()
-            else:
-                self.model(ids, ids, torch.ones_like(ids), test_time_routing=True)
+            self.model(ids, ids, torch.ones_like(ids), test_time_routing=True)
 
     def _in_lockstep(self, chunks: List, dummy: Callable[[], None]):
         """`chunks`, and with expert parallelism a `dummy()` for each round this rank has
@@ -267,8 +257,10 @@ class MegatronT5LM(TemplateLM):
 
     # generate_until -----------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> List[str]:
+        encoded = {args[0]: self.tok_encode(args[0]) for args in (r.args for r in requests)}
+
         def longest_first(args):
-            return -len(self.tok_encode(args[0])), args[0]
+            return -len(encoded[args[0]]), args[0]
 
         order = Collator([request.args for request in requests], sort_fn=longest_first,
                          group_by="gen_kwargs", group_fn=lambda args: args[1])
@@ -276,18 +268,19 @@ class MegatronT5LM(TemplateLM):
         texts: List[str] = []
         for number, chunk in enumerate(self._in_lockstep(chunks, self._dummy_decoding)):
             contexts, arguments = zip(*chunk)
-            for context, text in zip(contexts, self._generate(list(contexts), arguments[0],
-                                                              number)):
+            rows = [encoded[c][-self.max_length:] for c in contexts]
+            for context, text in zip(contexts, self._generate(rows, arguments[0], number)):
                 texts.append(text)
                 self.cache_hook.add_partial("generate_until", (context, arguments[0]), text)
         return order.get_original(texts)
 
-    def _generate(self, contexts: List[str], arguments: dict, number: int) -> List[str]:
+    def _generate(self, rows: List[List[int]], arguments: dict, number: int) -> List[str]:
+        """The texts generated for the contexts' ids `rows` (EOS appended, left-truncated),
+        batch `number` of their group."""
         kwargs = dict(normalize_gen_kwargs(arguments, self.max_gen_toks))
         until = handle_stop_sequences(kwargs.pop("until", None), eos=self._eos_text)
         max_gen_toks = kwargs.pop("max_gen_toks")
-        encoded = [self.tok_encode(c, left_truncate_len=self.max_length) for c in contexts]
-        ids, mask = self._padded(encoded)
+        ids, mask = padded(rows, self.tokens.pad, self.device)
         # transformers' max_length: the decoder's length, its start token included (module doc)
         max_length = kwargs.pop("max_length", ids.shape[1] + max_gen_toks)
         settings = generation_settings(kwargs, max_length - 1,
@@ -335,7 +328,4 @@ def generation_settings(arguments: dict, max_new_tokens: int, seed: int) -> Deco
     if do_sample:
         settings["temperature"] = temperature if temperature > 0 else 1.0
     settings.update(do_sample=do_sample, max_new_tokens=max(1, max_new_tokens), seed=seed)
-    if isinstance(settings.get("early_stopping"), str):
-        settings["early_stopping"] = settings["early_stopping"] \
-            if settings["early_stopping"] == "never" else settings["early_stopping"] == "true"
-    return DecodingSettings(**settings)
+    return DecodingSettings.from_flags(settings)  # (early_stopping's words read there)

@@ -13,7 +13,7 @@ all-reduce and then, unless every rank is done, one model step on every rank: th
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,18 @@ class Lockstep:
                          device=self.decoder.encoder_mask.device)
         while self._others_decode(False):
             self.decoder.step(ids)
+
+
+def padded(rows: List[List[int]], pad_id: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) [len(rows), longest] on `device`: the rows padded on the right
+    with `pad_id` (the encoder input `decode` takes; a decoder input likewise)."""
+    length = max(len(row) for row in rows)
+    ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, :len(row)] = 1
+    return ids.to(device), mask.to(device)
 
 
 def dummy_decoder(model, token_id: int, device) -> Decoder:
