@@ -1,10 +1,9 @@
 """merge_datasets.py in bounded memory (megatron/data/storage/merge.py) against the merge it
-replaces (the builder's add_index, kept below as `old_merge`): byte for byte on 1, 2 and 5
+replaces (the builder's add_index: indexed_dataset.merge_datasets, `old_merge` below): byte for byte on 1, 2 and 5
 inputs with an empty one, sentence data, sequences with gaps in the .bin, sidecars and legacy
 TNTIDX, with chunks small enough that every array crosses chunk boundaries; bad inputs refused
 with one message naming the file, exit 2, nothing written."""
 
-import json
 import os
 import struct
 
@@ -17,22 +16,14 @@ from megatron.data.storage.data_meta import DatasetMeta, read_meta
 from megatron.data.storage.indexed_dataset import (
     IndexedDataset,
     IndexedDatasetBuilder,
-    data_file_path,
-    index_file_path,
+    merge_datasets,
 )
 
 
 def old_merge(prefixes, output_prefix):
-    """indexed_dataset.merge_datasets as it was before the streaming merge (the reference)."""
-    first = IndexedDataset(prefixes[0], impl="infer")
-    metas = [read_meta(p) for p in prefixes]
-    keys = {(json.dumps(m.tokenizer, sort_keys=True), m.eod_id, m.eod_appended)
-            for m in metas if m is not None}
-    meta = metas[0] if None not in metas and len(keys) == 1 else None
-    with IndexedDatasetBuilder(data_file_path(output_prefix), dtype=first.dtype) as builder:
-        for prefix in prefixes:
-            builder.add_index(prefix)
-        builder.finalize(index_file_path(output_prefix), meta)
+    """The merge the streaming one replaces, the reference: the library's in-memory
+    indexed_dataset.merge_datasets (the builder's add_index)."""
+    merge_datasets(prefixes, output_prefix)
 
 
 META = DatasetMeta(tokenizer={"type": "SentencePieceTokenizer", "model": "t5.model"}, eod_id=1,
