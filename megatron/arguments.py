@@ -404,16 +404,7 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
                       divergence_loss_window=divergence.loss_window,
                       divergence_zero_grad_steps=divergence.zero_grad_steps,
                       divergence_weight_growth=divergence.weight_growth)
-    checkpoint = CheckpointConfig(values["save"], values["save_interval"], values["load"],
-                                  values["no_load_optim"], values["no_load_rng"],
-                                  values["finetune"], values["lr_policy"],
-                                  values["checkpoint_timeout_minutes"],
-                                  keep_last=values["keep_last"],
-                                  async_save=values["async_save"],
-                                  check_for_nan=values["check_for_nan"],
-                                  detect_nan_layers=values["detect_nan_layers"],
-                                  divergence=divergence, ckpt_step=values["ckpt_step"],
-                                  storage=storage)
+    checkpoint = _checkpoint_config(values, divergence, storage)
     logging = LoggingConfig(values["log_interval"], values["log_file"],
                             values["tensorboard_dir"], values["peak_tflops"],
                             values["log_grad_norms_per_layer"], plots=values["plots"])
@@ -427,6 +418,18 @@ def validate(args: argparse.Namespace, env: Mapping[str, str]
                      flags=args_to_dict(values), dry_run=values["dry_run"],
                      dry_run_device=values["dry_run_device"],
                      profile=profile_config(values)), []
+
+
+def _checkpoint_config(values: Dict, divergence, storage) -> CheckpointConfig:
+    """validate()'s CheckpointConfig of the resolved flags."""
+    return CheckpointConfig(values["save"], values["save_interval"], values["load"],
+                            values["no_load_optim"], values["no_load_rng"], values["finetune"],
+                            values["lr_policy"], values["checkpoint_timeout_minutes"],
+                            keep_last=values["keep_last"], async_save=values["async_save"],
+                            check_for_nan=values["check_for_nan"],
+                            detect_nan_layers=values["detect_nan_layers"],
+                            divergence=divergence, ckpt_step=values["ckpt_step"],
+                            storage=storage)
 
 
 def resolve_layout(values: Dict[str, object], parallel: ParallelConfig, device_type: str
