@@ -45,11 +45,9 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from megatron.cli import CommandLineParser
-from megatron.loaded_model import (ModelError, ModelFailure, _collect, add_model_flags,
-                                   build_model, model_flag_problems, model_processes,
+from megatron.loaded_model import (ModelError, ModelFailure, add_model_flags, build_model,
+                                   collect_problem, model_flag_problems, model_processes,
                                    prepare_model, run_command)
-
-EXIT_FAILURE = 1
 
 
 GenerateError = ModelError
@@ -212,7 +210,7 @@ def prepare(args, world_size: int, staged=None):
     problems = flag_problems(args, world_size)
     texts = None
     if args.input is not None and Path(args.input).is_file():
-        texts = _collect(problems, read_inputs, args.input, args.input_key)
+        texts = collect_problem(problems, read_inputs, args.input, args.input_key)
     checkpoint, cut, prompt, tokenizer = prepare_model(args, problems, staged)
     return texts, checkpoint, cut, prompt, tokenizer
 

@@ -281,15 +281,15 @@ def prepare_model(args, problems: List[str], staged):
     checkpoint = cut = prompt = tokenizer = None
     if args.load is not None and not load_problems and "://" not in args.load:
         ep_size = max(args.expert_model_parallel_size, 1)
-        checkpoint = _collect(problems, read_checkpoint, args.load, args.iteration, ep_size)
+        checkpoint = collect_problem(problems, read_checkpoint, args.load, args.iteration, ep_size)
     if checkpoint is not None:
         folder, meta, config = checkpoint
         if args.pipeline_model_parallel_size >= 1:
-            cut = _collect(problems, pipeline_cut, config, args)
+            cut = collect_problem(problems, pipeline_cut, config, args)
         if args.prompt_load is None or os.path.isdir(args.prompt_load):
-            prompt = _collect(problems, decoding_prompt, args, folder, meta)
+            prompt = collect_problem(problems, decoding_prompt, args, folder, meta)
     if checkpoint is not None or args.tokenizer_model is not None:
-        tokenizer = _collect(problems, load_tokenizer, args,
+        tokenizer = collect_problem(problems, load_tokenizer, args,
                              checkpoint[1] if checkpoint is not None else {})
     if tokenizer is not None and checkpoint is not None \
             and tokenizer.vocab_size > checkpoint[2].vocab_size:
@@ -352,7 +352,7 @@ def _downloaded(args, problems: List[str], staged):
     return local
 
 
-def _collect(problems: List[str], read, *args):
+def collect_problem(problems: List[str], read, *args):
     """read(*args), or None with its ModelError's message added to `problems`."""
     try:
         return read(*args)
